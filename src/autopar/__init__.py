@@ -1,0 +1,27 @@
+"""autopar: automatic parallelism for PyTorch.
+
+Capture a function as a graph of ATen ops, predict each op's cost on every device, place ops
+where the whole graph finishes soonest, and run the plan asynchronously.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .api import Options, compile, parse_devices
+from .capture import autopar_backend
+from .graph import Graph, Node, TensorMeta
+
+__all__ = ["Graph", "Node", "Options", "TensorMeta", "compile", "parse_devices"]
+__version__ = "0.1.0"
+
+
+def _register_backend() -> None:
+    from torch._dynamo import list_backends, register_backend
+
+    if "autopar" not in list_backends(exclude_tags=()):
+        register_backend(autopar_backend, name="autopar")
+
+
+_register_backend()
+del torch

@@ -1,0 +1,1 @@
+"""Typer command functions, one module per command; autopar.cli registers them."""

@@ -1,0 +1,8 @@
+"""autopar.runtime: the only package with threads, streams, events and pinned memory.
+
+It obeys a Plan and never decides placement.
+"""
+
+from .sequential import SequentialRunner
+
+__all__ = ["SequentialRunner"]
