@@ -1,0 +1,410 @@
+"""Exact placements on small named graphs (times from a table: see tests/_fakes.py)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import pytest
+import torch
+
+from _fakes import (
+    MM,
+    RELU,
+    FakeCost,
+    by_name,
+    chains_cost,
+    devices_of,
+    machine,
+    op,
+    order_of,
+    tensor,
+    two_chains,
+    w4,
+    w5,
+)
+from autopar.cost import CostModel, History
+from autopar.graph import Graph
+from autopar.machine import preset
+from autopar.place import (
+    POLICIES,
+    GraphIndex,
+    Placement,
+    Slot,
+    gc_paused,
+    lower_bound,
+    merged_order,
+    place,
+    retime,
+)
+from autopar.plan import make_plan
+from autopar.simulate import simulate
+
+ms, us = 1e-3, 1e-6
+MB = 1_000_000
+
+
+def test_two_independent_chains_go_one_per_gpu():
+    """Two chains written for one GPU; the second moves to cuda:1 and comes back at the end.
+
+        x@cuda:0   y@cuda:0            cuda:0: a1 [0,10] a2 [10,20]
+          |          |                 cuda:0/peer: y -> cuda:1 [0,1]
+          a1         b1                cuda:1: b1 [1,11] b2 [11,21]
+          |          |                 cuda:1/peer: b2 -> cuda:0 [21,22]
+          a2         b2
+           \\        /
+           outputs (eager: cuda:0)     single: 40 ms, heft: 22 ms
+    """
+    g = two_chains()
+    p = place(g, chains_cost())
+    assert devices_of(p) == {"a1": "cuda:0", "a2": "cuda:0", "b1": "cuda:1", "b2": "cuda:1"}
+    assert order_of(p) == {"cuda:0": ["a1", "a2"], "cuda:1": ["b1", "b2"]}
+    assert p.predicted_s == pytest.approx(22 * ms)
+    n = by_name(g)
+    assert [(v.name, d) for v, d in p.copies()] == [("y", "cuda:1"), ("b2", "cuda:0")]
+    assert p.slots[(n["b2"], "cuda:0")].start == pytest.approx(21 * ms)
+    assert p.notes[n["b1"]] == "fastest finish: cuda:1 11 ms vs cuda:0 20 ms"
+    assert p.notes[n["x"]] == "input stays on cuda:0"
+    assert place(g, chains_cost(), "single").predicted_s == pytest.approx(40 * ms)
+
+
+def matmul_on_host(side: int) -> Graph:
+    g = Graph(f"mm{side}")
+    x = g.input(tensor((side, side), "cpu"), name="x")
+    y = g.input(tensor((side, side), "cpu"), name="y")
+    g.set_outputs([g.call(MM, (x, y), name="mm")])
+    return g
+
+
+def measured_mm_cost(m) -> FakeCost:
+    """MEASURED.md: 5x10x5 takes 1.9 us on the host and 16 us on a GPU; 2048^3 takes 8.2 ms and
+    0.35 ms. Copies: 10 us + bytes at 10 GB/s."""
+    def mm_time(node, device):
+        big = node.tensor_metas[0].numel > 1000
+        if device.startswith("cpu"):
+            return 8.2 * ms if big else 1.9 * us
+        return 0.35 * ms if big else 16 * us
+
+    return FakeCost(m, default=mm_time, bandwidth=10e9, latency=10 * us)
+
+
+def test_tiny_matmul_with_host_inputs_stays_on_host():
+    """x, y on the host, result wanted on the host; the GPU would pay two copies in, one out.
+
+        x@cpu  y@cpu
+           \\   /
+            mm        cpu:0 1.9 us  vs  cuda:0 10+16+10 us and more
+    """
+    g = matmul_on_host(5)
+    p = place(g, measured_mm_cost(machine(cpus=1, gpus=1)))
+    assert devices_of(p) == {"mm": "cpu:0"}
+    assert p.predicted_s == pytest.approx(1.9 * us)
+    assert p.copies() == []
+
+
+def test_big_matmul_with_host_inputs_goes_to_gpu():
+    """2048^3: the GPU wins even after copying 2 x 16.8 MB in and 16.8 MB back.
+
+        x@cpu  y@cpu        cuda:0/h2d: x [0, 1.69] y [1.69, 3.37] (ms)
+           \\   /            cuda:0: mm [3.37, 3.72]
+            mm              cuda:0/d2h: mm -> cpu:0 [3.72, 5.41]   vs 8.2 ms on the host
+    """
+    g = matmul_on_host(2048)
+    p = place(g, measured_mm_cost(machine(cpus=1, gpus=1)))
+    assert devices_of(p) == {"mm": "cuda:0"}
+    copy = 10 * us + 2048 * 2048 * 4 / 10e9
+    assert p.predicted_s == pytest.approx(3 * copy + 0.35 * ms)
+    assert [(v.name, d) for v, d in p.copies()] == [("x", "cuda:0"), ("y", "cuda:0"),
+                                                    ("mm", "cpu:0")]
+
+
+def test_small_op_between_big_ones_stays_on_their_gpu():
+    """relu is 10x faster on the host, but moving its input there and back costs more.
+
+        x@cuda:0 -> big1 (mm) -> small (relu) -> big2 (mm) -> out
+                     10 ms       20 us | 2 us     10 ms
+        4 MB each way: 0.41 ms, so the host would finish small at 10.41 ms, cuda:0 at 10.02 ms
+    """
+    g = Graph("sandwich")
+    x = g.input(tensor((1000, 1000), "cuda:0"), name="x")
+    big1 = g.call(MM, (x, x), name="big1")
+    small = g.call(RELU, (big1,), name="small")
+    big2 = g.call(MM, (small, small), name="big2")
+    g.set_outputs([big2])
+    cost = FakeCost(machine(cpus=1, gpus=1), {
+        ("big1", "cuda"): 10 * ms, ("big2", "cuda"): 10 * ms, ("big1", "cpu"): 1.0,
+        ("big2", "cpu"): 1.0, ("small", "cuda"): 20 * us, ("small", "cpu"): 2 * us,
+    }, bandwidth=10e9, latency=10 * us)
+    p = place(g, cost)
+    assert devices_of(p) == {"big1": "cuda:0", "small": "cuda:0", "big2": "cuda:0"}
+    assert p.notes[by_name(g)["small"]] == "fastest finish: cuda:0 10 ms vs cpu:0 10.4 ms"
+    assert p.predicted_s == pytest.approx(20.02 * ms)
+
+
+def test_tiny_values_prefer_the_host_on_a_tie():
+    """A 0-dim value made from nothing costs the same everywhere: it goes to the host, and the
+    GPU kernel that reads it takes it as a scalar argument (no copy).
+
+        s = scalar_tensor(2.0, device=cuda:0)     5 us on cpu:0 or cuda:0
+        out = A * s                               A@cuda:0, 1 ms
+    """
+    g = Graph("scalar")
+    a = g.input(tensor((100, 100), "cuda:0"), name="A")
+    s = g.call(torch.ops.aten.scalar_tensor.default, (2.0,), {"device": torch.device("cuda:0")},
+               name="s")
+    out = g.call(torch.ops.aten.mul.Tensor, (a, s), name="out")
+    g.set_outputs([out])
+    cost = FakeCost(machine(cpus=1, gpus=1), {("s", "cpu"): 5 * us, ("s", "cuda"): 5 * us,
+                                              ("out", "cuda"): 1 * ms, ("out", "cpu"): 1.0})
+    p = place(g, cost)
+    assert devices_of(p) == {"s": "cpu:0", "out": "cuda:0"}
+    assert p.copies() == []
+    assert p.predicted_s == pytest.approx(1.005 * ms)
+
+
+def test_views_follow_their_base_and_random_ops_stay_pinned():
+    """b can only run on cuda:1; its view follows it; the random op stays where can_run says.
+
+        x@cuda:0 -> b (only cuda:1) -> v = b.t() -> c = mm(v, v)
+                 -> r = rand_like(x) (only cuda:0)
+    """
+    g = Graph("views")
+    x = g.input(tensor((100, 100), "cuda:0"), name="x")
+    b = g.call(MM, (x, x), name="b")
+    v = g.call(torch.ops.aten.t.default, (b,), name="v")
+    c = g.call(MM, (v, v), name="c")
+    r = g.call(torch.ops.aten.rand_like.default, (x,), name="r")
+    g.set_outputs([c, r])
+    cost = FakeCost(machine(cpus=1, gpus=2), only={"b": ["cuda:1"], "r": ["cuda:0"]},
+                    default=1 * ms, bandwidth=1e9)
+    p = place(g, cost)
+    n = by_name(g)
+    assert p.device[n["v"]] == "cuda:1"
+    assert p.notes[n["v"]] == "pinned: view of %b: stays with its base"
+    assert p.notes[n["b"]] == "pinned: only cuda:1 can run it"
+    assert p.device[n["r"]] == "cuda:0"
+    assert p.notes[n["r"]] == "pinned: random op"
+
+
+def delivery_graph(q_bytes: int) -> Graph:
+    g = Graph("delivery")
+    x = g.input(tensor((1000,), "cuda:0"), name="x")
+    p = op(g, "p", [x], 100 * MB)
+    q = op(g, "q", [x], q_bytes)
+    g.set_outputs([op(g, "p2", [p], 4), q])
+    return g
+
+
+def test_output_delivery_cost_decides_the_device():
+    """q's result (40 MB) must end on cuda:0: computing it on idle cuda:1 finishes at 5 ms but
+    delivers at 45 ms, so it waits for p on cuda:0 instead.
+
+        x@cuda:0 -> p (5 ms, only cuda:0) -> p2 (1 us, only cuda:0) -> output
+                 -> q (5 ms) -> output (eager: cuda:0)
+        q on cuda:0: [5, 10];  on cuda:1: copy x 4 us + 5 ms + deliver 40 ms
+    """
+    cost = FakeCost(machine(cpus=1, gpus=2), {("p", "cuda"): 5 * ms, ("q", "cuda"): 5 * ms,
+                                              ("p2", "cuda"): 1 * us},
+                    only={"p": ["cuda:0"], "p2": ["cuda:0"]}, bandwidth=1e9)
+    p = place(delivery_graph(40 * MB), cost, devices=["cuda:0", "cuda:1"])
+    assert order_of(p) == {"cuda:0": ["p", "q", "p2"]}
+    assert p.predicted_s == pytest.approx(10 * ms + 1 * us)
+    # a small result is worth computing on cuda:1 and bringing back
+    p = place(delivery_graph(4000), cost, devices=["cuda:0", "cuda:1"])
+    assert order_of(p) == {"cuda:0": ["p", "p2"], "cuda:1": ["q"]}
+    assert p.predicted_s == pytest.approx(4 * us + 5 * ms + 4 * us)
+
+
+def test_full_gpu_is_skipped():
+    """cuda:0 holds x (4 MB) and has 10 MB: a's 8 MB result goes to cuda:1 instead.
+
+        x@cuda:0 -> a (8 MB) -> b (4 B) -> output
+    """
+    g = Graph("full")
+    x = g.input(tensor((1000, 1000), "cuda:0"), name="x")
+    a = op(g, "a", [x], 8 * MB)
+    g.set_outputs([op(g, "b", [a], 4)])
+    cost = FakeCost(machine(cpus=1, gpus=2), {("a", "cuda"): 1 * ms, ("b", "cuda"): 1 * ms},
+                    default=1.0, bandwidth=1e9)
+    p = place(g, cost, memory={"cuda:0": 10 * MB})
+    assert devices_of(p) == {"a": "cuda:1", "b": "cuda:1"}
+    assert p.notes[a] == ("fastest finish: cuda:1 5 ms vs cuda:0 1 ms; "
+                          "no room: cuda:0 would need 12 MB")
+    assert place(g, cost).device[a] == "cuda:0"
+
+
+def test_no_room_anywhere_falls_back_to_eager(caplog):
+    """Nothing fits on any GPU: a warning, and the eager placement."""
+    g = two_chains()
+    with caplog.at_level(logging.WARNING, logger="autopar"):
+        p = place(g, chains_cost(), memory={"cuda:0": 8 * MB, "cuda:1": 1, "cpu": 1})
+    assert p.policy == "single"
+    assert set(devices_of(p).values()) == {"cuda:0"}
+    assert "no device has room for %a1" in caplog.text
+    assert "falling back to the 'single' policy" in caplog.text
+
+
+def test_eager_placement_is_kept_when_heft_predicts_worse():
+    """Greedy HEFT moves b to idle cuda:1, then pays 15 ms to bring a or b together for c.
+
+        x@cuda:0 -> a (10 ms, 15 MB) \\
+                 -> b (10 ms, 15 MB)  -> c (1 us) -> output       single: 20 ms
+    """
+    g = Graph("fork_join")
+    x = g.input(tensor((1000,), "cuda:0"), name="x")
+    a = op(g, "a", [x], 15 * MB)
+    b = op(g, "b", [x], 15 * MB)
+    g.set_outputs([op(g, "c", [a, b], 4)])
+    cost = FakeCost(machine(cpus=1, gpus=2), {("a", "cuda"): 10 * ms, ("b", "cuda"): 10 * ms,
+                                              ("c", "cuda"): 1 * us}, default=1.0,
+                    bandwidth=1e9)
+    p = place(g, cost)
+    assert p.policy == "heft"
+    assert set(devices_of(p).values()) == {"cuda:0"}
+    assert p.predicted_s == pytest.approx(20 * ms + 1 * us)
+    assert p.notes[by_name(g)["c"]].startswith("eager placement kept: predicted 20 ms vs HEFT")
+
+
+def test_single_and_round_robin_baselines():
+    g = two_chains()
+    cost = chains_cost()
+    single = place(g, cost, "single")
+    assert order_of(single) == {"cuda:0": ["a1", "a2", "b1", "b2"]}
+    rr = place(g, cost, "round_robin")
+    assert devices_of(rr) == {"a1": "cpu:0", "a2": "cuda:0", "b1": "cuda:1", "b2": "cpu:0"}
+    rr2 = place(g, cost, "round_robin", devices=["cuda:0", "cuda:1"])
+    assert devices_of(rr2) == {"a1": "cuda:0", "a2": "cuda:1", "b1": "cuda:0", "b2": "cuda:1"}
+    assert POLICIES == ("heft", "single", "round_robin")
+
+
+def test_devices_restrict_where_ops_go_but_inputs_stay():
+    g = two_chains()
+    p = place(g, chains_cost(), devices=["cpu:0"])
+    assert set(devices_of(p).values()) == {"cpu:0"}
+    assert p.device[by_name(g)["x"]] == "cuda:0"
+    with pytest.raises(ValueError, match=r"devices \['cuda:7'\] must be a non-empty subset"):
+        place(g, chains_cost(), devices=["cuda:7"])
+
+
+def test_unknown_policy_names_the_valid_ones():
+    with pytest.raises(ValueError, match="valid policies: heft, single, round_robin"):
+        place(two_chains(), chains_cost(), "fastest")
+
+
+def test_an_op_no_device_can_run_is_an_error():
+    g = two_chains()
+    cost = FakeCost(machine(), only={"a1": []})
+    with pytest.raises(ValueError, match=r"no device among .* can run %a1 \(aten.mm\)"):
+        place(g, cost)
+
+
+def test_placement_is_deterministic():
+    g = two_chains()
+    a, b = place(g, chains_cost()), place(g, chains_cost())
+    assert a.device == b.device and a.order == b.order and a.slots == b.slots
+    assert a.notes == b.notes
+
+
+def test_placement_prints_device_and_reason_per_op():
+    text = str(place(two_chains(), chains_cost()))
+    assert text.splitlines()[0] == "placement two_chains (heft, predicted 22 ms)"
+    assert "%b1 = aten.mm(%y, %y)" in text
+    assert "@ cuda:1  (fastest finish: cuda:1 11 ms vs cuda:0 20 ms)" in text
+
+
+def test_hand_made_placement_is_merged_and_retimed():
+    """No slots: merged_order interleaves the devices' orders; retime plans the times."""
+    g = two_chains()
+    n = by_name(g)
+    device = {v: "cuda:0" for v in g.nodes} | {n["b1"]: "cuda:1", n["b2"]: "cuda:1"}
+    order = {"cuda:0": [n["a1"], n["a2"]], "cuda:1": [n["b1"], n["b2"]]}
+    hand = Placement(g, device, order, "hand", {}, 0.0)
+    assert [v.name for v in merged_order(hand)] == ["a1", "a2", "b1", "b2"]
+    timed = retime(hand, chains_cost())
+    assert timed.device == device
+    assert timed.predicted_s == pytest.approx(22 * ms)
+    assert timed.slots[n["b1"]] == Slot(1 * ms, 11 * ms, 4)  # after a1, a2, copy of y
+    bad = Placement(g, device, {"cuda:0": [n["a2"], n["a1"]], "cuda:1": order["cuda:1"]},
+                    "hand", {}, 0.0)
+    with pytest.raises(ValueError, match=r"cannot run: %a1 on cuda:0 waits for \[%a2\]"):
+        merged_order(bad)
+
+
+def test_lower_bound_is_critical_path_or_work_over_devices():
+    g = two_chains()
+    cost = chains_cost()
+    assert lower_bound(g, cost) == pytest.approx(20 * ms)  # chain: 2 x 10 ms > 40 ms / 3
+    assert place(g, cost).predicted_s >= lower_bound(g, cost)
+
+
+def test_graph_index_inputs_users_and_scalars():
+    """s feeds only a pointwise op (a scalar argument on a GPU); t also feeds a matmul.
+
+        x -> s = sum(x) -> mul(x, s)
+          -> t = sum(x) -> mul(x, t), t + t, t.view(1, 1)
+    """
+    g = two_chains()
+    cat = g.call(torch.ops.aten.cat.default, ([g.nodes[2], g.nodes[3], g.nodes[2]],), name="c")
+    x = g.nodes[0]
+    s = g.call(torch.ops.aten.sum.default, (x,), name="s")
+    g.call(torch.ops.aten.mul.Tensor, (x, s), name="xs")
+    t = g.call(torch.ops.aten.sum.default, (x,), name="t")
+    g.call(torch.ops.aten.mul.Tensor, (x, t), name="xt")
+    g.call(torch.ops.aten.add.Tensor, (t, t), name="tt")
+    g.call(torch.ops.aten.view.default, (t, [1, 1]), name="tv")
+    ix = GraphIndex.of(g)
+    assert ix.ins == {v: v.inputs for v in g.nodes}
+    assert ix.ins[cat] == (g.nodes[2], g.nodes[3])
+    assert ix.users == g.users()
+    assert ix.scalars == {s}
+
+
+# -- the machine of MEASURED.md ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def h200x2() -> CostModel:
+    return CostModel(preset("h200x2"), History(), allow_tf32=False)
+
+
+def test_w4_on_two_h200_is_predicted_nearly_twice_as_fast(h200x2):
+    g = w4()
+    heft, eager = place(g, h200x2), place(g, h200x2, "single")
+    per_gpu = {d: len(ops) for d, ops in heft.order.items()}
+    assert per_gpu["cuda:0"] >= 45 and per_gpu["cuda:1"] >= 45  # idle CPU workers may take one
+    assert eager.predicted_s / heft.predicted_s >= 1.9
+    assert simulate(make_plan(heft), h200x2).makespan == pytest.approx(heft.predicted_s)
+
+
+def test_w5_hides_the_copies_behind_compute(h200x2):
+    """On one GPU: max(compute, copy) within 5 %, not their sum."""
+    g = w5()
+    p = place(g, h200x2, devices=["cpu:0", "cuda:0"])
+    n = by_name(g)
+    mm = h200x2.node_time(n["y0"], "cuda:0")
+    copy = h200x2.transfer_time(4000 * 4000 * 4, "cuda:0", "cpu:0")
+    compute, copies = 50 * mm, 50 * copy
+    assert p.predicted_s <= 1.05 * max(compute, copies)
+    assert p.predicted_s < 0.8 * (compute + copies)
+    assert all(p.device[n[f"z{i}"]] == "cpu:0" for i in range(50))
+    on_gpu = [n[f"y{i}"] for i in range(50) if p.device[n[f"y{i}"]] == "cuda:0"]
+    assert len(on_gpu) >= 48  # the idle host may take a matmul or two
+    assert {(v, d) for v, d in p.copies() if v in on_gpu} == {(y, "cpu:0") for y in on_gpu}
+    # with both GPUs, half the matmuls move to cuda:1 and copy out from there
+    both = place(g, h200x2)
+    assert both.predicted_s < 0.6 * p.predicted_s
+
+
+def test_gc_paused_restores_the_collector():
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # it was off before: it stays off
+    finally:
+        gc.enable()
+    with pytest.raises(ValueError), gc_paused():
+        raise ValueError("inside")
+    assert gc.isenabled()
