@@ -13,6 +13,7 @@ Policy
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -24,6 +25,8 @@ import torch
 from .graph import Graph
 
 __all__ = ["Options", "compile", "parse_devices"]
+
+log = logging.getLogger("autopar")
 
 POLICIES = ("heft", "single", "round_robin")
 _DEVICE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
@@ -81,7 +84,8 @@ class Options:
 
     devices: tuple[str, ...] = ()
     policy: str = "heft"
-    machine: Any = None  # None: this machine (calibrated or defaults); or a preset name
+    machine: Any = None  # None: this machine (calibrated or defaults); or a Machine
+    trace: bool | str = False  # True: record timelines; a path: also write a Chrome trace there
 
     @staticmethod
     def parse(options: dict[str, Any]) -> Options:
@@ -95,24 +99,73 @@ class Options:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
         devices = parse_devices(options.get("devices", "auto"))
-        return Options(devices=devices, policy=policy, machine=options.get("machine"))
+        trace = options.get("trace", os.environ.get("AUTOPAR_TRACE") or False)
+        if not isinstance(trace, bool | str | os.PathLike):
+            raise TypeError(f"trace must be True, False or a file path, not {type(trace).__name__}")
+        return Options(devices=devices, policy=policy, machine=options.get("machine"),
+                       trace=os.fspath(trace) if isinstance(trace, os.PathLike) else trace)
 
 
 def make_runner(options: Options) -> Callable[[Graph, str], Callable]:
-    """The GraphRunner for these options: (graph, phase) -> run(args) -> outputs."""
-    from .runtime import SequentialRunner
+    """The GraphRunner for these options: (graph, phase) -> run(args) -> outputs.
+
+    Each graph is placed (policy over ``options.devices``), planned and handed to the
+    executor. If any of that fails, the graph runs sequentially on eager's devices and the
+    reason is logged once: never a wrong result.
+    """
+    from .cost import CostModel
+    from .machine import load_machine
+    from .place import place
+    from .plan import make_plan
+    from .runtime import Executor, SequentialRunner
+
+    state: dict[str, Any] = {}
+
+    def cost_model() -> CostModel:
+        if "cost" not in state:
+            workers = sum(d.startswith("cpu") for d in options.devices) or 1
+            machine = load_machine(options.machine, cpu_workers=max(workers, 1))
+            state["cost"] = CostModel(machine)
+        return state["cost"]
 
     def build(graph: Graph, phase: str) -> Callable:
-        return SequentialRunner(graph)
+        try:
+            cost = cost_model()
+            placement = place(graph, cost, policy=options.policy, devices=options.devices)
+            plan = make_plan(placement, cost)
+            executor = Executor(plan, trace=bool(options.trace))
+        except Exception as e:
+            log.warning("autopar: running %s on eager's devices: planning failed: %s: %s",
+                        graph.name, type(e).__name__, e)
+            return SequentialRunner(graph)
+        log.debug("autopar: %s\n%s", graph.name, plan)
+        if isinstance(options.trace, str):
+            return _tracing(executor, options.trace)
+        return executor
 
     return build
+
+
+def _tracing(executor: Any, path: str) -> Callable:
+    """Run ``executor`` and write the Chrome trace of its latest call to ``path``."""
+    from .trace import save_chrome_trace
+
+    def run(args: Sequence[Any]) -> Any:
+        out = executor(args)
+        if executor.last_timeline is not None:
+            save_chrome_trace(executor.last_timeline, path, executor.plan.graph)
+        return out
+
+    return run
 
 
 def compile(fn: Callable, **options: Any) -> Callable:
     """Compile ``fn`` (a function or ``nn.Module``) to run with autopar.
 
     Options: ``devices`` ("auto", "cpu:0,cpu:1", ["cuda:0", "cuda:1"]), ``policy`` ("heft",
-    "single", "round_robin"), ``machine`` (None for this machine, or a preset name).
+    "single", "round_robin"), ``machine`` (None: this machine's calibrated profile; a Machine
+    to plan with other numbers), ``trace`` (True records timelines; a path also writes the
+    latest call's Chrome trace there; default ``$AUTOPAR_TRACE``).
     """
     if not callable(fn):
         raise TypeError(

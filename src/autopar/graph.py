@@ -12,8 +12,9 @@ Policy and invariants
   return several tensors (read through ``operator.getitem`` nodes), or ``None`` for non-tensor
   outputs. ``meta.device`` is the torch device string eager PyTorch produces the value on.
 - ``reads``, ``writes`` and ``aliases`` come from the op schema's alias annotations, never from
-  guesses: ``writes`` are inputs the op mutates (``Tensor(a!)``), ``aliases`` are inputs the output
-  is a view of (``Tensor(a)``), ``reads`` are all tensor inputs.
+  guesses, computed once when the node is made: ``writes`` are inputs the op mutates
+  (``Tensor(a!)``), ``aliases`` are inputs the output is a view of (``Tensor(a)``), ``reads`` are
+  all node inputs (``Node.inputs``).
 - ``flops`` come from ``torch.utils.flop_counter``'s formulas (0 where it has none: such ops are
   costed by bytes).
 - Nothing here imports CUDA-only code or knows how fast a device is.
@@ -130,14 +131,15 @@ class Node:
     writes: tuple[Node, ...] = ()
     aliases: tuple[Node, ...] = ()
 
+    def __post_init__(self) -> None:
+        if not self.reads and self.op is not INPUT:
+            self.reads, self.writes, self.aliases = _schema_effects(self.op, self.args,
+                                                                    self.kwargs)
+
     @property
     def inputs(self) -> tuple[Node, ...]:
-        """Distinct nodes this node consumes, in argument order."""
-        seen: dict[Node, None] = {}
-        for leaf in tree_flatten((self.args, self.kwargs))[0]:
-            if isinstance(leaf, Node):
-                seen.setdefault(leaf)
-        return tuple(seen)
+        """Distinct nodes this node consumes, in argument order (its ``reads``)."""
+        return self.reads
 
     @property
     def is_input(self) -> bool:
@@ -316,12 +318,10 @@ class Graph:
         kwargs = dict(kwargs or {})
         if meta is None:
             meta = _infer_meta(op, args, kwargs)
-        reads, writes, aliases = _schema_effects(op, args, kwargs)
         node = Node(
             id=len(self.nodes), op=op, args=tuple(args), kwargs=kwargs, meta=meta,
             flops=_flops(op, args, kwargs, meta) if flops is None else flops,
             name=name or str(len(self.nodes)), source=source,
-            reads=reads, writes=writes, aliases=aliases,
         )
         self.nodes.append(node)
         return node
@@ -457,8 +457,11 @@ def _infer_meta(op: Any, args: tuple, kwargs: dict) -> Meta:
         base, idx = args
         return base.meta[idx] if isinstance(base.meta, tuple) else None
 
-    devices = [leaf.meta.device for leaf in tree_flatten((args, kwargs))[0]
-               if isinstance(leaf, Node) and isinstance(leaf.meta, TensorMeta)]
+    metas = [leaf.meta for leaf in tree_flatten((args, kwargs))[0]
+             if isinstance(leaf, Node) and isinstance(leaf.meta, TensorMeta)]
+    # as in eager: a 0-dim CPU tensor is a scalar argument; the other tensors decide the device
+    devices = [m.device for m in metas if not (m.shape == () and m.device == "cpu")] or [
+        m.device for m in metas]
 
     def to_meta(x: Any) -> Any:
         if isinstance(x, Node):

@@ -3,6 +3,7 @@
 It obeys a Plan and never decides placement.
 """
 
+from .executor import Executor, WorkerError
 from .sequential import SequentialRunner
 
-__all__ = ["SequentialRunner"]
+__all__ = ["Executor", "SequentialRunner", "WorkerError"]

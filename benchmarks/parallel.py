@@ -1,0 +1,131 @@
+"""W4 and W5 side by side: eager, hand-tuned and autopar, in one process.
+
+W4: two chains ``[x.mm(x) for _ in range(n)]`` written for one GPU (both inputs on cuda:0).
+W5: one chain, then every result copied to the host.
+Medians of ``--repeat`` runs after warm-up, every device synchronized; results checked against
+eager first.
+
+    python benchmarks/parallel.py [--size 4000] [--n 50] [--repeat 5] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+import autopar
+
+
+def sync_all() -> None:
+    for i in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(i)
+
+
+def median_s(fn, repeat: int) -> float:
+    fn()
+    fn()
+    sync_all()
+    samples = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        sync_all()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples)
+
+
+def run(x: torch.Tensor, n: int) -> list[torch.Tensor]:
+    return [x.mm(x) for _ in range(n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", type=int, default=4000)
+    ap.add_argument("--n", type=int, default=50)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("parallel.py measures GPUs: no CUDA device here")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    n, size = args.n, args.size
+    x1 = torch.rand(size, size, device="cuda:0") / size
+    x2 = torch.rand(size, size, device="cuda:0") / size
+    rows: dict[str, dict[str, float]] = {}
+
+    # -- W4 --------------------------------------------------------------------------------
+    def w4(a, b):
+        return run(a, n), run(b, n)
+
+    compiled_w4 = autopar.compile(w4)
+    ref = w4(x1, x2)
+    got = compiled_w4(x1, x2)
+    for r, g in zip(ref[0] + ref[1], got[0] + got[1]):
+        assert g.device == r.device
+        torch.testing.assert_close(g, r)
+    del ref, got
+    w4_row = {"eager": median_s(lambda: w4(x1, x2), args.repeat)}
+    if torch.cuda.device_count() >= 2:
+        x2_on_1 = x2.to("cuda:1")
+        w4_row["hand"] = median_s(lambda: (run(x1, n), run(x2_on_1, n)), args.repeat)
+    w4_row["autopar"] = median_s(lambda: compiled_w4(x1, x2), args.repeat)
+    rows["W4 two chains"] = w4_row
+
+    # -- W5 --------------------------------------------------------------------------------
+    def w5(a):
+        return [y.cpu() for y in run(a, n)]
+
+    compiled_w5 = autopar.compile(w5)
+    for r, g in zip(w5(x1), compiled_w5(x1)):
+        assert g.device == r.device
+        torch.testing.assert_close(g, r)
+    side = torch.cuda.Stream()
+    pinned = [torch.empty(size, size, pin_memory=True) for _ in range(n)]
+
+    def w5_hand(a):
+        done = []
+        for i in range(n):
+            y = a.mm(a)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                pinned[i].copy_(y, non_blocking=True)
+            y.record_stream(side)
+            done.append(pinned[i])
+        side.synchronize()
+        return done
+
+    def w5_nonblocking(a):
+        out = [y.to("cpu", non_blocking=True) for y in run(a, n)]
+        torch.cuda.synchronize()
+        return out
+
+    rows["W5 compute then copy"] = {
+        "eager": median_s(lambda: w5(x1), args.repeat),
+        "eager non_blocking": median_s(lambda: w5_nonblocking(x1), args.repeat),
+        "compute only": median_s(lambda: run(x1, n), args.repeat),
+        "hand": median_s(lambda: w5_hand(x1), args.repeat),
+        "autopar": median_s(lambda: compiled_w5(x1), args.repeat),
+    }
+
+    print(f"{'workload':<22} {'variant':<20} {'median s':>10} {'vs eager':>9}")
+    for name, row in rows.items():
+        for variant, t in row.items():
+            print(f"{name:<22} {variant:<20} {t:>10.4f} {row['eager'] / t:>8.2f}x")
+    result = {"benchmark": "parallel", "date": date.today().isoformat(),
+              "host": platform.node(), "torch": torch.__version__,
+              "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+              "size": size, "n": n, "repeat": args.repeat, "rows": rows}
+    out = args.json or Path(__file__).parent / "results" / f"parallel-{result['date']}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

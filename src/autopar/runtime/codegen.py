@@ -1,0 +1,162 @@
+"""Turn one device's program (a list of plan steps) into straight-line Python, once.
+
+Policy
+- Each program becomes one Python function ``program(env, rt)``: a Run step is one line that
+  calls the ATen op on values read from ``env`` (a per-call list of slots); Send, Record, Wait and
+  Free steps are calls into the runtime's transfer helpers ``rt``. Nothing is interpreted per
+  node at call time.
+- A *slot* holds one value on one device: ``(node, device)``. A Send fills the destination's slot.
+- Ops with a ``device=`` argument (factories, ``_to_copy``) get the device they were placed on.
+- A ``_to_copy`` that only moves a value to the device it was placed on, whose input arrived
+  there by a Send, is the Send itself: no second copy (as :mod:`autopar.place` assumes).
+- The generated source is registered with ``linecache`` under a fake file name, so tracebacks
+  show it and a failing line maps back to its step (:meth:`Program.step_at`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import linecache
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..graph import Node, op_name
+from ..plan import Free, Record, Run, Send, Step, Wait
+
+_PLAIN = (int, float, bool, str, type(None))
+_counter = itertools.count()
+
+
+@dataclass
+class Program:
+    device: str
+    fn: Callable[[list, Any], None]
+    source: str
+    filename: str
+    steps_by_line: dict[int, Step]
+
+    def step_at(self, lineno: int) -> Step | None:
+        return self.steps_by_line.get(lineno)
+
+
+class SlotTable:
+    """Numbers every (node, memory space) value of a plan.
+
+    CPU workers share host memory, so ``cpu:0`` and ``cpu:1`` name one slot for each value.
+    """
+
+    def __init__(self) -> None:
+        self.index: dict[tuple[int, str], int] = {}
+
+    def __call__(self, node: Node, device: str) -> int:
+        key = (node.id, "cpu" if device.startswith("cpu") else device)
+        if key not in self.index:
+            self.index[key] = len(self.index)
+        return self.index[key]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+
+class _Emitter:
+    def __init__(self, device: str, slots: SlotTable,
+                 source_of: Callable[[Node, str], str]) -> None:
+        self.device = device
+        self.slots = slots
+        self.source_of = source_of
+        self.globals: dict[str, Any] = {"torch": torch}
+        self.lines: list[str] = []
+        self.steps_by_line: dict[int, Step] = {}
+        self._consts: dict[int, str] = {}
+
+    def const(self, value: Any) -> str:
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"float({str(value)!r})"  # repr(inf) is not Python source
+        if isinstance(value, _PLAIN):
+            return repr(value)
+        name = self._consts.get(id(value))
+        if name is None:
+            name = f"c{len(self._consts)}"
+            self._consts[id(value)] = name
+            self.globals[name] = value
+        return name
+
+    def expr(self, x: Any) -> str:
+        if isinstance(x, Node):
+            return f"env[{self.slots(x, self.source_of(x, self.device))}]"
+        if isinstance(x, list):
+            return "[" + ", ".join(self.expr(v) for v in x) + "]"
+        if isinstance(x, tuple):
+            return "(" + "".join(self.expr(v) + ", " for v in x) + ")"
+        if isinstance(x, dict):
+            return "{" + ", ".join(f"{k!r}: {self.expr(v)}" for k, v in x.items()) + "}"
+        return self.const(x)
+
+    def emit(self, line: str, step: Step | None = None) -> None:
+        self.lines.append("    " + line)
+        if step is not None:
+            self.steps_by_line[len(self.lines) + 1] = step  # +1: the def line
+
+
+def build_program(device: str, steps: list[Step], slots: SlotTable,
+                  source_of: Callable[[Node, str], str], moved_by_send: set[Node],
+                  traced: bool = False) -> Program:
+    """Compile ``steps`` of ``device`` into a Python function ``program(env, rt)``.
+
+    ``source_of(value, device)``: the device whose slot a reader on ``device`` takes ``value``
+    from (its own, after a copy; the producer's, for values shared without a copy).
+    ``moved_by_send``: pure-move ``_to_copy`` nodes whose work the Send already did (see the
+    module docstring). ``traced``: also time every op (``rt.begin`` / ``rt.end``: host clock on
+    CPU workers, CUDA events on GPUs), for measured Timelines.
+    """
+    em = _Emitter(device, slots, source_of)
+    lane = device if device.startswith("cpu") else f"{device}/compute"
+    torch_device = torch.device("cpu") if device.startswith("cpu") else torch.device(device)
+    for step in steps:
+        if isinstance(step, Run):
+            node = step.node
+            out = slots(node, device)
+            if node in moved_by_send:
+                em.emit(f"env[{out}] = {em.expr(node.args[0])}  # {op_name(node.op)}: "
+                        "moved by its send", step)
+                continue
+            kwargs = dict(node.kwargs)
+            if "device" in kwargs:
+                kwargs["device"] = torch_device
+            op = em.const(node.op)
+            args = ", ".join([em.expr(a) for a in node.args]
+                             + [f"{k}={em.expr(v)}" for k, v in kwargs.items()])
+            note = f"  # {op_name(node.op)}" + (f" {node.source}" if node.source else "")
+            if traced:
+                em.emit(f"mark = rt.begin({device!r})")
+            em.emit(f"env[{out}] = {op}({args}){note}", step)
+            if traced:
+                em.emit(f"rt.end(mark, {lane!r}, {op_name(node.op)!r}, {node.id})")
+        elif isinstance(step, Send):
+            src = slots(step.value, step.src)
+            dst = slots(step.value, step.dst)
+            em.emit(f"env[{dst}] = rt.send(env[{src}], {step.src!r}, {step.dst!r}, "
+                    f"{step.event}, {step.value.id})  # {step.value!r} {step.src}->{step.dst}",
+                    step)
+        elif isinstance(step, Record):
+            em.emit(f"rt.record({step.event})  # {step.value!r} ready", step)
+        elif isinstance(step, Wait):
+            slot = slots(step.value, source_of(step.value, device))
+            em.emit(f"rt.wait({step.event}, env, {slot}, {device!r})  # {step.value!r} "
+                    f"from {step.src}", step)
+        elif isinstance(step, Free):
+            em.emit(f"env[{slots(step.value, device)}] = None", step)
+        else:  # pragma: no cover - plan and codegen share the step types
+            raise TypeError(f"unknown plan step {step!r}")
+    if not em.lines:
+        em.lines.append("    pass")
+    filename = f"<autopar program {device} #{next(_counter)}>"
+    source = "def program(env, rt):\n" + "\n".join(em.lines) + "\n"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = dict(em.globals)
+    exec(compile(source, filename, "exec"), namespace)
+    return Program(device, namespace["program"], source, filename, em.steps_by_line)

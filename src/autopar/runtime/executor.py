@@ -1,0 +1,387 @@
+"""The executor: runs a Plan's per-device programs at once, ordered only by events.
+
+Policy
+- One worker per device of the plan. The calling thread runs one program itself (the host's, if
+  any); the others go to persistent daemon threads, one per device, kept across calls.
+- A GPU's compute stream is the caller's current stream on that device, so inputs and outputs
+  need no cross-stream bookkeeping with the user's own code. Copies run on per-device side
+  streams: ``h2d`` and ``d2h`` on the GPU that owns the transfer, ``peer`` on the source GPU and
+  ``peer_in`` on the destination (both of a cross-GPU copy's current streams are dedicated, so
+  the copy never queues behind unrelated compute: see ``copy_``'s two-way barrier).
+- Every cross-program dependency is an event: a ``threading.Event`` says "the producer has issued
+  it", and for GPU data a ``torch.cuda.Event`` orders the consuming stream (``wait_event``: no
+  host sync). The host blocks only where a CPU worker consumes GPU data, on that copy's event.
+- Memory across streams: a tensor read by a copy stream is ``record_stream``-ed on it; a tensor
+  a copy stream allocated is ``record_stream``-ed on the compute stream that consumes it. An
+  output a copy delivered to a GPU is ordered before the caller's later work the same way
+  (``wait_event`` on the caller's stream, no host sync).
+  Host-bound copies land in pinned memory from PyTorch's caching host allocator (bounded reuse,
+  guarded by the events it records), and are synchronized before the call returns.
+- Failures: the first exception in any worker stops the run: every waiter is woken and cancelled,
+  and the original error is re-raised, annotated with the op and the user's source line. Waits are
+  bounded (``AUTOPAR_WAIT_TIMEOUT`` seconds, default 600) and say what they waited for.
+
+Glossary of per-call state (:class:`_Call`): ``env`` the value slots; ``ready[e]`` the host flag
+of event ``e``; ``cuda_events[e]`` its CUDA event when a GPU copy produced it; ``failed`` the first
+error; ``pending_host`` the copies to the host that must complete before returning.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from ..graph import Node, op_name
+from ..place import GraphIndex, route
+from ..place import _moved_by_copy as moved_by_copy
+from ..plan import Plan, Run
+from ..timeline import Span, Timeline
+from .codegen import Program, SlotTable, build_program
+
+__all__ = ["Executor", "WorkerError"]
+
+_TIMEOUT = float(os.environ.get("AUTOPAR_WAIT_TIMEOUT", "600"))
+
+
+class WorkerError(RuntimeError):
+    """A worker stopped waiting: another worker failed, or a wait timed out."""
+
+
+def _is_cpu(device: str) -> bool:
+    return device.startswith("cpu")
+
+
+class _Streams:
+    """Side streams of one GPU, created once per process."""
+
+    _by_device: ClassVar[dict[str, _Streams]] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, device: str) -> None:
+        dev = torch.device(device)
+        self.h2d = torch.cuda.Stream(dev)
+        self.d2h = torch.cuda.Stream(dev)
+        self.peer = torch.cuda.Stream(dev)
+        self.peer_in = torch.cuda.Stream(dev)
+
+    @classmethod
+    def of(cls, device: str) -> _Streams:
+        with cls._lock:
+            if device not in cls._by_device:
+                cls._by_device[device] = _Streams(device)
+            return cls._by_device[device]
+
+
+class _Call:
+    """The state of one call; also the ``rt`` object the generated programs call into."""
+
+    def __init__(self, n_slots: int, n_events: int, compute: dict[str, Any],
+                 trace: bool = False) -> None:
+        self.env: list[Any] = [None] * n_slots
+        self.ready = [threading.Event() for _ in range(n_events)]
+        self.cuda_events: list[Any] = [None] * n_events
+        self.compute = compute  # GPU name -> its compute stream for this call
+        self.failed: BaseException | None = None
+        self.pending_host: list[Any] = []
+        self.lock = threading.Lock()
+        self.trace = trace
+        # traced calls: (lane, name, kind, start, end, node, bytes, src, dst); start/end are host
+        # clock seconds on CPU lanes and CUDA events on GPU lanes
+        self.marks: list[tuple] = []
+
+    # -- tracing (only called by traced programs and traced copies) --------------------------
+    def begin(self, device: str) -> Any:
+        if _is_cpu(device):
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def end(self, mark: Any, lane: str, name: str, node: int, kind: str = "op",
+            nbytes: int = 0, src: str | None = None, dst: str | None = None) -> None:
+        if isinstance(mark, float):
+            stop: Any = time.perf_counter()
+        else:
+            stop = torch.cuda.Event(enable_timing=True)
+            stop.record()
+        self.marks.append((lane, name, kind, mark, stop, node, nbytes, src, dst))
+
+    def _traced_copy(self, side: Any, lane: str, t: torch.Tensor, src: str, dst: str,
+                     node: int, issue: Any) -> Any:
+        """Run ``issue()`` (which enqueues a copy on ``side``) between two timing events."""
+        if not self.trace:
+            return issue()
+        with torch.cuda.stream(side):
+            mark = self.begin(str(side.device))
+            out = issue()
+            nbytes = t.numel() * t.element_size()
+            self.end(mark, lane, f"copy {src}->{dst}", node, "copy", nbytes, src, dst)
+        return out
+
+    # -- called from generated code ---------------------------------------------------------
+    def send(self, t: Any, src: str, dst: str, event: int, node: int = -1) -> Any:
+        """Issue the copy of ``t`` from ``src`` to ``dst`` on a side stream; mark ``event``."""
+        if _is_cpu(src) and _is_cpu(dst):
+            out = t
+        elif _is_cpu(dst):
+            out = self._to_host(t, src, event, node)
+        elif _is_cpu(src):
+            out = self._to_gpu(t, dst, event, node)
+        else:
+            out = self._peer(t, src, dst, event, node)
+        self.ready[event].set()
+        return out
+
+    def record(self, event: int) -> None:
+        self.ready[event].set()
+
+    def wait(self, event: int, env: list, slot: int, device: str) -> None:
+        if not self.ready[event].wait(_TIMEOUT):
+            raise WorkerError(
+                f"{device} waited {_TIMEOUT:.0f} s for event {event} (value in slot {slot}) "
+                "and it never came: a producer is stuck (set AUTOPAR_WAIT_TIMEOUT to wait longer)")
+        if self.failed is not None:
+            raise WorkerError("cancelled: another worker failed")
+        cev = self.cuda_events[event]
+        if cev is None:
+            return
+        if _is_cpu(device):
+            cev.synchronize()  # the host consumes GPU data: wait for that copy only
+        else:
+            stream = self.compute[device]
+            stream.wait_event(cev)
+            value = env[slot]
+            if isinstance(value, torch.Tensor):
+                value.record_stream(stream)  # allocated on a copy stream, used on compute
+
+    # -- copies -----------------------------------------------------------------------------
+    def _to_host(self, t: torch.Tensor, src: str, event: int, node: int) -> torch.Tensor:
+        side = _Streams.of(src).d2h
+        side.wait_stream(self.compute[src])
+        out = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, pin_memory=True)
+
+        def issue() -> Any:
+            with torch.cuda.stream(side):
+                return out.copy_(t, non_blocking=True)
+        self._traced_copy(side, f"{src}/d2h", t, src, "cpu", node, issue)
+        t.record_stream(side)
+        ev = torch.cuda.Event()
+        ev.record(side)
+        self.cuda_events[event] = ev
+        with self.lock:
+            self.pending_host.append(ev)
+        return out
+
+    def _to_gpu(self, t: torch.Tensor, dst: str, event: int, node: int) -> torch.Tensor:
+        side = _Streams.of(dst).h2d
+        if not t.is_pinned():
+            staged = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, pin_memory=True)
+            staged.copy_(t)
+            t = staged
+        def issue() -> Any:
+            with torch.cuda.stream(side):
+                return t.to(dst, non_blocking=True)
+        out = self._traced_copy(side, f"{dst}/h2d", t, "cpu", dst, node, issue)
+        ev = torch.cuda.Event()
+        ev.record(side)
+        self.cuda_events[event] = ev
+        return out
+
+    def _peer(self, t: torch.Tensor, src: str, dst: str, event: int, node: int) -> torch.Tensor:
+        out_side = _Streams.of(src).peer
+        in_side = _Streams.of(dst).peer_in
+        out_side.wait_stream(self.compute[src])
+
+        def issue() -> Any:
+            with torch.cuda.stream(in_side), torch.cuda.stream(out_side):
+                return t.to(dst, non_blocking=True)
+        out = self._traced_copy(out_side, f"{src}/peer", t, src, dst, node, issue)
+        t.record_stream(out_side)
+        ev = torch.cuda.Event()
+        ev.record(out_side)
+        self.cuda_events[event] = ev
+        return out
+
+
+class _Worker:
+    """A daemon thread that runs programs for one device, one call at a time."""
+
+    _by_device: ClassVar[dict[str, _Worker]] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name=f"autopar-{device}", daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def of(cls, device: str) -> _Worker:
+        with cls._lock:
+            if device not in cls._by_device:
+                cls._by_device[device] = _Worker(device)
+            return cls._by_device[device]
+
+    def _loop(self) -> None:
+        if not _is_cpu(self.device):
+            torch.cuda.set_device(torch.device(self.device))
+        while True:
+            fn = self.jobs.get()
+            fn()
+
+
+class Executor:
+    """Runs a :class:`~autopar.plan.Plan`: ``executor(args) -> outputs``."""
+
+    def __init__(self, plan: Plan, trace: bool = False) -> None:
+        self.plan = plan
+        self.trace = trace
+        self.last_timeline: Timeline | None = None
+        graph = plan.graph
+        placement = plan.placement
+        self.slots = SlotTable()
+        self.inputs = graph.inputs
+        self.input_slots = [self.slots(n, placement.device[n]) for n in self.inputs]
+        device_of = placement.device
+        ix = GraphIndex.of(graph)
+
+        def source_of(value: Node, reader: str) -> str:
+            return reader if route(value, device_of[value], reader, ix) != "event" \
+                else device_of[value]
+
+        moved = {n for n in graph.ops if moved_by_copy(n, device_of)}
+        self.programs: dict[str, Program] = {
+            device: build_program(device, steps, self.slots, source_of, moved, traced=trace)
+            for device, steps in plan.programs.items() if steps
+        }
+        self.output_slots = [
+            ("slot", self.slots(o, dev)) if isinstance(o, Node) else ("const", o)
+            for o, dev in plan.outputs
+        ]
+        # outputs a side-stream copy delivered to a GPU: the caller's stream must wait for them
+        arrivals = {(s.value.id, s.dst): s.event for s in plan.copies() if not _is_cpu(s.dst)}
+        self.delivered = sorted({(self.slots(o, dev), dev, arrivals[(o.id, dev)])
+                                 for o, dev in plan.outputs
+                                 if isinstance(o, Node) and (o.id, dev) in arrivals})
+        self.gpus = sorted({d for d in plan.programs if not _is_cpu(d)}
+                           | {s.dst for s in plan.copies() if not _is_cpu(s.dst)}
+                           | {s.src for s in plan.copies() if not _is_cpu(s.src)})
+        # the caller runs the host's program (or the first one); the rest go to workers
+        order = sorted(self.programs, key=lambda d: (not _is_cpu(d), d))
+        self.inline = order[0] if order else None
+        self.threaded = order[1:]
+        self.n_events = plan.n_events
+
+    def __call__(self, args: Sequence[Any]) -> list[Any]:
+        if len(args) != len(self.inputs):
+            raise TypeError(f"graph {self.plan.graph.name} takes {len(self.inputs)} inputs, "
+                            f"got {len(args)}")
+        compute = {g: torch.cuda.current_stream(torch.device(g)) for g in self.gpus}
+        call = _Call(len(self.slots), self.n_events, compute, trace=self.trace)
+        if self.trace:
+            refs = self._trace_start(compute)
+        env = call.env
+        for slot, value in zip(self.input_slots, args):
+            env[slot] = value
+        done: list[threading.Event] = []
+        for device in self.threaded:
+            finished = threading.Event()
+            done.append(finished)
+            _Worker.of(device).jobs.put(self._job(device, call, finished))
+        if self.inline is not None:
+            self._run(self.inline, call)
+        for finished in done:
+            finished.wait()
+        if call.failed is not None:
+            raise call.failed
+        for ev in call.pending_host:
+            ev.synchronize()  # host results are valid when returned
+        for slot, device, event in self.delivered:
+            stream = compute[device]
+            stream.wait_event(call.cuda_events[event])
+            env[slot].record_stream(stream)  # allocated by a copy stream, used by the caller
+        if self.trace:
+            self.last_timeline = self._trace_finish(call, refs)
+        return [env[v] if kind == "slot" else v for kind, v in self.output_slots]
+
+    def _job(self, device: str, call: _Call, finished: threading.Event):
+        def job() -> None:
+            try:
+                self._run(device, call)
+            finally:
+                finished.set()
+        return job
+
+    def _run(self, device: str, call: _Call) -> None:
+        program = self.programs[device]
+        try:
+            if _is_cpu(device):
+                program.fn(call.env, call)
+            else:
+                with torch.cuda.device(torch.device(device)), \
+                        torch.cuda.stream(call.compute[device]):
+                    program.fn(call.env, call)
+        except BaseException as e:
+            with call.lock:
+                first = call.failed is None
+                if first:
+                    call.failed = e
+            for flag in call.ready:
+                flag.set()  # wake every waiter: they see `failed` and stop
+            if first and not isinstance(e, WorkerError):
+                _annotate(e, program)
+
+    def _trace_start(self, compute: dict[str, Any]) -> tuple[float, dict[str, tuple]]:
+        """Align clocks: a synchronized host time and a CUDA event per GPU at the call's start."""
+        refs: dict[str, tuple] = {}
+        for g, stream in compute.items():
+            torch.cuda.synchronize(torch.device(g))
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(stream)
+            ev.synchronize()
+            refs[g] = (ev, time.perf_counter())
+        return time.perf_counter(), refs
+
+    def _trace_finish(self, call: _Call, refs: tuple[float, dict[str, tuple]]) -> Timeline:
+        t0, gpu_refs = refs
+        for g in gpu_refs:
+            torch.cuda.synchronize(torch.device(g))
+
+        def host_time(mark: Any, lane: str) -> float:
+            if isinstance(mark, float):
+                return mark - t0
+            ref, ref_host = gpu_refs[lane.split("/", 1)[0]]
+            return ref_host - t0 + ref.elapsed_time(mark) / 1e3
+
+        spans = [Span(lane, name, host_time(a, lane), host_time(b, lane), kind,
+                      None if node < 0 else node, nbytes, src, dst)
+                 for lane, name, kind, a, b, node, nbytes, src, dst in call.marks]
+        return Timeline(sorted(spans, key=lambda s: s.start), source="measured",
+                        label=self.plan.graph.name)
+
+    def source(self) -> str:
+        """The generated code of every program, for inspection."""
+        return "\n".join(f"# {d}\n{p.source}" for d, p in self.programs.items())
+
+
+def _annotate(error: BaseException, program: Program) -> None:
+    """Add the failing op and the user's source line to ``error``."""
+    tb = error.__traceback__
+    step = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == program.filename:
+            step = program.step_at(tb.tb_lineno)
+        tb = tb.tb_next
+    if step is None or not hasattr(error, "add_note"):
+        return
+    node = getattr(step, "node", None) or getattr(step, "value", None)
+    where = f" at {node.source}" if getattr(node, "source", None) else ""
+    what = op_name(node.op) if isinstance(step, Run) else type(step).__name__.lower()
+    error.add_note(f"autopar: {what} ({node!r}) on {program.device} failed{where}")
+

@@ -1,0 +1,168 @@
+"""The executor on logical CPU workers: results, concurrency, failures, bounded waits."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from autopar.cost import CostModel
+from autopar.graph import Graph, Node, TensorMeta
+from autopar.machine import preset
+from autopar.place import Placement, place
+from autopar.plan import Plan, Run, Wait, make_plan
+from autopar.runtime import Executor, SequentialRunner, WorkerError
+from autopar.runtime import executor as executor_module
+
+aten = torch.ops.aten
+CPUS = ("cpu:0", "cpu:1")
+
+
+@pytest.fixture(scope="module")
+def cost() -> CostModel:
+    return CostModel(preset("cpu-only", cpu_workers=2))
+
+
+def branches(n: int = 4, size: int = 64) -> Graph:
+    """Two independent chains joined at the end.
+
+        a -> mm -> mm -> ... -\\
+                               add -> out
+        b -> mm -> mm -> ... -/
+    """
+    g = Graph("branches")
+    a = g.input(TensorMeta.make((size, size)), "a")
+    b = g.input(TensorMeta.make((size, size)), "b")
+    ya, yb = a, b
+    for _ in range(n):
+        ya = g.call(aten.mm.default, (ya, a))
+        ya = g.call(aten.mul.Tensor, (ya, 1.0 / size))
+        yb = g.call(aten.mm.default, (yb, b))
+        yb = g.call(aten.mul.Tensor, (yb, 1.0 / size))
+    g.set_outputs([g.call(aten.add.Tensor, (ya, yb)), ya])
+    return g
+
+
+def by_hand(graph: Graph, devices: dict[int, str]) -> Placement:
+    """A placement that puts op ``id`` on ``devices[id]`` (cpu:0 otherwise), in graph order."""
+    device = {n: devices.get(n.id, "cpu:0") for n in graph.nodes}
+    for x in graph.inputs:
+        device[x] = "cpu:0"
+    order: dict[str, list[Node]] = {}
+    for n in graph.ops:
+        order.setdefault(device[n], []).append(n)
+    return Placement(graph=graph, device=device, order=order, policy="by_hand", notes={},
+                     predicted_s=0.0)
+
+
+def inputs(graph: Graph, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(x.meta.shape, generator=gen) for x in graph.inputs]
+
+
+def test_round_robin_on_two_workers_equals_sequential(cost):
+    g = branches()
+    plan = make_plan(place(g, cost, policy="round_robin", devices=CPUS), cost)
+    assert {"cpu:0", "cpu:1"} <= set(plan.programs)
+    args = inputs(g)
+    got = Executor(plan)(args)
+    want = SequentialRunner(g)(args)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def test_two_branches_overlap_in_the_measured_timeline(cost):
+    """Each chain on its own worker: the workers' measured spans overlap in time."""
+    g = branches(n=6, size=384)
+    left = {n.id for n in g.ops if n.id % 4 in (2, 3)}  # mm/mul of chain a (ids 2,3,6,7,...)
+    devices = {n.id: ("cpu:0" if n.id in left else "cpu:1") for n in g.ops}
+    plan = make_plan(by_hand(g, devices), cost)
+    ex = Executor(plan, trace=True)
+    args = inputs(g)
+    ex(args)
+    ex(args)
+    tl = ex.last_timeline
+    assert tl is not None and tl.source == "measured"
+    assert set(tl.lanes()) == {"cpu:0", "cpu:1"}
+    a, b = tl.on("cpu:0"), tl.on("cpu:1")
+    overlap = sum(max(0.0, min(x.end, y.end) - max(x.start, y.start)) for x in a for y in b)
+    assert overlap > 0.2 * min(tl.busy("cpu:0"), tl.busy("cpu:1"))
+    assert len(tl.spans) == len(g.ops)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_placements_give_sequential_results(cost, data):
+    """Random DAGs of real ops, each op on a random worker: same values as graph order."""
+    n_ops = data.draw(st.integers(3, 24))
+    g = Graph("random")
+    values = [g.input(TensorMeta.make((8, 8)), f"x{i}") for i in range(2)]
+    ops = [aten.add.Tensor, aten.mul.Tensor, aten.mm.default, aten.sub.Tensor]
+    for _ in range(n_ops):
+        op = data.draw(st.sampled_from(ops))
+        a = data.draw(st.sampled_from(values))
+        b = data.draw(st.sampled_from(values))
+        out = g.call(op, (a, b))
+        values.append(g.call(aten.tanh.default, (out,)))  # keep values bounded
+    g.set_outputs(values[-3:])
+    devices = {n.id: data.draw(st.sampled_from(CPUS)) for n in g.ops}
+    plan = make_plan(by_hand(g, devices), cost)
+    args = inputs(g, seed=n_ops)
+    for x, y in zip(Executor(plan)(args), SequentialRunner(g)(args)):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def failing_graph() -> Graph:
+    """x -> neg -> mm(bad shapes) on one worker while the other waits for it."""
+    g = Graph("failing")
+    x = g.input(TensorMeta.make((4, 3)), "x")
+    a = g.call(aten.neg.default, (x,))
+    bad = g.call(aten.mm.default, (a, a), meta=TensorMeta.make((4, 4)), source="user.py:7")
+    c = g.call(aten.relu.default, (bad,))
+    g.set_outputs([c])
+    return g
+
+
+def test_a_failing_op_stops_every_worker_and_names_the_op(cost):
+    g = failing_graph()
+    plan = make_plan(by_hand(g, {2: "cpu:1", 3: "cpu:1", 4: "cpu:0"}), cost)
+    ex = Executor(plan)
+    for _ in range(2):  # the workers survive a failure and serve the next call
+        with pytest.raises(RuntimeError) as info:
+            ex([torch.randn(4, 3)])
+        assert "mat1 and mat2 shapes cannot be multiplied" in str(info.value)
+        notes = getattr(info.value, "__notes__", [])
+        assert any("aten.mm" in n and "cpu:1" in n and "user.py:7" in n for n in notes)
+    assert all(t.is_alive() for t in threading.enumerate() if t.name.startswith("autopar-"))
+
+
+def test_a_wait_that_never_ends_is_bounded(cost, monkeypatch):
+    """A program waiting for an event nobody records times out with a clear message."""
+    g = branches(n=1, size=4)
+    plan = make_plan(by_hand(g, {}), cost)
+    x = g.ops[0]
+    stuck = dict(plan.programs)
+    stuck["cpu:0"] = [Wait(plan.n_events, x, "cpu:1"), *stuck["cpu:0"]]
+    broken = Plan(plan.graph, plan.placement, stuck, plan.outputs, plan.n_events + 1)
+    monkeypatch.setattr(executor_module, "_TIMEOUT", 0.2)
+    with pytest.raises(WorkerError, match=r"waited 0 s for event .* never came"):
+        Executor(broken)(inputs(g))
+
+
+def test_generated_programs_are_straight_line_code(cost):
+    g = branches(n=2, size=8)
+    plan = make_plan(place(g, cost, policy="round_robin", devices=CPUS), cost)
+    src = Executor(plan).source()
+    runs = sum(isinstance(s, Run) for steps in plan.programs.values() for s in steps)
+    assert src.count(" = c") == runs  # one call line per op, nothing interpreted
+    assert "for " not in src and "while " not in src
+
+
+def test_input_count_is_checked(cost):
+    g = branches(n=1, size=4)
+    ex = Executor(make_plan(by_hand(g, {}), cost))
+    with pytest.raises(TypeError, match="takes 2 inputs, got 1"):
+        ex([torch.randn(4, 4)])
