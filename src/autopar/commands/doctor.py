@@ -1,0 +1,44 @@
+"""``autopar doctor FILE.py``: run a file's functions eagerly while watching, report hazards."""
+
+from __future__ import annotations
+
+import contextlib
+import json as json_module
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from autopar.doctor import DoctorError, doctor_file
+
+__all__ = ["doctor"]
+
+
+def doctor(
+    file: Annotated[Path, typer.Argument(help="The Python file to run.", show_default=False)],
+    func: Annotated[str | None, typer.Option(
+        "--func", "-f",
+        help="Function(s) to run, comma-separated. Default: those in the file's __doctor__ "
+             "list, else main. Arguments come from the file's example_inputs().")] = None,
+    json: Annotated[bool, typer.Option(
+        "--json", help="Print the reports as a JSON list.")] = False,
+    machine: Annotated[str, typer.Option(
+        "--machine", "-m",
+        help="Whose costs to estimate with: auto (this host) or a preset (h200x2, h200x8, "
+             "a100x4-pcie, cpu-only). A preset with GPUs on a host without CUDA simulates "
+             "them.")] = "auto",
+) -> None:
+    """Run FILE's functions eagerly while watching, and report every hidden host/device sync,
+    GPU scalar, tiny GPU op, pageable copy and ping-pong copy: file:line, count per call, cost,
+    the fix and the time it would save."""
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # the file's own prints stay off the report
+            reports = doctor_file(file, func=func, machine=machine)
+    except DoctorError as e:
+        typer.echo(f"autopar doctor: {e}", err=True)
+        raise typer.Exit(2) from None
+    if json:
+        typer.echo(json_module.dumps([r.to_dict() for r in reports], indent=2))
+    else:
+        typer.echo("\n\n".join(r.to_text() for r in reports))
