@@ -1,0 +1,197 @@
+"""explain: where each op would run, why, and what the whole graph is predicted to take.
+
+Policy
+- Nothing runs. The function is traced with fake inputs (:func:`autopar.capture.trace_fake`), so
+  it can be explained for a machine that isn't at hand (``machine="h200x2"``); CPU-built example
+  inputs are taken to live on ``inputs_on``.
+- The same graph is placed twice: by the chosen policy and by ``single`` (eager's placement).
+  Both plans are simulated under one cost model; the report compares their makespans.
+- The critical path is the longest chain of (op time on its device + transfer time to the next
+  op's device) through the placed graph.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .capture import trace_fake
+from .cost import CostModel
+from .graph import Graph, Node, op_name
+from .machine import Machine, load_machine
+from .place import Placement, place
+from .plan import Plan, make_plan
+from .simulate import simulate
+from .timeline import Timeline
+
+__all__ = ["ExplainReport", "Row", "critical_path", "explain", "explain_graph"]
+
+
+@dataclass
+class Row:
+    node: int
+    name: str
+    op: str
+    shapes: str
+    device: str
+    eager_device: str
+    times: dict[str, float]
+    why: str
+    source: str | None
+
+
+@dataclass
+class ExplainReport:
+    graph_name: str
+    machine: str
+    policy: str
+    predicted_s: float
+    eager_predicted_s: float
+    rows: list[Row]
+    critical_path: list[str]
+    transfers: int
+    transfer_bytes: int
+    timeline: Timeline = field(repr=False)
+    eager_timeline: Timeline = field(repr=False)
+    plan: Plan = field(repr=False)
+    critical_nodes: list[Node] = field(repr=False, default_factory=list)
+
+    @property
+    def speedup(self) -> float:
+        return self.eager_predicted_s / self.predicted_s if self.predicted_s > 0 else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "graph": self.graph_name, "machine": self.machine, "policy": self.policy,
+            "predicted_s": self.predicted_s, "eager_predicted_s": self.eager_predicted_s,
+            "speedup": self.speedup, "critical_path": self.critical_path,
+            "transfers": self.transfers, "transfer_bytes": self.transfer_bytes,
+            "rows": [asdict(r) for r in self.rows],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def to_text(self, max_rows: int = 60) -> str:
+        from io import StringIO
+
+        from rich.console import Console
+        from rich.table import Table
+
+        devices = sorted({d for r in self.rows for d in r.times})
+        table = Table(title=f"{self.graph_name} on {self.machine} ({self.policy})")
+        for col in ("op", "shapes", "device", *[f"t@{d}" for d in devices], "why"):
+            table.add_column(col, overflow="fold")
+        for r in self.rows[:max_rows]:
+            table.add_row(r.op, r.shapes, r.device,
+                          *[_fmt_s(r.times.get(d)) for d in devices], r.why)
+        buf = StringIO()
+        console = Console(file=buf, width=160, force_terminal=False)
+        console.print(table)
+        if len(self.rows) > max_rows:
+            console.print(f"... {len(self.rows) - max_rows} more ops (use --json for all)")
+        console.print(
+            f"predicted {_fmt_s(self.predicted_s)} vs eager {_fmt_s(self.eager_predicted_s)}: "
+            f"{self.speedup:.2f}x; {self.transfers} transfers, "
+            f"{self.transfer_bytes / 1e6:.3g} MB moved")
+        path = " -> ".join(self.critical_path[:12])
+        more = " ..." if len(self.critical_path) > 12 else ""
+        console.print(f"critical path ({len(self.critical_path)} ops): {path}{more}")
+        return buf.getvalue()
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+
+def _fmt_s(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s >= 1:
+        return f"{s:.3g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} us"
+
+
+def _shapes(node: Node) -> str:
+    metas = [m for i in node.inputs for m in i.tensor_metas]
+    outs = node.tensor_metas
+    ins = ", ".join(str(m) for m in metas[:3]) + (", ..." if len(metas) > 3 else "")
+    return f"{ins} -> {', '.join(str(m) for m in outs)}"
+
+
+def critical_path(placement: Placement, cost: CostModel) -> list[Node]:
+    """The longest chain of op and transfer times through the placed graph."""
+    graph = placement.graph
+    finish: dict[Node, float] = {}
+    prev: dict[Node, Node | None] = {}
+    for n in graph.nodes:
+        dev = placement.device[n]
+        start, best = 0.0, None
+        for i in n.inputs:
+            moved = sum(m.nbytes for m in i.tensor_metas)
+            t = finish[i] + cost.transfer_time(moved, placement.device[i], dev)
+            if t > start or best is None:
+                start, best = t, i
+        finish[n] = start + (0.0 if n.is_input else cost.node_time(n, dev))
+        prev[n] = best
+    ends = graph.output_nodes or graph.ops[-1:]
+    if not ends:
+        return []
+    node: Node | None = max(ends, key=lambda n: finish[n])
+    path: list[Node] = []
+    while node is not None:
+        if not node.is_input:
+            path.append(node)
+        node = prev[node]
+    return path[::-1]
+
+
+def explain_graph(graph: Graph, machine: Machine | str | None = None,
+                  policy: str = "heft") -> ExplainReport:
+    """Place, plan and simulate ``graph`` under ``policy`` and under eager placement."""
+    machine = load_machine(machine)
+    cost = CostModel(machine)
+    placement = place(graph, cost, policy=policy)
+    plan = make_plan(placement, cost)
+    eager_plan = make_plan(place(graph, cost, policy="single"), cost)
+    timeline = simulate(plan, cost)
+    eager_timeline = simulate(eager_plan, cost)
+    devices = [d.name for d in machine.devices]
+    rows = []
+    for n in graph.ops:
+        times = {d: cost.node_time(n, d) for d in devices if cost.can_run(n, d)}
+        rows.append(Row(
+            node=n.id, name=repr(n), op=op_name(n.op), shapes=_shapes(n),
+            device=placement.device[n], eager_device=machine.home(n.device or "cpu").name,
+            times=times, why=placement.notes.get(n, ""), source=n.source))
+    copies = plan.copies()
+    path = critical_path(placement, cost)
+    return ExplainReport(
+        graph_name=graph.name, machine=machine.name, policy=policy,
+        predicted_s=timeline.makespan, eager_predicted_s=eager_timeline.makespan,
+        rows=rows, critical_path=[f"{op_name(n.op)}{n!r}" for n in path],
+        transfers=len(copies),
+        transfer_bytes=sum(m.nbytes for s in copies for m in s.value.tensor_metas),
+        timeline=timeline, eager_timeline=eager_timeline, plan=plan, critical_nodes=path)
+
+
+def explain(fn: Callable, *args: Any, machine: Machine | str | None = None,
+            policy: str = "heft", inputs_on: str | None = None) -> ExplainReport:
+    """Explain how autopar would run ``fn(*args)`` on ``machine`` (nothing is computed).
+
+    ``inputs_on``: the device of the machine on which CPU-built example inputs are taken to
+    live (e.g. ``"cuda:0"`` to explain code written for a GPU on a CPU-only machine).
+    """
+    if not callable(fn):
+        raise TypeError(f"explain expects a function or nn.Module, got {type(fn).__name__}")
+    resolved = load_machine(machine)
+    if inputs_on is not None and inputs_on not in {d.name for d in resolved.devices}:
+        have = ", ".join(d.name for d in resolved.devices)
+        raise ValueError(f"inputs_on={inputs_on!r} is not a device of {resolved.name} ({have})")
+    torch_device = "cpu" if inputs_on and inputs_on.startswith("cpu") else inputs_on
+    graph = trace_fake(fn, args, inputs_on=torch_device)
+    return explain_graph(graph, resolved, policy)
+
