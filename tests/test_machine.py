@@ -411,3 +411,14 @@ def test_a_slow_outlier_in_a_curve_is_lowered_to_the_bigger_job():
     assert d.compute_time("float32", 2 * 256**3) == pytest.approx(40e-6)
     link = LinkProfile(1e-6, 1e9, ((1e3, 5e-3), (1e6, 1e-3)))
     assert link.samples == ((1e3, 1e-3), (1e6, 1e-3))
+
+
+def test_calibration_inside_tracing_still_measures_real_work():
+    """A backend may ask for its machine while torch.compile traces with fake tensors: the
+    calibration must set the fake mode aside, or every timed op would do no work."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        profile = _REAL_CALIBRATE("smoke")
+    cpu = profile.device("cpu")
+    assert cpu.launch_s < 1e-4  # a real tiny op: a few us; a fake one measured ~390 us

@@ -113,6 +113,8 @@ def make_runner(options: Options) -> Callable[[Graph, str], Callable]:
     executor. If any of that fails, the graph runs sequentially on eager's devices and the
     reason is logged once: never a wrong result.
     """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     from .cost import CostModel
     from .machine import load_machine
     from .place import place
@@ -124,7 +126,8 @@ def make_runner(options: Options) -> Callable[[Graph, str], Callable]:
     def cost_model() -> CostModel:
         if "cost" not in state:
             workers = sum(d.startswith("cpu") for d in options.devices) or 1
-            machine = load_machine(options.machine, cpu_workers=max(workers, 1))
+            with unset_fake_temporarily():  # a backend runs inside tracing: measure for real
+                machine = load_machine(options.machine, cpu_workers=max(workers, 1))
             state["cost"] = CostModel(machine)
         return state["cost"]
 
@@ -143,6 +146,7 @@ def make_runner(options: Options) -> Callable[[Graph, str], Callable]:
             return _tracing(executor, options.trace)
         return executor
 
+    build.cost_model = cost_model  # type: ignore[attr-defined]
     return build
 
 
@@ -173,4 +177,6 @@ def compile(fn: Callable, **options: Any) -> Callable:
     from .capture import make_backend
 
     opts = Options.parse(options)
-    return torch.compile(fn, backend=make_backend(make_runner(opts)), dynamic=False)
+    runner = make_runner(opts)
+    runner.cost_model()  # resolve (and if need be calibrate) the machine now, not mid-trace
+    return torch.compile(fn, backend=make_backend(runner), dynamic=False)

@@ -497,7 +497,17 @@ def calibrate(mode: str = "quick", *, host: dict[str, Any] | None = None,
               progress: Progress | None = None) -> Profile:
     """Measure this host and return its Profile (not saved: :func:`autopar.machine.detect` and
     ``autopar calibrate`` do that). ``mode``: ``"quick"`` (<= 20 s), ``"full"``, or ``"smoke"``
-    (a seconds-long pass over every code path, rough numbers, for tests)."""
+    (a seconds-long pass over every code path, rough numbers, for tests).
+
+    Safe to call from inside ``torch.compile``'s tracing (a backend asking for its machine):
+    an active fake-tensor mode is set aside, or every timed op would do no work."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), torch.no_grad():
+        return _calibrate(mode, host, progress)
+
+
+def _calibrate(mode: str, host: dict[str, Any] | None, progress: Progress | None) -> Profile:
     if mode not in MODES:
         raise ValueError(f"calibration mode {mode!r}: use one of {sorted(MODES)}")
     m = MODES[mode]
