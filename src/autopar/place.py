@@ -94,10 +94,12 @@ __all__ = [
     "copy_stream",
     "delivery_needed",
     "gc_paused",
+    "handoff_time",
     "home_device",
     "is_pure_move",
     "lower_bound",
     "merged_order",
+    "moved_by_copy",
     "op_time",
     "owns_storage",
     "pinned_storage",
@@ -281,6 +283,12 @@ def route(value: Node, src: str, dst: str, ix: GraphIndex) -> str:
     return "copy"
 
 
+def handoff_time(cost: Any) -> float:
+    """Seconds between one program marking a value ready (Record) and another, waiting for it,
+    going on: a thread wake-up (``event_wait_s`` of the profile; 0 for cost models without)."""
+    return float(getattr(cost, "event_wait_s", 0.0))
+
+
 def delivery_needed(value: Node, src: str, home: str) -> bool:
     """A graph output produced on ``src`` must be copied to its eager device ``home``."""
     return bool(value.tensor_metas) and pool(src) != pool(home)
@@ -303,7 +311,7 @@ def is_pure_move(node: Node) -> bool:
     return out[0].dtype == ins[0].dtype and out[0].stride == ins[0].stride
 
 
-def _moved_by_copy(node: Node, device_of: dict[Node, str]) -> bool:
+def moved_by_copy(node: Node, device_of: dict[Node, str]) -> bool:
     """A device move on ``device_of[node]`` whose input sits in another pool: the copy is it."""
     if not is_pure_move(node) or node not in device_of:
         return False
@@ -313,7 +321,7 @@ def _moved_by_copy(node: Node, device_of: dict[Node, str]) -> bool:
 
 def op_time(cost: Any, node: Node, device: str, device_of: dict[Node, str]) -> float:
     """Seconds ``node`` occupies ``device``'s lane, given where its inputs are placed."""
-    if _moved_by_copy(node, device_of):
+    if moved_by_copy(node, device_of):
         return 0.0
     return float(cost.node_time(node, device))
 
@@ -331,7 +339,7 @@ def _alias_base(node: Node) -> Node | None:
 def owns_storage(node: Node, device_of: dict[Node, str]) -> bool:
     """Does running ``node`` allocate a storage? Not for views, ``getitem`` and device moves
     done by their copy: they share another's."""
-    return _alias_base(node) is None and not _moved_by_copy(node, device_of)
+    return _alias_base(node) is None and not moved_by_copy(node, device_of)
 
 
 def home_device(torch_device: str) -> str:
@@ -354,7 +362,7 @@ def storage_of(value: Node, in_pool: str, device_of: dict[Node, str]) -> Storage
     base = _alias_base(value)
     if base is not None:
         return storage_of(base, in_pool, device_of)
-    if _moved_by_copy(value, device_of):
+    if moved_by_copy(value, device_of):
         return ("copy", value.args[0], in_pool)
     return ("local", value)
 
@@ -591,6 +599,7 @@ class _Schedule:
         self.graph = graph
         self.cost = cost
         self.machine = cost.machine
+        self.handoff = handoff_time(cost)
         self.devices = list(devices)
         self.insertion = insertion
         self.rank_of = {d.name: i for i, d in enumerate(self.machine.devices)}
@@ -727,8 +736,10 @@ class _Schedule:
         ix, device_of, ready = self.index, self.device, self.ready
         for v in self.ins[node]:
             src = device_of[v]
-            if src == device or route(v, src, device, ix) != "copy":
+            if src == device:
                 t = ready[v]
+            elif route(v, src, device, ix) == "event":
+                t = ready[v] + self.handoff  # another worker's thread must wake this one
             else:
                 t = self.arrival.get((v, where))  # type: ignore[assignment]
                 if t is None:
@@ -818,7 +829,7 @@ class _Schedule:
         base = _alias_base(node)
         if base is not None:
             self.owner[node] = self.owner[base]
-        elif _moved_by_copy(node, self.device):
+        elif moved_by_copy(node, self.device):
             self.owner[node] = self.owner[node.args[0]]
         else:
             self.owner[node] = node

@@ -3,7 +3,8 @@
 Policy (a discrete-event loop; no threads, no CUDA)
 - Each device's program runs its steps in order on its lane (``cpu:N``, or ``cuda:N/compute``).
   A Run starts when the program reaches it and takes ``place.op_time``; a Wait holds the program
-  until its event has fired; Record fires its event when its value is ready; Free takes no time.
+  until its event has fired; Record fires its event a thread hand-off after its value is ready
+  (``place.handoff_time``); Free takes no time.
 - A Send does not hold its program: the copy joins its copy lane (e.g. ``cuda:0/d2h``). Each copy
   lane serves its copies in event order, each from max(value ready, lane free), for
   ``cost.transfer_time``; the copy's event fires when it lands.
@@ -34,6 +35,7 @@ from .place import (
     GraphIndex,
     compute_lane,
     gc_paused,
+    handoff_time,
     home_device,
     op_time,
     owns_storage,
@@ -59,6 +61,7 @@ class _Sim:
     def __init__(self, plan: Plan, cost: Any) -> None:
         self.plan = plan
         self.cost = cost
+        self.handoff = handoff_time(cost)
         self.device_of = plan.placement.device
         self.index = GraphIndex.of(plan.graph)
         self.programs = plan.programs
@@ -110,7 +113,8 @@ class _Sim:
                 self.issued[step.event] = (step, ready)
                 self._serve(step.lane)
             elif isinstance(step, Record):
-                self._fire(step.event, self._value_ready(step.value, device, step))
+                self._fire(step.event,
+                           self._value_ready(step.value, device, step) + self.handoff)
             elif not isinstance(step, Free):
                 raise TypeError(f"unknown plan step {step!r} in the program of {device}")
             self.pc[device] += 1

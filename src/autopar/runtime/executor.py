@@ -38,8 +38,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..graph import Node, op_name
-from ..place import GraphIndex, route
-from ..place import _moved_by_copy as moved_by_copy
+from ..place import GraphIndex, moved_by_copy, route
 from ..plan import Plan, Run
 from ..timeline import Span, Timeline
 from .codegen import Program, SlotTable, build_program
