@@ -238,8 +238,16 @@ def trace_fake(fn: Callable, args: Sequence[Any], inputs_on: str | None = None,
                          record_stack_traces=True)
     except TypeError:  # torch without record_stack_traces
         traced = make_fx(torch.func.functionalize(flat), tracing_mode="fake")
-    with mode, torch.no_grad():  # forward only: autograd can't build on fake GPU tensors here
-        gm = traced(*fake_args)
+    try:
+        with mode, torch.no_grad():  # forward only: autograd can't build on fake GPU tensors
+            gm = traced(*fake_args)
+    except Exception as e:  # data-dependent ops, backward(), device code fake tensors can't take
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise Unsupported(
+            f"can't trace {getattr(fn, '__name__', type(fn).__name__)} without running it: "
+            f"{type(e).__name__}: {first} (explain traces the forward pass with fake inputs; "
+            "data-dependent values such as tensor slice bounds or .item(), and backward(), "
+            "need a real run)") from e
     graph, constants = from_fx(gm, name or getattr(fn, "__name__", type(fn).__name__))
     if constants:
         log.info("autopar: %d tensor constants in %s are graph inputs", len(constants), graph.name)

@@ -33,6 +33,7 @@ def explain(
 ) -> None:
     """Explain how autopar would place FUNC's ops on a machine: a table of ops, devices,
     predicted times and reasons; predicted time against eager's; the critical path."""
+    from autopar.capture import Unsupported
     from autopar.explain import explain as run_explain
     from autopar.userfile import UserFileError, example_args, load_module, needs_args
 
@@ -47,7 +48,7 @@ def explain(
             raise UserFileError(f"{path} has no function {func!r}")
         args = example_args(module, path, func, provider=inputs) if needs_args(fn) else ()
         report = run_explain(fn, *args, machine=machine, policy=policy, inputs_on=inputs_on)
-    except (UserFileError, ValueError) as e:
+    except (UserFileError, Unsupported, ValueError) as e:
         typer.echo(f"autopar explain: {e}", err=True)
         raise typer.Exit(2) from None
     written = []
