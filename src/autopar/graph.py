@@ -23,6 +23,7 @@ Policy and invariants
 from __future__ import annotations
 
 import operator
+import textwrap
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -446,7 +447,8 @@ class Graph:
             if n.source:
                 cols.append(f"# {n.source}")
             lines.append("  ".join(cols))
-        lines.append(f"  return ({', '.join(arg(o) for o in self.outputs)})")
+        lines += textwrap.wrap(f"return ({', '.join(arg(o) for o in self.outputs)})", width=96,
+                               initial_indent="  ", subsequent_indent="          ")
         lines.append(f"  # {self.totals()}")
         return "\n".join(lines)
 
