@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from .units import fmt_seconds
 from .workloads import SIZES, WORKLOADS, Workload, home_of, select
 
 __all__ = ["SCHEMA", "VARIANTS", "Cell", "Context", "Report", "Row", "Simulated", "Stats",
@@ -276,14 +277,14 @@ class Report:
                 continue
             eager = row.cells.get("eager")
             if eager and eager.ok and auto.median_s > TOLERANCE * eager.median_s:
-                out.append(f"{row.workload}: autopar {_fmt_s(auto.median_s)} is more than 5% "
-                           f"slower than eager {_fmt_s(eager.median_s)}")
+                out.append(f"{row.workload}: autopar {fmt_seconds(auto.median_s)} is more than 5% "
+                           f"slower than eager {fmt_seconds(eager.median_s)}")
             if not row.hand_goal or row.best() == "autopar":
                 continue
             hand = row.cells.get("hand")
             if hand and hand.ok and auto.median_s > TOLERANCE * hand.median_s:
-                out.append(f"{row.workload}: autopar {_fmt_s(auto.median_s)} is not within 5% "
-                           f"of hand-tuned {_fmt_s(hand.median_s)}")
+                out.append(f"{row.workload}: autopar {fmt_seconds(auto.median_s)} is not within 5% "
+                           f"of hand-tuned {fmt_seconds(hand.median_s)}")
         return out
 
     # -- views ---------------------------------------------------------------------------------
@@ -320,7 +321,7 @@ class Report:
                     texts.append(cell.skipped)
                 else:
                     speedup = row.speedup(v)
-                    texts.append(_fmt_s(cell.median_s) + (
+                    texts.append(fmt_seconds(cell.median_s) + (
                         f"{sep}×{speedup:.2f}" if v != "eager" and speedup else ""))
             auto = row.cells.get("autopar")
             texts.append(_compact_devices(auto.devices) if auto and auto.ok else "")
@@ -331,8 +332,8 @@ class Report:
                 elif s.error:
                     texts.append("n/a " + mark(f"{row.workload} simulated", s.error))
                 else:
-                    texts.append(f"{_fmt_s(s.eager_predicted_s)} → {_fmt_s(s.predicted_s)}"
-                                 f"{sep}×{s.speedup:.2f}")
+                    texts.append(f"{fmt_seconds(s.eager_predicted_s)} → "
+                                 f"{fmt_seconds(s.predicted_s)}{sep}×{s.speedup:.2f}")
             grid.append(texts)
         lines = [f"({i}) {', '.join(where)}: {msg}" for i, (msg, where)
                  in enumerate(notes.items(), 1)]
@@ -394,14 +395,6 @@ def _compact_devices(devices: str) -> str:
     return " ".join(f"{k}:{','.join(i)}" if any(i) else k for k, i in groups.items())
 
 
-def _fmt_s(s: float | None) -> str:
-    if s is None:
-        return "—"
-    if s < 1e-3:
-        return f"{s * 1e6:.3g} µs"
-    if s < 1:
-        return f"{s * 1e3:.3g} ms"
-    return f"{s:.3g} s"
 
 
 def _short(e: BaseException, limit: int = 100) -> str:

@@ -64,6 +64,7 @@ from autopar.machine import (
     host_info,
     link_key,
 )
+from autopar.units import fmt_seconds
 
 __all__ = ["MODES", "Progress", "calibrate", "console_progress", "profile_tables"]
 
@@ -583,10 +584,6 @@ def _si(x: float, unit: str) -> str:
     return f"{x:.3g} {unit}"
 
 
-def _us(s: float) -> str:
-    if s >= 1:
-        return f"{s:.3g} s"
-    return f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} µs"
 
 
 def profile_tables(profile: Profile) -> list[Any]:
@@ -605,13 +602,13 @@ def profile_tables(profile: Profile) -> list[Any]:
 
     rows: list[tuple[str, Callable[[DeviceProfile], str]]] = [
         ("model", lambda d: d.model),
-        ("launch", lambda d: _us(d.launch_s)),
-        ("min kernel", lambda d: _us(d.min_kernel_s)),
+        ("launch", lambda d: fmt_seconds(d.launch_s)),
+        ("min kernel", lambda d: fmt_seconds(d.min_kernel_s)),
         *((f"matmul {dt}", lambda d, dt=dt: rate(d, dt))
           for dt in ("float32", "tf32", "float16", "bfloat16", "float64")),
-        ("launch matmul", lambda d: _us(d.launch("matmul"))),
+        ("launch matmul", lambda d: fmt_seconds(d.launch("matmul"))),
         ("read bandwidth", lambda d: _si(d.mem_bw, "B/s")),
-        ("write 64 MiB", lambda d: _us(d.write_time(2**26))),
+        ("write 64 MiB", lambda d: fmt_seconds(d.write_time(2**26))),
         ("usable memory", lambda d: _si(d.memory_bytes, "B")),
         ("threads / SMs", lambda d: str(d.threads or d.sm_count)),
     ]
@@ -623,14 +620,14 @@ def profile_tables(profile: Profile) -> list[Any]:
         for col in ("link", "latency", "bandwidth", "64 KiB", "4 MiB", "64 MiB"):
             links.add_column(col, justify="left" if col == "link" else "right")
         for key, k in sorted(profile.links.items()):
-            links.add_row(key, _us(k.latency_s), _si(k.bandwidth, "B/s"),
-                          *(_us(k.time(n)) for n in (2**16, 2**22, 2**26)))
+            links.add_row(key, fmt_seconds(k.latency_s), _si(k.bandwidth, "B/s"),
+                          *(fmt_seconds(k.time(n)) for n in (2**16, 2**22, 2**26)))
         tables.append(links)
     misc = Table(title="machine-wide")
     misc.add_column("cost")
     misc.add_column("time", justify="right")
-    misc.add_row("host sync (idle device)", _us(profile.host_sync_s))
-    misc.add_row("event record + wait / worker hand-off", _us(profile.event_wait_s))
-    misc.add_row("view op (host)", _us(profile.view_s))
+    misc.add_row("host sync (idle device)", fmt_seconds(profile.host_sync_s))
+    misc.add_row("event record + wait / worker hand-off", fmt_seconds(profile.event_wait_s))
+    misc.add_row("view op (host)", fmt_seconds(profile.view_s))
     tables.append(misc)
     return tables

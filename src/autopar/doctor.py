@@ -101,6 +101,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .cost import CostModel
 from .graph import Graph, Node, TensorMeta, op_kind, op_name
 from .machine import Machine, load_machine
+from .units import fmt_bytes, fmt_seconds
 from .userfile import UserFileError, example_args, load_module, needs_args, targets
 
 __all__ = ["FIXES", "DoctorError", "DoctorReport", "Finding", "doctor", "doctor_file"]
@@ -195,13 +196,13 @@ class DoctorReport:
         where = f"  ({_short_path(self.source)})" if self.source else ""
         lines = [f"autopar doctor: {self.target}{where}",
                  f"machine {self.machine}" + ("  [simulated]" if self.simulated else ""),
-                 f"{self.calls} watched calls; {_fmt_s(self.time_per_call_s)} per call "
+                 f"{self.calls} watched calls; {fmt_seconds(self.time_per_call_s)} per call "
                  f"({self.time_note})"]
         if self.findings:
             n = len(self.findings)
             lines.append(f"{n} finding{'s' if n > 1 else ''}; fixing "
                          f"{'them all' if n > 1 else 'it'} saves about "
-                         f"{_fmt_s(self.saving_s)} per call (estimated)")
+                         f"{fmt_seconds(self.saving_s)} per call (estimated)")
         else:
             lines.append("no hazards found")
         for note in self.notes:
@@ -216,8 +217,8 @@ class DoctorReport:
                 lines.append(f"      {f.code}")
             lines += [
                 f"    {f.message}",
-                f"    cost {_fmt_s(f.cost_s)} per call ({f.cost_source}); "
-                f"saves about {_fmt_s(f.saving_s)} per call",
+                f"    cost {fmt_seconds(f.cost_s)} per call ({f.cost_source}); "
+                f"saves about {fmt_seconds(f.saving_s)} per call",
                 f"    fix: {f.fix}",
             ]
         return "\n".join(lines)
@@ -226,12 +227,6 @@ class DoctorReport:
         return self.to_text()
 
 
-def _fmt_s(s: float) -> str:
-    if s >= 1.0:
-        return f"{s:.3g} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.3g} ms"
-    return f"{s * 1e6:.3g} µs"
 
 
 def _fmt_count(n: float) -> str:
@@ -749,7 +744,7 @@ class _Watch:
             how = ("non_blocking=True into pageable memory: it blocks the host anyway"
                    if non_blocking else "blocking, staged through a bounce buffer")
             self.emit(kind, sub, src, elapsed if real else cost, real, max(0.0, cost - pinned_s),
-                      f"{op_name(func)} copies {_fmt_bytes(nbytes)} from {src} into pageable host "
+                      f"{op_name(func)} copies {fmt_bytes(nbytes)} from {src} into pageable host "
                       f"memory ({how})", op_name(func))
         s = _storage(src_t)
         origin = self.copied.get(s) if s is not None else None
@@ -813,8 +808,8 @@ class _Watch:
         if t_cpu >= t_gpu:
             return False
         self.emit("tiny-gpu-op", "", device, t_gpu, False, t_gpu - t_cpu,
-                  f"{op_name(func)} on {_shapes(node)}: {_fmt_s(t_gpu)} on {device}, "
-                  f"{_fmt_s(t_cpu)} on the host"
+                  f"{op_name(func)} on {_shapes(node)}: {fmt_seconds(t_gpu)} on {device}, "
+                  f"{fmt_seconds(t_cpu)} on the host"
                   + (" counting the copy of its inputs back" if back else ""), op_name(func))
         return not back
 
@@ -836,11 +831,6 @@ def _shapes(node: Node) -> str:
     return ", ".join(str(m) for i in node.inputs for m in i.tensor_metas)
 
 
-def _fmt_bytes(n: int) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n} B"
 
 
 # -- the two layers --------------------------------------------------------------------------

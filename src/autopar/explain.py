@@ -25,6 +25,7 @@ from .place import Placement, place
 from .plan import Plan, make_plan
 from .simulate import simulate
 from .timeline import Timeline
+from .units import fmt_seconds
 
 __all__ = ["ExplainReport", "Row", "critical_path", "explain", "explain_graph"]
 
@@ -86,14 +87,15 @@ class ExplainReport:
             table.add_column(col, overflow="fold")
         for r in self.rows[:max_rows]:
             table.add_row(r.op, r.shapes, r.device,
-                          *[_fmt_s(r.times.get(d)) for d in devices], r.why)
+                          *[fmt_seconds(r.times.get(d)) for d in devices], r.why)
         buf = StringIO()
         console = Console(file=buf, width=160, force_terminal=False)
         console.print(table)
         if len(self.rows) > max_rows:
             console.print(f"... {len(self.rows) - max_rows} more ops (use --json for all)")
         console.print(
-            f"predicted {_fmt_s(self.predicted_s)} vs eager {_fmt_s(self.eager_predicted_s)}: "
+            f"predicted {fmt_seconds(self.predicted_s)} vs eager "
+            f"{fmt_seconds(self.eager_predicted_s)}: "
             f"{self.speedup:.2f}x; {self.transfers} transfers, "
             f"{self.transfer_bytes / 1e6:.3g} MB moved")
         path = " -> ".join(self.critical_path[:12])
@@ -105,14 +107,6 @@ class ExplainReport:
         return self.to_text()
 
 
-def _fmt_s(s: float | None) -> str:
-    if s is None:
-        return "-"
-    if s >= 1:
-        return f"{s:.3g} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.3g} ms"
-    return f"{s * 1e6:.3g} us"
 
 
 def _shapes(node: Node) -> str:

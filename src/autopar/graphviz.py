@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .graph import Node, op_name
 from .place import Placement
+from .units import fmt_bytes
 
 __all__ = ["render", "to_dot"]
 
@@ -79,7 +80,7 @@ def to_dot(placement: Placement, critical: list[Node] = (), max_nodes: int = 80)
     for (a, b), moved in edges.items():
         style = []
         if moved >= 0:
-            style += [f'label="{_fmt_bytes(moved)}"', "style=bold", 'color="#6c757d"']
+            style += [f'label="{fmt_bytes(moved)}"', "style=bold", 'color="#6c757d"']
         if a in on_path and b in on_path:
             style += ['color="#d62828"', "penwidth=2.5"]
         lines.append(f"  g{a} -> g{b}" + (f" [{', '.join(style)}]" if style else "") + ";")
@@ -89,11 +90,6 @@ def to_dot(placement: Placement, critical: list[Node] = (), max_nodes: int = 80)
     return "\n".join(lines)
 
 
-def _fmt_bytes(n: int) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n} B"
 
 
 def render(placement: Placement, path: str | Path, critical: list[Node] = (),

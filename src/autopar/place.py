@@ -83,6 +83,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .graph import Graph, Node, op_kind, op_name
+from .units import fmt_bytes, fmt_seconds
 
 __all__ = [
     "POLICIES",
@@ -367,21 +368,8 @@ def storage_of(value: Node, in_pool: str, device_of: dict[Node, str]) -> Storage
     return ("local", value)
 
 
-def _fmt_s(seconds: float) -> str:
-    if seconds >= 1:
-        return f"{seconds:.3g} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.3g} ms"
-    if seconds >= 1e-6:
-        return f"{seconds * 1e6:.3g} µs"
-    return f"{seconds * 1e9:.3g} ns"
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{int(n)} B"
 
 
 # -- the result ---------------------------------------------------------------------------
@@ -421,7 +409,7 @@ class Placement:
 
     def __str__(self) -> str:
         head = (f"placement {self.graph.name} ({self.policy}, predicted "
-                f"{_fmt_s(self.predicted_s)})")
+                f"{fmt_seconds(self.predicted_s)})")
         return head + "\n" + self.graph.format(
             annotate=lambda n: f"@ {self.device[n]}  ({self.notes.get(n, '')})")
 
@@ -990,15 +978,15 @@ def _choose_heft(sched: _Schedule, node: Node) -> tuple[_Trial, str]:
     others = [(t.finish, t.device, "") for t in tried if t is not best]
     others += [(bound, d, "≥ ") for bound, _, d in bounds]
     finish, other, at_least = min(others)
-    note = (f"fastest finish: {best.device} {_fmt_s(best.finish)} vs {other} "
-            f"{at_least}{_fmt_s(finish)}")
+    note = (f"fastest finish: {best.device} {fmt_seconds(best.finish)} vs {other} "
+            f"{at_least}{fmt_seconds(finish)}")
     if full:
         note += f"; no room: {_room(full)}"
     return best, note
 
 
 def _room(over: list[tuple[str, int]]) -> str:
-    return ", ".join(f"{where} would need {_fmt_bytes(need)}" for where, need in over)
+    return ", ".join(f"{where} would need {fmt_bytes(need)}" for where, need in over)
 
 
 def _choose_single(sched: _Schedule, node: Node) -> tuple[_Trial, str]:
@@ -1114,8 +1102,8 @@ def _place(graph: Graph, cost: Any, policy: str, chosen: list[str],
     eager = _run(graph, cost, "single", chosen, limits, index)
     if eager.makespan() < heft.makespan() and eager.allowed(chosen) and eager.fits():
         kept = eager.placement("heft")
-        why = (f"eager placement kept: predicted {_fmt_s(eager.makespan())} vs HEFT's "
-               f"{_fmt_s(heft.makespan())}")
+        why = (f"eager placement kept: predicted {fmt_seconds(eager.makespan())} vs HEFT's "
+               f"{fmt_seconds(heft.makespan())}")
         notes = {n: (why if not n.is_input else kept.notes[n]) for n in graph.nodes}
         return Placement(graph, kept.device, kept.order, "heft", notes, kept.predicted_s,
                          kept.slots)

@@ -1,0 +1,112 @@
+"""explain (library and CLI) and its views: Chrome trace, Gantt PNG, placed-graph DOT."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import typer
+from typer.testing import CliRunner
+
+import autopar
+from autopar.capture import Unsupported
+from autopar.commands.explain import explain as explain_command
+from autopar.graphviz import to_dot
+from autopar.trace import save_gantt, to_chrome_trace
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def two_chains(x1, x2, n: int = 8):
+    return [x1.mm(x1) for _ in range(n)], [x2.mm(x2) for _ in range(n)]
+
+
+def big() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.rand(4000, 4000), torch.rand(4000, 4000)
+
+
+def test_two_chains_written_for_one_gpu_are_split_over_two():
+    report = autopar.explain(two_chains, *big(), machine="h200x2", inputs_on="cuda:0")
+    devices = {row.device for row in report.rows}
+    assert devices == {"cuda:0", "cuda:1"}
+    assert all(row.op == "aten.mm" and row.eager_device == "cuda:0" for row in report.rows)
+    assert report.speedup >= 1.9
+    assert report.eager_predicted_s == pytest.approx(report.eager_timeline.makespan)
+    data = json.loads(report.to_json())
+    assert {"predicted_s", "eager_predicted_s", "speedup", "rows"} <= set(data)
+    assert {"op", "device"} <= set(data["rows"][0])
+
+
+def test_a_tiny_matmul_with_host_inputs_stays_on_the_host():
+    def tiny(a, b):
+        return a @ b
+
+    report = autopar.explain(tiny, torch.rand(5, 10), torch.rand(10, 5), machine="h200x2")
+    assert [row.device for row in report.rows] == ["cpu:0"]
+    assert report.transfers == 0
+
+
+def test_explain_rejects_bad_input_clearly():
+    with pytest.raises(ValueError, match=r"inputs_on='cuda:7' is not a device of h200x2"):
+        autopar.explain(two_chains, *big(), machine="h200x2", inputs_on="cuda:7")
+    with pytest.raises(ValueError, match="unknown machine 'h300'"):
+        autopar.explain(two_chains, *big(), machine="h300")
+
+    def w1(A, r0, r1):
+        return A[r0:r1]  # tensor-valued bounds: data-dependent, can't be traced without running
+
+    with pytest.raises(Unsupported, match="can't trace w1 without running it"):
+        autopar.explain(w1, torch.rand(8, 8), torch.tensor(1), torch.tensor(3),
+                        machine="h200x2", inputs_on="cuda:0")
+
+
+def test_chrome_trace_has_lanes_copies_with_bandwidth_and_flow_arrows():
+    report = autopar.explain(two_chains, *big(), machine="h200x2", inputs_on="cuda:0")
+    trace = to_chrome_trace(report.timeline, report.plan.graph)
+    events = trace["traceEvents"]
+    threads = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert {"cuda:0/compute", "cuda:1/compute", "cuda:0/peer", "cuda:1/peer"} <= threads
+    copies = [e for e in events if e.get("cat") == "copy"]
+    assert copies and all(e["args"]["bytes"] == 4000 * 4000 * 4 for e in copies)
+    assert all(e["args"]["GB/s"] > 0 for e in copies)
+    starts = [e for e in events if e.get("ph") == "s"]
+    ends = [e for e in events if e.get("ph") == "f"]
+    assert starts and {e["id"] for e in starts} == {e["id"] for e in ends}
+    json.dumps(trace)  # serializable
+
+
+def test_gantt_png_and_placed_graph_dot(tmp_path):
+    report = autopar.explain(two_chains, *big(), machine="h200x2", inputs_on="cuda:0")
+    png = save_gantt(report.timeline, tmp_path / "w4.png", predicted=report.eager_timeline)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    dot = to_dot(report.plan.placement, report.critical_nodes)
+    assert dot.startswith('digraph "two_chains"')
+    assert dot.count("cuda:1") >= 8 and "penwidth=3" in dot  # one node per op; critical path
+    collapsed = to_dot(report.plan.placement, max_nodes=4)
+    assert "aten.mm x8" in collapsed  # a run of 8 matmuls on one device becomes one box
+
+
+def test_cli_explains_a_file_as_json_and_writes_views(tmp_path):
+    app = typer.Typer()
+    app.command()(explain_command)
+    trace, png, dot = tmp_path / "t.json", tmp_path / "t.png", tmp_path / "g.dot"
+    result = CliRunner().invoke(app, [
+        f"{EXAMPLES / 'two_chains.py'}:two_chains", "--machine", "h200x2", "--inputs-on",
+        "cuda:0", "--json", "--trace", str(trace), "--png", str(png), "--graph", str(dot)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["speedup"] >= 1.9 and len(data["rows"]) == 100
+    assert json.loads(trace.read_text())["traceEvents"]
+    assert png.exists() and dot.read_text().startswith("digraph")
+
+
+def test_cli_says_what_is_wrong():
+    app = typer.Typer()
+    app.command()(explain_command)
+    runner = CliRunner()
+    result = runner.invoke(app, ["no_colon.py"])
+    assert result.exit_code != 0 and "FILE.py:FUNC" in result.output
+    result = runner.invoke(app, [f"{EXAMPLES / 'two_chains.py'}:missing", "--machine", "h200x2"])
+    assert result.exit_code == 2 and "has no function 'missing'" in result.output
