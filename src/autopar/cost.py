@@ -53,7 +53,13 @@ from typing import Any
 import torch
 
 from autopar.graph import Node, TensorMeta, op_name
-from autopar.machine import Device, DeviceProfile, Machine, _write_json_atomic
+from autopar.machine import (
+    Device,
+    DeviceProfile,
+    Machine,
+    _write_json_atomic,
+    check_envelope,
+)
 
 __all__ = ["CostModel", "History", "HistoryStats", "OpCost"]
 
@@ -150,14 +156,7 @@ class History:
     @staticmethod
     def from_json(data: Any, fingerprint: str | None = None) -> History:
         """Parse; raise ValueError saying what is wrong (corrupt, foreign, other version)."""
-        if not isinstance(data, dict) or data.get("format") != _HISTORY_FORMAT:
-            raise ValueError("not an autopar history (no \"format\": \"autopar-history\")")
-        if data.get("version") != _HISTORY_VERSION:
-            raise ValueError(f"history version {data.get('version')!r}, this autopar reads "
-                             f"version {_HISTORY_VERSION}")
-        if fingerprint is not None and data.get("fingerprint") != fingerprint:
-            raise ValueError(f"history of another host ({data.get('fingerprint')!r}, this host "
-                             f"is {fingerprint!r})")
+        check_envelope(data, "history", _HISTORY_FORMAT, _HISTORY_VERSION, fingerprint)
         h = History(int(data.get("min_samples", 3)), int(data.get("max_samples", 64)),
                     str(data.get("fingerprint", "")))
         entries = data.get("entries")

@@ -72,6 +72,7 @@ __all__ = [
     "Profile",
     "ProfileError",
     "cache_dir",
+    "check_envelope",
     "default_profile",
     "detect",
     "fingerprint_of",
@@ -92,6 +93,20 @@ _FORMAT = "autopar-profile"
 
 Curve = tuple[tuple[float, float], ...]
 """Measured ``(size, rate)`` points, sorted by size: FLOPs -> FLOP/s, or bytes -> bytes/s."""
+
+
+def check_envelope(data: Any, what: str, fmt: str, version: int, fingerprint: str | None,
+                   error: type[ValueError] = ValueError) -> None:
+    """Refuse a JSON file that is not ours (``format``), of another schema ``version``, or, when
+    ``fingerprint`` is given, of another host; the message says which."""
+    if not isinstance(data, dict) or data.get("format") != fmt:
+        raise error(f"not an autopar {what} (no \"format\": \"{fmt}\")")
+    if data.get("version") != version:
+        raise error(f"{what} schema version {data.get('version')!r}, this autopar reads "
+                    f"version {version}")
+    if fingerprint is not None and data.get("fingerprint") != fingerprint:
+        raise error(f"{what} of another host (fingerprint {data.get('fingerprint')!r}, this "
+                    f"host is {fingerprint!r})")
 
 
 class ProfileError(ValueError):
@@ -371,14 +386,7 @@ class Profile:
 
         ``fingerprint``: when given, a profile of another host is refused as foreign.
         """
-        if not isinstance(data, dict) or data.get("format") != _FORMAT:
-            raise ProfileError("not an autopar profile (no \"format\": \"autopar-profile\")")
-        if data.get("version") != SCHEMA_VERSION:
-            raise ProfileError(f"profile schema version {data.get('version')!r}, this autopar "
-                               f"reads version {SCHEMA_VERSION}")
-        if fingerprint is not None and data.get("fingerprint") != fingerprint:
-            raise ProfileError(f"profile of another host (fingerprint {data.get('fingerprint')!r},"
-                               f" this host is {fingerprint!r})")
+        check_envelope(data, "profile", _FORMAT, SCHEMA_VERSION, fingerprint, ProfileError)
         try:
             devices = {k: _device_from_json(v) for k, v in data["devices"].items()}
             links = {k: LinkProfile(_pos(v["latency_s"], "latency_s", zero_ok=True),

@@ -56,11 +56,25 @@ def _is_cpu(device: str) -> bool:
     return device.startswith("cpu")
 
 
-class _Streams:
-    """Side streams of one GPU, created once per process."""
+class _PerDevice:
+    """Base of objects kept one per device for the whole process, made on first use."""
 
-    _by_device: ClassVar[dict[str, _Streams]] = {}
+    _instances: ClassVar[dict[str, Any]]
     _lock = threading.Lock()
+
+    def __init_subclass__(cls) -> None:
+        cls._instances = {}
+
+    @classmethod
+    def of(cls, device: str) -> Any:
+        with cls._lock:
+            if device not in cls._instances:
+                cls._instances[device] = cls(device)
+            return cls._instances[device]
+
+
+class _Streams(_PerDevice):
+    """Side streams of one GPU, created once per process."""
 
     def __init__(self, device: str) -> None:
         dev = torch.device(device)
@@ -68,13 +82,6 @@ class _Streams:
         self.d2h = torch.cuda.Stream(dev)
         self.peer = torch.cuda.Stream(dev)
         self.peer_in = torch.cuda.Stream(dev)
-
-    @classmethod
-    def of(cls, device: str) -> _Streams:
-        with cls._lock:
-            if device not in cls._by_device:
-                cls._by_device[device] = _Streams(device)
-            return cls._by_device[device]
 
 
 class _Call:
@@ -208,24 +215,14 @@ class _Call:
         return out
 
 
-class _Worker:
+class _Worker(_PerDevice):
     """A daemon thread that runs programs for one device, one call at a time."""
-
-    _by_device: ClassVar[dict[str, _Worker]] = {}
-    _lock = threading.Lock()
 
     def __init__(self, device: str) -> None:
         self.device = device
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, name=f"autopar-{device}", daemon=True)
         self.thread.start()
-
-    @classmethod
-    def of(cls, device: str) -> _Worker:
-        with cls._lock:
-            if device not in cls._by_device:
-                cls._by_device[device] = _Worker(device)
-            return cls._by_device[device]
 
     def _loop(self) -> None:
         if not _is_cpu(self.device):
