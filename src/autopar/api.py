@@ -5,7 +5,8 @@ Policy
   string or a device this machine doesn't have raises at ``autopar.compile`` time with a message
   that says what was wrong and what to write instead.
 - ``devices="auto"`` means every GPU of this machine plus the host; a CPU-only machine gets two
-  logical CPU workers (``cpu:0``, ``cpu:1``) when it has at least two cores.
+  logical CPU workers (``cpu:0``, ``cpu:1``) from four cores up
+  (:func:`autopar.machine.default_cpu_workers` says why not below).
 - The compiled callable is ``torch.compile(fn, backend=<autopar>, dynamic=False)``: every graph
   dynamo captures goes through :func:`make_runner` (place, plan, run); anything autopar can't
   represent runs eagerly for that graph (see :mod:`autopar.capture`).
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from .graph import Graph
+from .machine import default_cpu_workers
 
 __all__ = ["Options", "compile", "parse_devices"]
 
@@ -33,10 +35,6 @@ _DEVICE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
 MAX_CPU_WORKERS = 64
 
 
-def _cpu_workers_default() -> int:
-    return 2 if (os.cpu_count() or 1) >= 2 else 1
-
-
 def parse_devices(devices: str | Sequence[str] | None) -> tuple[str, ...]:
     """Normalize a device spec to a tuple of autopar device names, checking they exist.
 
@@ -45,7 +43,8 @@ def parse_devices(devices: str | Sequence[str] | None) -> tuple[str, ...]:
     """
     if devices is None or devices == "auto":
         gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-        cpus = [f"cpu:{i}" for i in range(1 if gpus else _cpu_workers_default())]
+        workers = 1 if gpus else default_cpu_workers(os.cpu_count() or 1)
+        cpus = [f"cpu:{i}" for i in range(workers)]
         return tuple(cpus + gpus)
     if isinstance(devices, str):
         items = [d.strip() for d in devices.split(",") if d.strip()]

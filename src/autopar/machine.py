@@ -73,6 +73,7 @@ __all__ = [
     "ProfileError",
     "cache_dir",
     "check_envelope",
+    "default_cpu_workers",
     "default_profile",
     "detect",
     "fingerprint_of",
@@ -522,8 +523,13 @@ def _devices(cpu_workers: int, n_gpus: int) -> tuple[Device, ...]:
                  + [Device(f"cuda:{i}", "cuda", i) for i in range(n_gpus)])
 
 
-def _default_workers(cores: int) -> int:
-    return 2 if cores >= 2 else 1
+def default_cpu_workers(cores: int) -> int:
+    """Logical CPU workers when the user names none: two from 4 cores up, else one.
+
+    On 2 cores, torch's intra-op threads already use both for any sizeable op, and two Python
+    threads dispatching ATen ops measured 0.75x of eager on two independent branches
+    (``benchmarks/cpu_branches.py``): a second worker does not pay there."""
+    return 2 if cores >= 4 else 1
 
 
 # -- host discovery and fingerprint ----------------------------------------------------------
@@ -839,7 +845,7 @@ def preset(name: str, cpu_workers: int | None = None) -> Machine:
     if spec is None:
         raise ValueError(f"unknown machine preset {name!r}; valid names: {sorted(PRESETS)} "
                          "(or \"auto\" for this host)")
-    workers = _default_workers(spec.cores) if cpu_workers is None else cpu_workers
+    workers = default_cpu_workers(spec.cores) if cpu_workers is None else cpu_workers
     devices = _devices(workers, spec.n_gpus)
     profiles = {"cpu": _host_profile(spec.cpu_model, spec.cores, spec.host_scale,
                                      spec.host_memory)}
@@ -927,7 +933,7 @@ def _machine_for(profile: Profile, host: Mapping[str, Any], n_gpus: int,
                  path: Path | None) -> Machine:
     # the threads torch computes with when calibrating; the host's cores if nothing was measured
     cores = profile.device("cpu").threads or int(host.get("cores", 1))
-    workers = _default_workers(cores) if cpu_workers is None else cpu_workers
+    workers = default_cpu_workers(cores) if cpu_workers is None else cpu_workers
     name = socket.gethostname() or "this host"
     return Machine(name=name, devices=_devices(workers, n_gpus), profile=profile,
                    peer_pairs=peers, cores=cores, profile_path=path)
