@@ -104,14 +104,15 @@ class _Emitter:
 
 def build_program(device: str, steps: list[Step], slots: SlotTable,
                   source_of: Callable[[Node, str], str], moved_by_send: set[Node],
-                  traced: bool = False) -> Program:
+                  traced: bool = False, eager_devices: bool = False) -> Program:
     """Compile ``steps`` of ``device`` into a Python function ``program(env, rt)``.
 
     ``source_of(value, device)``: the device whose slot a reader on ``device`` takes ``value``
     from (its own, after a copy; the producer's, for values shared without a copy).
     ``moved_by_send``: pure-move ``_to_copy`` nodes whose work the Send already did (see the
     module docstring). ``traced``: also time every op (``rt.begin`` / ``rt.end``: host clock on
-    CPU workers, CUDA events on GPUs), for measured Timelines.
+    CPU workers, CUDA events on GPUs), for measured Timelines. ``eager_devices``: keep every
+    op's own ``device=`` argument (the sequential runner: ops run where eager runs them).
     """
     em = _Emitter(device, slots, source_of)
     lane = device if device.startswith("cpu") else f"{device}/compute"
@@ -125,7 +126,7 @@ def build_program(device: str, steps: list[Step], slots: SlotTable,
                         "moved by its send", step)
                 continue
             kwargs = dict(node.kwargs)
-            if "device" in kwargs:
+            if "device" in kwargs and not eager_devices:
                 kwargs["device"] = torch_device
             op = em.const(node.op)
             args = ", ".join([em.expr(a) for a in node.args]

@@ -1,7 +1,8 @@
 """The reference runner: every op in graph order on the device eager uses, freed at last use.
 
-It is the ground truth the concurrent executor is checked against, and what runs a graph when
-placement is not wanted. No threads, no streams: exactly eager PyTorch's sequence of ATen calls.
+It is what runs a graph when placement fails or is not wanted, and the ground truth the
+concurrent executor is checked against. No threads, no streams: exactly eager PyTorch's sequence
+of ATen calls, compiled once to straight-line code by the executor's own code generator.
 """
 
 from __future__ import annotations
@@ -9,9 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from torch.utils._pytree import tree_map
-
 from ..graph import Graph, Node
+from ..plan import Free, Run, Step
+from .codegen import SlotTable, build_program
+
+_SPACE = "cpu:0"  # one slot space: values stay wherever eager put them
 
 
 class SequentialRunner:
@@ -19,26 +22,28 @@ class SequentialRunner:
 
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
-        last = graph.last_uses()
-        # what to drop after each op: inputs whose last reader is that op
-        self._free_after: dict[Node, list[Node]] = {}
-        for value, user in last.items():
-            if user is not None:
-                self._free_after.setdefault(user, []).append(value)
-        self._inputs = graph.inputs
-        self._ops = graph.ops
+        outputs = set(graph.output_nodes)
+        free_after: dict[Node, list[Node]] = {}
+        for value, user in graph.last_uses().items():
+            if user is not None and value not in outputs:
+                free_after.setdefault(user, []).append(value)
+        steps: list[Step] = []
+        for node in graph.ops:
+            steps.append(Run(node))
+            steps += [Free(v, _SPACE) for v in free_after.get(node, ())]
+        self.slots = SlotTable()
+        self._input_slots = [self.slots(x, _SPACE) for x in graph.inputs]
+        self.program = build_program(_SPACE, steps, self.slots, lambda v, d: _SPACE, set(),
+                                     eager_devices=True)
+        self._outputs = [("slot", self.slots(o, _SPACE)) if isinstance(o, Node) else ("const", o)
+                         for o in graph.outputs]
 
     def __call__(self, args: Sequence[Any]) -> list[Any]:
-        if len(args) != len(self._inputs):
-            raise TypeError(
-                f"graph {self.graph.name} takes {len(self._inputs)} inputs, got {len(args)}")
-        env: dict[Node, Any] = dict(zip(self._inputs, args))
-
-        def lookup(x: Any) -> Any:
-            return env[x] if isinstance(x, Node) else x
-
-        for node in self._ops:
-            env[node] = node.op(*tree_map(lookup, node.args), **tree_map(lookup, node.kwargs))
-            for dead in self._free_after.get(node, ()):
-                env.pop(dead, None)
-        return [lookup(o) for o in self.graph.outputs]
+        if len(args) != len(self._input_slots):
+            raise TypeError(f"graph {self.graph.name} takes {len(self._input_slots)} inputs, "
+                            f"got {len(args)}")
+        env: list[Any] = [None] * len(self.slots)
+        for slot, value in zip(self._input_slots, args):
+            env[slot] = value
+        self.program.fn(env, None)
+        return [env[v] if kind == "slot" else v for kind, v in self._outputs]
