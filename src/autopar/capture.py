@@ -169,7 +169,7 @@ def make_backend(build: GraphRunner, name: str = "autopar") -> Callable:
             try:
                 graph, constants = from_fx(gm, label)
             except Unsupported as e:
-                log.info("autopar: running %s eagerly: %s", label, e)
+                log.warning("autopar: running %s eagerly: %s", label, e)
                 return _eager(gm)
             run = build(graph, phase)
 
@@ -187,12 +187,22 @@ def make_backend(build: GraphRunner, name: str = "autopar") -> Callable:
     )
 
 
+_DEFAULT_BACKEND: list[Callable] = []
+
+
 def autopar_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **options: Any):
-    """The ``torch.compile(fn, backend="autopar")`` entry point, with default options."""
+    """The ``torch.compile(fn, backend="autopar")`` entry point.
+
+    With default options, one runner (one machine and cost model) serves every graph of the
+    process; options given through ``torch.compile(..., options=...)`` get a runner of their own.
+    """
     from .api import Options, make_runner
 
-    runner = make_runner(Options.parse(options))
-    return make_backend(runner)(gm, example_inputs)
+    if options:
+        return make_backend(make_runner(Options.parse(options)))(gm, example_inputs)
+    if not _DEFAULT_BACKEND:
+        _DEFAULT_BACKEND.append(make_backend(make_runner(Options.parse({}))))
+    return _DEFAULT_BACKEND[0](gm, example_inputs)
 
 
 # -- capture without running: for explain on machines that aren't at hand ----------------------
