@@ -110,3 +110,32 @@ def test_cli_says_what_is_wrong():
     assert result.exit_code != 0 and "FILE.py:FUNC" in result.output
     result = runner.invoke(app, [f"{EXAMPLES / 'two_chains.py'}:missing", "--machine", "h200x2"])
     assert result.exit_code == 2 and "has no function 'missing'" in result.output
+
+
+def test_a_training_step_is_explained_by_running_it_once():
+    """backward() can't be traced with fake inputs; run=True captures forward, backward and the
+    optimizer step by running once, and takes CPU values to live on inputs_on."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x, y):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    with pytest.raises(Unsupported, match=r"pass run=True"):
+        autopar.explain(step, x, y, machine="h200x2", inputs_on="cuda:0")
+    torch._dynamo.reset()
+    before = [p.detach().clone() for p in model.parameters()]
+    report = autopar.explain(step, x, y, machine="h200x2", inputs_on="cuda:0", run=True)
+    assert report.captured.startswith("captured by running on this host")
+    graphs = {row.graph for row in report.rows}
+    assert len(graphs) >= 2 and any("backward" in g for g in graphs)
+    assert "aten.nll_loss_backward" in {row.op for row in report.rows}
+    assert {row.eager_device for row in report.rows} == {"cuda:0"}
+    assert report.predicted_s == pytest.approx(report.timeline.makespan)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # it ran

@@ -262,3 +262,47 @@ def trace_fake(fn: Callable, args: Sequence[Any], inputs_on: str | None = None,
     if constants:
         log.info("autopar: %d tensor constants in %s are graph inputs", len(constants), graph.name)
     return graph
+
+
+def capture_by_running(fn: Callable, args: Sequence[Any]) -> list[Graph]:
+    """Capture every graph ``fn(*args)`` makes by running it once, eagerly, through the backend.
+
+    For code :func:`trace_fake` can't follow: values read back from tensors (``.item()``, tensor
+    slice bounds) split it into several graphs, and ``backward()`` and an optimizer step are
+    captured as graphs of their own. The arguments are used as given: it really computes.
+    """
+    from .runtime import SequentialRunner
+
+    graphs: list[Graph] = []
+
+    def record(graph: Graph, phase: str) -> Callable:
+        graphs.append(graph)
+        return SequentialRunner(graph)
+
+    name = getattr(fn, "__name__", type(fn).__name__)
+    torch.compile(fn, backend=make_backend(record, name=name), dynamic=False)(*args)
+    return graphs
+
+
+def relabel_devices(graph: Graph, src: str, dst: str) -> Graph:
+    """Take every value eager put on ``src`` (e.g. "cpu") to live on ``dst`` ("cuda:0"), in place.
+
+    Used to explain CPU-captured code as if it had been written for ``dst``.
+    """
+    from dataclasses import replace
+
+    target = torch.device(dst)
+
+    def moved(meta: Any) -> Any:
+        if isinstance(meta, TensorMeta) and meta.device == src:
+            return replace(meta, device=dst)
+        if isinstance(meta, tuple):
+            return tuple(moved(m) for m in meta)
+        return meta
+
+    for node in graph.nodes:
+        node.meta = moved(node.meta)
+        if isinstance(node.kwargs.get("device"), torch.device) and str(
+                node.kwargs["device"]) == src:
+            node.kwargs = {**node.kwargs, "device": target}
+    return graph

@@ -8,16 +8,21 @@ Policy
   Both plans are simulated under one cost model; the report compares their makespans.
 - The critical path is the longest chain of (op time on its device + transfer time to the next
   op's device) through the placed graph.
+- Code that can't be traced with fake inputs (it reads tensor values, or calls ``backward()``)
+  is, with ``run=True``, captured by running it once on this host; each graph it makes is
+  explained, and the report adds them up in order (graphs run one after another). With
+  ``inputs_on``, values the run put on the CPU are taken to live there instead.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from .capture import trace_fake
+from .capture import Unsupported, capture_by_running, relabel_devices, trace_fake
 from .cost import CostModel
 from .graph import Graph, Node, op_name
 from .machine import Machine, load_machine
@@ -29,9 +34,12 @@ from .units import fmt_seconds
 
 __all__ = ["ExplainReport", "Row", "critical_path", "explain", "explain_graph"]
 
+log = logging.getLogger("autopar")
+
 
 @dataclass
 class Row:
+    graph: str
     node: int
     name: str
     op: str
@@ -58,6 +66,7 @@ class ExplainReport:
     eager_timeline: Timeline = field(repr=False)
     plan: Plan = field(repr=False)
     critical_nodes: list[Node] = field(repr=False, default_factory=list)
+    captured: str = "traced with fake inputs"
 
     @property
     def speedup(self) -> float:
@@ -69,7 +78,7 @@ class ExplainReport:
             "predicted_s": self.predicted_s, "eager_predicted_s": self.eager_predicted_s,
             "speedup": self.speedup, "critical_path": self.critical_path,
             "transfers": self.transfers, "transfer_bytes": self.transfer_bytes,
-            "rows": [asdict(r) for r in self.rows],
+            "captured": self.captured, "rows": [asdict(r) for r in self.rows],
         }
 
     def to_json(self) -> str:
@@ -90,6 +99,7 @@ class ExplainReport:
                           *[fmt_seconds(r.times.get(d)) for d in devices], r.why)
         buf = StringIO()
         console = Console(file=buf, width=160, force_terminal=False)
+        console.print(f"{self.graph_name}: {self.captured}")
         console.print(table)
         if len(self.rows) > max_rows:
             console.print(f"... {len(self.rows) - max_rows} more ops (use --json for all)")
@@ -158,7 +168,7 @@ def explain_graph(graph: Graph, machine: Machine | str | None = None,
     for n in graph.ops:
         times = {d: cost.node_time(n, d) for d in devices if cost.can_run(n, d)}
         rows.append(Row(
-            node=n.id, name=repr(n), op=op_name(n.op), shapes=_shapes(n),
+            graph=graph.name, node=n.id, name=repr(n), op=op_name(n.op), shapes=_shapes(n),
             device=placement.device[n], eager_device=machine.home(n.device or "cpu").name,
             times=times, why=placement.notes.get(n, ""), source=n.source))
     copies = plan.copies()
@@ -173,11 +183,14 @@ def explain_graph(graph: Graph, machine: Machine | str | None = None,
 
 
 def explain(fn: Callable, *args: Any, machine: Machine | str | None = None,
-            policy: str = "heft", inputs_on: str | None = None) -> ExplainReport:
-    """Explain how autopar would run ``fn(*args)`` on ``machine`` (nothing is computed).
+            policy: str = "heft", inputs_on: str | None = None,
+            run: bool = False) -> ExplainReport:
+    """Explain how autopar would run ``fn(*args)`` on ``machine``.
 
-    ``inputs_on``: the device of the machine on which CPU-built example inputs are taken to
-    live (e.g. ``"cuda:0"`` to explain code written for a GPU on a CPU-only machine).
+    Nothing is computed unless ``run=True`` and the function can't be traced with fake inputs
+    (see the module docstring). ``inputs_on``: the device of the machine on which CPU-built
+    example inputs are taken to live (e.g. ``"cuda:0"`` for code written for a GPU, explained
+    on a CPU-only machine).
     """
     if not callable(fn):
         raise TypeError(f"explain expects a function or nn.Module, got {type(fn).__name__}")
@@ -186,6 +199,44 @@ def explain(fn: Callable, *args: Any, machine: Machine | str | None = None,
         have = ", ".join(d.name for d in resolved.devices)
         raise ValueError(f"inputs_on={inputs_on!r} is not a device of {resolved.name} ({have})")
     torch_device = "cpu" if inputs_on and inputs_on.startswith("cpu") else inputs_on
-    graph = trace_fake(fn, args, inputs_on=torch_device)
-    return explain_graph(graph, resolved, policy)
+    try:
+        return explain_graph(trace_fake(fn, args, inputs_on=torch_device), resolved, policy)
+    except Unsupported as e:
+        if not run:
+            raise Unsupported(f"{e}; pass run=True (--run) to capture it by running it once "
+                              "on this host") from e
+        why = str(e)
+    graphs = capture_by_running(fn, args)
+    if not graphs:
+        raise Unsupported(f"running {getattr(fn, '__name__', fn)!r} made no graph to explain")
+    if torch_device and torch_device != "cpu":
+        graphs = [relabel_devices(g, "cpu", torch_device) for g in graphs]
+    reports = [explain_graph(g, resolved, policy) for g in graphs]
+    log.info("autopar: explain captured %s by running it: %s", graphs[0].name, why)
+    return _in_sequence(reports, f"captured by running on this host: {len(graphs)} graphs")
 
+
+def _in_sequence(reports: list[ExplainReport], captured: str) -> ExplainReport:
+    """One report for graphs that run one after another: times add up, timelines follow each
+    other; the plan and critical path shown are those of the longest graph."""
+    main = max(reports, key=lambda r: r.eager_predicted_s)
+
+    def chain(timelines: list[Timeline]) -> Timeline:
+        spans, offset = [], 0.0
+        for tl in timelines:
+            start = min((s.start for s in tl.spans), default=0.0)
+            spans += [replace(s, start=s.start - start + offset, end=s.end - start + offset)
+                      for s in tl.spans]
+            offset += tl.makespan
+        return Timeline(spans, source=timelines[0].source, label=main.graph_name)
+
+    return ExplainReport(
+        graph_name=" + ".join(r.graph_name for r in reports), machine=main.machine,
+        policy=main.policy, predicted_s=sum(r.predicted_s for r in reports),
+        eager_predicted_s=sum(r.eager_predicted_s for r in reports),
+        rows=[row for r in reports for row in r.rows], critical_path=main.critical_path,
+        transfers=sum(r.transfers for r in reports),
+        transfer_bytes=sum(r.transfer_bytes for r in reports),
+        timeline=chain([r.timeline for r in reports]),
+        eager_timeline=chain([r.eager_timeline for r in reports]),
+        plan=main.plan, critical_nodes=main.critical_nodes, captured=captured)

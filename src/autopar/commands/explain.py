@@ -23,6 +23,9 @@ def explain(
         "--inputs", help="Function in FILE returning the example inputs.")] = "example_inputs",
     policy: Annotated[str, typer.Option(
         "--policy", help="heft, single or round_robin.")] = "heft",
+    run: Annotated[bool, typer.Option(
+        "--run", help="If FUNC can't be traced with fake inputs (it reads tensor values or "
+                      "calls backward()), capture it by running it once on this host.")] = False,
     json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     trace: Annotated[Path | None, typer.Option(
         "--trace", help="Write the predicted timeline as a Chrome/Perfetto trace here.")] = None,
@@ -47,7 +50,8 @@ def explain(
         if not callable(fn):
             raise UserFileError(f"{path} has no function {func!r}")
         args = example_args(module, path, func, provider=inputs) if needs_args(fn) else ()
-        report = run_explain(fn, *args, machine=machine, policy=policy, inputs_on=inputs_on)
+        report = run_explain(fn, *args, machine=machine, policy=policy, inputs_on=inputs_on,
+                             run=run)
     except (UserFileError, Unsupported, ValueError) as e:
         typer.echo(f"autopar explain: {e}", err=True)
         raise typer.Exit(2) from None
