@@ -140,8 +140,8 @@ def w5(n: int = 50, side: int = 4000) -> Graph:
 def check_plan(plan: Any) -> None:
     """Assert every invariant listed in autopar.plan's docstring (dependencies, events, copies,
     frees, outputs) on the plan's programs alone."""
-    from autopar.place import GraphIndex, home_device, pool, route
     from autopar.plan import Free, Record, Run, Send, Wait
+    from autopar.routing import GraphIndex, home_device, pool, route
 
     placement = plan.placement
     dev = placement.device

@@ -28,16 +28,15 @@ from autopar.graph import Graph
 from autopar.machine import preset
 from autopar.place import (
     POLICIES,
-    GraphIndex,
     Placement,
     Slot,
-    gc_paused,
     lower_bound,
     merged_order,
     place,
     retime,
 )
 from autopar.plan import make_plan
+from autopar.routing import GraphIndex, gc_paused
 from autopar.simulate import simulate
 
 ms, us = 1e-3, 1e-6

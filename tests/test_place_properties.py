@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 from _fakes import CAT, FakeCost, check_plan, machine, tensor
 from autopar.graph import Graph, Node
-from autopar.place import POLICIES, GraphIndex, lower_bound, place, pool, route
+from autopar.place import POLICIES, lower_bound, place
 from autopar.plan import make_plan
+from autopar.routing import GraphIndex, pool, route
 from autopar.simulate import peak_memory, simulate
 
 aten = torch.ops.aten

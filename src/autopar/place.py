@@ -69,308 +69,39 @@ Glossary of scheduler state (:class:`_Schedule`)
 
 from __future__ import annotations
 
-import gc
 import heapq
 import logging
 import math
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any, NamedTuple
 
-import torch
-
-from .graph import Graph, Node, op_kind, op_name
+from .graph import Graph, Node, op_name
+from .routing import (
+    GraphIndex,
+    StorageKey,
+    alias_base,
+    compute_lane,
+    copy_lane,
+    delivery_needed,
+    gc_paused,
+    handoff_time,
+    is_pure_move,
+    is_tiny,
+    kind_of,
+    moved_by_copy,
+    pinned_storage,
+    pool,
+    route,
+    storage_of,
+)
 from .units import fmt_bytes, fmt_seconds
 
-__all__ = [
-    "POLICIES",
-    "GraphIndex",
-    "Placement",
-    "Slot",
-    "compute_lane",
-    "copy_lane",
-    "copy_stream",
-    "delivery_needed",
-    "gc_paused",
-    "handoff_time",
-    "home_device",
-    "is_pure_move",
-    "lower_bound",
-    "merged_order",
-    "moved_by_copy",
-    "op_time",
-    "owns_storage",
-    "pinned_storage",
-    "place",
-    "pool",
-    "retime",
-    "route",
-    "storage_of",
-    "value_bytes",
-]
+__all__ = ["POLICIES", "Placement", "Slot", "lower_bound", "merged_order", "place", "retime"]
 
 log = logging.getLogger("autopar")
-
-StorageKey = tuple[Any, ...]
-
-
-# -- small shared definitions (plan and simulate use them too) --------------------------------
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector (if it runs) for the block.
-
-    Placing, planning and simulating allocate millions of small objects and no reference
-    cycles; on big graphs the collector's repeated passes over the whole heap cost as much as
-    the work itself (50k ops: place 11.5 s with it, 6.5 s without). Reference counting still
-    frees everything; the collector's state is restored on exit.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-
-_POOLS: dict[str, str] = {}
-
-
-def pool(device: str) -> str:
-    """Memory pool of a device: ``"cpu"`` for every CPU worker, else the GPU's name."""
-    where = _POOLS.get(device)
-    if where is None:
-        where = _POOLS[device] = "cpu" if device.startswith("cpu") else device
-    return where
-
-
-_COMPUTE_LANES: dict[str, str] = {}
-
-
-def compute_lane(device: str) -> str:
-    """Lane of a device's ops: ``"cpu:1"`` or ``"cuda:0/compute"``."""
-    lane = _COMPUTE_LANES.get(device)
-    if lane is None:
-        lane = _COMPUTE_LANES[device] = device if device.startswith("cpu") else f"{device}/compute"
-    return lane
-
-
-def copy_stream(src: str, dst: str) -> tuple[str, str]:
-    """(GPU, stream) that carries a copy: h2d of the destination, d2h or peer of the source."""
-    src_cpu, dst_cpu = src.startswith("cpu"), dst.startswith("cpu")
-    if src_cpu and dst_cpu:
-        raise ValueError(f"no copy from {src} to {dst}: CPU workers share host memory")
-    if src_cpu:
-        return dst, "h2d"
-    if dst_cpu:
-        return src, "d2h"
-    if src == dst:
-        raise ValueError(f"no copy from {src} to itself")
-    return src, "peer"
-
-
-_COPY_LANES: dict[tuple[str, str], str] = {}
-
-
-def copy_lane(src: str, dst: str) -> str:
-    """Lane of a copy: ``"cuda:0/d2h"`` (see :func:`copy_stream`)."""
-    lane = _COPY_LANES.get((src, dst))
-    if lane is None:
-        gpu, stream = copy_stream(src, dst)
-        lane = _COPY_LANES[(src, dst)] = f"{gpu}/{stream}"
-    return lane
-
-
-def value_bytes(node: Node) -> int:
-    """Bytes of a value as a copy moves it (a view's own extent, unlike ``Node.out_bytes``)."""
-    return sum(m.nbytes for m in node.tensor_metas)
-
-
-_KINDS: dict[Any, str] = {}
-
-
-def _kind(op: Any) -> str:
-    """``op_kind``, remembered per op (it reads the schema and tags every time)."""
-    kind = _KINDS.get(op)
-    if kind is None:
-        kind = _KINDS[op] = op_kind(op)
-    return kind
-
-
-def _inputs(node: Node) -> tuple[Node, ...]:
-    """``Node.inputs`` without torch's pytree, which is slow on 100k-node graphs: ATen
-    arguments are nodes, constants, or flat lists of them; anything deeper takes the slow way."""
-    seen: dict[Node, None] = {}
-    for x in (*node.args, *node.kwargs.values()):
-        if isinstance(x, Node):
-            seen[x] = None
-        elif isinstance(x, list | tuple):
-            for y in x:
-                if isinstance(y, Node):
-                    seen[y] = None
-                elif isinstance(y, list | tuple | dict):
-                    return node.inputs
-        elif isinstance(x, dict):
-            return node.inputs
-    return tuple(seen)
-
-
-@dataclass(frozen=True)
-class GraphIndex:
-    """Facts about a graph that place, plan and simulate look up per node, computed once.
-
-    ``ins[n]``: ``n.inputs``; for a random op, also the previous random op that draws from the
-    same generator as eager (the host's, which all CPU workers share, or its GPU's): an
-    ordering-only input, so that draws happen in eager's order and never two at once.
-    ``users[n]``: its consumers (by ``ins``), in graph order. ``nbytes[n]``:
-    :func:`value_bytes`. ``tensorless``: values with no tensor (never copied). ``scalars``: the
-    0-dim tensors whose every consumer is a pointwise op: on the host, a GPU kernel takes them
-    as a scalar argument, so they are never copied to a GPU (a property of the value, so one
-    value reaches one pool by one mechanism).
-    """
-
-    ins: dict[Node, tuple[Node, ...]]
-    users: dict[Node, list[Node]]
-    nbytes: dict[Node, int]
-    tensorless: frozenset[Node]
-    scalars: frozenset[Node]
-
-    @staticmethod
-    def of(graph: Graph) -> GraphIndex:
-        ins = {n: _inputs(n) for n in graph.nodes}
-        last_draw: dict[str, Node] = {}  # generator -> its latest random op
-        for n in graph.ops:
-            if _kind(n.op) == "random":
-                generator = pool(home_device(n.device or "cpu"))
-                before = last_draw.get(generator)
-                if before is not None and before not in ins[n]:
-                    ins[n] = (*ins[n], before)
-                last_draw[generator] = n
-        users: dict[Node, list[Node]] = {n: [] for n in graph.nodes}
-        for n in graph.nodes:
-            for i in ins[n]:
-                users[i].append(n)
-        metas = {n: n.tensor_metas for n in graph.nodes}
-        scalars = frozenset(
-            n for n, ms in metas.items()
-            if len(ms) == 1 and ms[0].shape == () and users[n]
-            and all(_kind(u.op) == "pointwise" for u in users[n]))
-        return GraphIndex(ins, users, {n: sum(m.nbytes for m in ms) for n, ms in metas.items()},
-                          frozenset(n for n, ms in metas.items() if not ms), scalars)
-
-
-def _is_tiny(node: Node) -> bool:
-    """At most one element in every output (0-dim scalars), or no tensor at all."""
-    return all(m.numel <= 1 for m in node.tensor_metas)
-
-
-def route(value: Node, src: str, dst: str, ix: GraphIndex) -> str:
-    """How a consumer on ``dst`` gets ``value`` produced on ``src``.
-
-    ``"local"``: same device. ``"event"``: an ordering event only (another CPU worker: shared
-    memory; a value with no tensor; a host scalar argument, see :class:`GraphIndex`).
-    ``"copy"``: a copy into ``dst``'s pool.
-    """
-    if src == dst:
-        return "local"
-    if pool(src) == pool(dst) or value in ix.tensorless:
-        return "event"
-    if value in ix.scalars and pool(src) == "cpu":
-        return "event"
-    return "copy"
-
-
-def handoff_time(cost: Any) -> float:
-    """Seconds between one program marking a value ready (Record) and another, waiting for it,
-    going on: a thread wake-up (``event_wait_s`` of the profile; 0 for cost models without)."""
-    return float(getattr(cost, "event_wait_s", 0.0))
-
-
-def delivery_needed(value: Node, src: str, home: str) -> bool:
-    """A graph output produced on ``src`` must be copied to its eager device ``home``."""
-    return bool(value.tensor_metas) and pool(src) != pool(home)
-
-
-_TO_COPY = torch.ops.aten._to_copy.default
-_MOVE_KWARGS = {"device", "dtype", "layout", "pin_memory", "non_blocking", "memory_format"}
-
-
-def is_pure_move(node: Node) -> bool:
-    """``aten._to_copy`` that changes nothing but the device (``x.cpu()``, ``x.to("cuda:1")``)."""
-    if node.op is not _TO_COPY or len(node.args) != 1 or set(node.kwargs) - _MOVE_KWARGS:
-        return False
-    (src,) = node.args
-    if not isinstance(src, Node) or node.kwargs.get("pin_memory"):
-        return False
-    out, ins = node.tensor_metas, src.tensor_metas
-    if len(out) != 1 or len(ins) != 1:
-        return False
-    return out[0].dtype == ins[0].dtype and out[0].stride == ins[0].stride
-
-
-def moved_by_copy(node: Node, device_of: dict[Node, str]) -> bool:
-    """A device move on ``device_of[node]`` whose input sits in another pool: the copy is it."""
-    if not is_pure_move(node) or node not in device_of:
-        return False
-    src = node.args[0]
-    return pool(device_of[src]) != pool(device_of[node])
-
-
-def op_time(cost: Any, node: Node, device: str, device_of: dict[Node, str]) -> float:
-    """Seconds ``node`` occupies ``device``'s lane, given where its inputs are placed."""
-    if moved_by_copy(node, device_of):
-        return 0.0
-    return float(cost.node_time(node, device))
-
-
-def _alias_base(node: Node) -> Node | None:
-    """The node whose storage a view or ``getitem`` shares (None for other ops)."""
-    if _kind(node.op) not in ("view", "getitem"):
-        return None
-    if node.aliases:
-        return node.aliases[0]
-    ins = node.inputs
-    return ins[0] if ins else None
-
-
-def owns_storage(node: Node, device_of: dict[Node, str]) -> bool:
-    """Does running ``node`` allocate a storage? Not for views, ``getitem`` and device moves
-    done by their copy: they share another's."""
-    return _alias_base(node) is None and not moved_by_copy(node, device_of)
-
-
-def home_device(torch_device: str) -> str:
-    """Machine device name of a torch device string: "cpu" -> cpu:0, "cuda" -> cuda:0."""
-    if torch_device.startswith("cpu"):
-        return "cpu:0"
-    return "cuda:0" if torch_device == "cuda" else torch_device
-
-
-def storage_of(value: Node, in_pool: str, device_of: dict[Node, str]) -> StorageKey:
-    """Key of the storage that holds ``value`` in ``in_pool`` (see Memory in the docstring).
-
-    ``("local", n)``: op or input ``n``'s own output in the pool it was produced in (views share
-    their base's); ``("copy", v, pool)``: the copy of ``v`` into another pool (a device move
-    done by a copy shares its copy's).
-    """
-    here = pool(device_of[value]) == in_pool
-    if not here:
-        return ("copy", value, in_pool)
-    base = _alias_base(value)
-    if base is not None:
-        return storage_of(base, in_pool, device_of)
-    if moved_by_copy(value, device_of):
-        return ("copy", value.args[0], in_pool)
-    return ("local", value)
-
-
-
-
-
 
 # -- the result ---------------------------------------------------------------------------
 class Slot(NamedTuple):
@@ -595,7 +326,7 @@ class _Schedule:
         self.ins, self.users, self.nbytes = ix.ins, ix.users, ix.nbytes
         self.outputs = set(graph.output_nodes)
         self.moves = {n for n in graph.ops if is_pure_move(n)}
-        self.tiny = {n for n in graph.ops if _is_tiny(n)}
+        self.tiny = {n for n in graph.ops if is_tiny(n)}
         self.eager: dict[Node, str | None] = {n: self._home(n) for n in graph.nodes}
         self.device: dict[Node, str] = {}
         self.ready: dict[Node, float] = {}
@@ -650,9 +381,9 @@ class _Schedule:
 
     def forced(self, node: Node) -> tuple[str, str] | None:
         """(device, reason) for an op that has no choice, else None."""
-        base = _alias_base(node)
+        base = alias_base(node)
         if base is not None:
-            return self.device[base], f"{_kind(node.op)} of {base!r}: stays with its base"
+            return self.device[base], f"{kind_of(node.op)} of {base!r}: stays with its base"
         if node.writes:
             target = node.writes[0]
             where = self.device[target]
@@ -746,7 +477,7 @@ class _Schedule:
         allocs: list[tuple[str, float, int]] = []
         if self.track:
             allocs = [(pool(c.dst), c.start, self.nbytes[c.value]) for c in copies]
-            if _alias_base(node) is None and not moved:
+            if alias_base(node) is None and not moved:
                 allocs.append((where, start, node.out_bytes))
         return _Trial(device, start, end, finish, copies, allocs)
 
@@ -814,7 +545,7 @@ class _Schedule:
 
     def _account_run(self, node: Node, trial: _Trial) -> None:
         device, where = trial.device, pool(trial.device)
-        base = _alias_base(node)
+        base = alias_base(node)
         if base is not None:
             self.owner[node] = self.owner[base]
         elif moved_by_copy(node, self.device):
@@ -886,14 +617,6 @@ class _Schedule:
                    for w, p in self.peaks().items())
 
 
-def pinned_storage(where: str, devices: Iterable[str]) -> bool:
-    """Kept until the run ends: read from another pool (a host scalar a GPU kernel takes as an
-    argument), or a host storage several CPU workers use (freeing it needs a cross-worker
-    event)."""
-    devices = set(devices)
-    if any(pool(d) != where for d in devices):
-        return True
-    return where == "cpu" and len(devices) > 1
 
 
 # -- policies -----------------------------------------------------------------------------
@@ -920,7 +643,7 @@ def _rank_order(sched: _Schedule) -> list[Node]:
     for n in reversed(sched.graph.nodes):
         if n.is_input:
             continue
-        if _alias_base(n) is not None or n.writes or is_pure_move(n):
+        if alias_base(n) is not None or n.writes or is_pure_move(n):
             w = 0.0  # no choice to make: their place and time follow their base
         else:
             cands = sched.candidates(n)
@@ -949,7 +672,7 @@ def _choose_heft(sched: _Schedule, node: Node) -> tuple[_Trial, str]:
         over = sched.full(t)
         if over:
             raise _NoRoom(node, _room(over))
-        why = "random op" if _kind(node.op) == "random" else f"only {t.device} can run it"
+        why = "random op" if kind_of(node.op) == "random" else f"only {t.device} can run it"
         return t, f"pinned: {why}"
     # A device cannot finish before its last input is ready plus the op's time: visiting them
     # by that bound, the rest can be skipped once one finishes sooner (same choice, less work).
@@ -991,7 +714,7 @@ def _room(over: list[tuple[str, int]]) -> str:
 
 def _choose_single(sched: _Schedule, node: Node) -> tuple[_Trial, str]:
     forced = sched.forced(node)
-    if forced is not None and _alias_base(node) is not None:
+    if forced is not None and alias_base(node) is not None:
         return sched.trial(node, forced[0]), f"pinned: {forced[1]}"
     device = sched.eager[node]
     if device is None:
@@ -1052,7 +775,7 @@ def _eager_floor(sched: _Schedule) -> float:
     work: dict[str, float] = {}
     for n in sched.graph.ops:
         d = sched.eager[n]
-        if d is not None and n not in sched.moves and _alias_base(n) is None:
+        if d is not None and n not in sched.moves and alias_base(n) is None:
             work[d] = work.get(d, 0.0) + sched.time(n, d)
     return max(work.values(), default=0.0)
 

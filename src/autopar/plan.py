@@ -40,19 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .graph import Graph, Node, op_name
-from .place import (
-    GraphIndex,
-    Placement,
-    Slot,
-    copy_stream,
-    delivery_needed,
-    gc_paused,
-    home_device,
-    merged_order,
-    pool,
-    retime,
-    route,
-)
+from .place import Placement, Slot, merged_order, retime
+from .routing import GraphIndex, copy_stream, delivery_needed, gc_paused, home_device, pool, route
 
 __all__ = ["Free", "Plan", "Record", "Run", "Send", "Step", "Wait", "make_plan"]
 

@@ -31,7 +31,8 @@ import heapq
 from typing import Any
 
 from .graph import Node, op_name
-from .place import (
+from .plan import Free, Plan, Record, Run, Send, Wait
+from .routing import (
     GraphIndex,
     compute_lane,
     gc_paused,
@@ -45,7 +46,6 @@ from .place import (
     storage_of,
     value_bytes,
 )
-from .plan import Free, Plan, Record, Run, Send, Wait
 from .timeline import Span, Timeline
 
 __all__ = ["peak_memory", "simulate"]

@@ -38,8 +38,8 @@ from typing import Any, ClassVar
 import torch
 
 from ..graph import Node, op_name
-from ..place import GraphIndex, moved_by_copy, route
 from ..plan import Plan, Run
+from ..routing import GraphIndex, moved_by_copy, route
 from ..timeline import Span, Timeline
 from .codegen import Program, SlotTable, build_program
 

@@ -1,0 +1,287 @@
+"""Routing: the vocabulary place, plan, simulate and the runtime share about where values live.
+
+- Memory pools: ``"cpu"`` for every CPU worker (shared host memory), else the GPU's name.
+- Lanes: a device's ops run on ``cpu:N`` or ``cuda:N/compute``; copies on ``h2d`` (host to a
+  GPU, the destination's), ``d2h`` (a GPU to the host, the source's) or ``peer`` (the source's).
+- Routes: how a consumer on one device gets a value made on another: ``local``, ``event`` (an
+  ordering event only: another CPU worker, a value without a tensor, a host 0-dim tensor a GPU
+  pointwise kernel takes as a scalar) or ``copy`` (one copy per value and pool).
+- A pure device move (``x.cpu()``) whose input arrives by a copy *is* that copy.
+- :class:`GraphIndex`: per-node facts looked up by every stage, computed once.
+
+Pure functions of the graph and device names: no CUDA, no costs beyond what callers pass in.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .graph import Graph, Node, op_kind
+
+StorageKey = tuple[Any, ...]
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector (if it runs) for the block.
+
+    Placing, planning and simulating allocate millions of small objects and no reference
+    cycles; on big graphs the collector's repeated passes over the whole heap cost as much as
+    the work itself (50k ops: place 11.5 s with it, 6.5 s without). Reference counting still
+    frees everything; the collector's state is restored on exit.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+
+_POOLS: dict[str, str] = {}
+
+
+def pool(device: str) -> str:
+    """Memory pool of a device: ``"cpu"`` for every CPU worker, else the GPU's name."""
+    where = _POOLS.get(device)
+    if where is None:
+        where = _POOLS[device] = "cpu" if device.startswith("cpu") else device
+    return where
+
+
+_COMPUTE_LANES: dict[str, str] = {}
+
+
+def compute_lane(device: str) -> str:
+    """Lane of a device's ops: ``"cpu:1"`` or ``"cuda:0/compute"``."""
+    lane = _COMPUTE_LANES.get(device)
+    if lane is None:
+        lane = _COMPUTE_LANES[device] = device if device.startswith("cpu") else f"{device}/compute"
+    return lane
+
+
+def copy_stream(src: str, dst: str) -> tuple[str, str]:
+    """(GPU, stream) that carries a copy: h2d of the destination, d2h or peer of the source."""
+    src_cpu, dst_cpu = src.startswith("cpu"), dst.startswith("cpu")
+    if src_cpu and dst_cpu:
+        raise ValueError(f"no copy from {src} to {dst}: CPU workers share host memory")
+    if src_cpu:
+        return dst, "h2d"
+    if dst_cpu:
+        return src, "d2h"
+    if src == dst:
+        raise ValueError(f"no copy from {src} to itself")
+    return src, "peer"
+
+
+_COPY_LANES: dict[tuple[str, str], str] = {}
+
+
+def copy_lane(src: str, dst: str) -> str:
+    """Lane of a copy: ``"cuda:0/d2h"`` (see :func:`copy_stream`)."""
+    lane = _COPY_LANES.get((src, dst))
+    if lane is None:
+        gpu, stream = copy_stream(src, dst)
+        lane = _COPY_LANES[(src, dst)] = f"{gpu}/{stream}"
+    return lane
+
+
+def value_bytes(node: Node) -> int:
+    """Bytes of a value as a copy moves it (a view's own extent, unlike ``Node.out_bytes``)."""
+    return sum(m.nbytes for m in node.tensor_metas)
+
+
+_KINDS: dict[Any, str] = {}
+
+
+def kind_of(op: Any) -> str:
+    """``op_kind``, remembered per op (it reads the schema and tags every time)."""
+    kind = _KINDS.get(op)
+    if kind is None:
+        kind = _KINDS[op] = op_kind(op)
+    return kind
+
+
+def _inputs(node: Node) -> tuple[Node, ...]:
+    """``Node.inputs`` without torch's pytree, which is slow on 100k-node graphs: ATen
+    arguments are nodes, constants, or flat lists of them; anything deeper takes the slow way."""
+    seen: dict[Node, None] = {}
+    for x in (*node.args, *node.kwargs.values()):
+        if isinstance(x, Node):
+            seen[x] = None
+        elif isinstance(x, list | tuple):
+            for y in x:
+                if isinstance(y, Node):
+                    seen[y] = None
+                elif isinstance(y, list | tuple | dict):
+                    return node.inputs
+        elif isinstance(x, dict):
+            return node.inputs
+    return tuple(seen)
+
+
+@dataclass(frozen=True)
+class GraphIndex:
+    """Facts about a graph that place, plan and simulate look up per node, computed once.
+
+    ``ins[n]``: ``n.inputs``; for a random op, also the previous random op that draws from the
+    same generator as eager (the host's, which all CPU workers share, or its GPU's): an
+    ordering-only input, so that draws happen in eager's order and never two at once.
+    ``users[n]``: its consumers (by ``ins``), in graph order. ``nbytes[n]``:
+    :func:`value_bytes`. ``tensorless``: values with no tensor (never copied). ``scalars``: the
+    0-dim tensors whose every consumer is a pointwise op: on the host, a GPU kernel takes them
+    as a scalar argument, so they are never copied to a GPU (a property of the value, so one
+    value reaches one pool by one mechanism).
+    """
+
+    ins: dict[Node, tuple[Node, ...]]
+    users: dict[Node, list[Node]]
+    nbytes: dict[Node, int]
+    tensorless: frozenset[Node]
+    scalars: frozenset[Node]
+
+    @staticmethod
+    def of(graph: Graph) -> GraphIndex:
+        ins = {n: _inputs(n) for n in graph.nodes}
+        last_draw: dict[str, Node] = {}  # generator -> its latest random op
+        for n in graph.ops:
+            if kind_of(n.op) == "random":
+                generator = pool(home_device(n.device or "cpu"))
+                before = last_draw.get(generator)
+                if before is not None and before not in ins[n]:
+                    ins[n] = (*ins[n], before)
+                last_draw[generator] = n
+        users: dict[Node, list[Node]] = {n: [] for n in graph.nodes}
+        for n in graph.nodes:
+            for i in ins[n]:
+                users[i].append(n)
+        metas = {n: n.tensor_metas for n in graph.nodes}
+        scalars = frozenset(
+            n for n, ms in metas.items()
+            if len(ms) == 1 and ms[0].shape == () and users[n]
+            and all(kind_of(u.op) == "pointwise" for u in users[n]))
+        return GraphIndex(ins, users, {n: sum(m.nbytes for m in ms) for n, ms in metas.items()},
+                          frozenset(n for n, ms in metas.items() if not ms), scalars)
+
+
+def is_tiny(node: Node) -> bool:
+    """At most one element in every output (0-dim scalars), or no tensor at all."""
+    return all(m.numel <= 1 for m in node.tensor_metas)
+
+
+def route(value: Node, src: str, dst: str, ix: GraphIndex) -> str:
+    """How a consumer on ``dst`` gets ``value`` produced on ``src``.
+
+    ``"local"``: same device. ``"event"``: an ordering event only (another CPU worker: shared
+    memory; a value with no tensor; a host scalar argument, see :class:`GraphIndex`).
+    ``"copy"``: a copy into ``dst``'s pool.
+    """
+    if src == dst:
+        return "local"
+    if pool(src) == pool(dst) or value in ix.tensorless:
+        return "event"
+    if value in ix.scalars and pool(src) == "cpu":
+        return "event"
+    return "copy"
+
+
+def handoff_time(cost: Any) -> float:
+    """Seconds between one program marking a value ready (Record) and another, waiting for it,
+    going on: a thread wake-up (``event_wait_s`` of the profile; 0 for cost models without)."""
+    return float(getattr(cost, "event_wait_s", 0.0))
+
+
+def delivery_needed(value: Node, src: str, home: str) -> bool:
+    """A graph output produced on ``src`` must be copied to its eager device ``home``."""
+    return bool(value.tensor_metas) and pool(src) != pool(home)
+
+
+_TO_COPY = torch.ops.aten._to_copy.default
+_MOVE_KWARGS = {"device", "dtype", "layout", "pin_memory", "non_blocking", "memory_format"}
+
+
+def is_pure_move(node: Node) -> bool:
+    """``aten._to_copy`` that changes nothing but the device (``x.cpu()``, ``x.to("cuda:1")``)."""
+    if node.op is not _TO_COPY or len(node.args) != 1 or set(node.kwargs) - _MOVE_KWARGS:
+        return False
+    (src,) = node.args
+    if not isinstance(src, Node) or node.kwargs.get("pin_memory"):
+        return False
+    out, ins = node.tensor_metas, src.tensor_metas
+    if len(out) != 1 or len(ins) != 1:
+        return False
+    return out[0].dtype == ins[0].dtype and out[0].stride == ins[0].stride
+
+
+def moved_by_copy(node: Node, device_of: dict[Node, str]) -> bool:
+    """A device move on ``device_of[node]`` whose input sits in another pool: the copy is it."""
+    if not is_pure_move(node) or node not in device_of:
+        return False
+    src = node.args[0]
+    return pool(device_of[src]) != pool(device_of[node])
+
+
+def op_time(cost: Any, node: Node, device: str, device_of: dict[Node, str]) -> float:
+    """Seconds ``node`` occupies ``device``'s lane, given where its inputs are placed."""
+    if moved_by_copy(node, device_of):
+        return 0.0
+    return float(cost.node_time(node, device))
+
+
+def alias_base(node: Node) -> Node | None:
+    """The node whose storage a view or ``getitem`` shares (None for other ops)."""
+    if kind_of(node.op) not in ("view", "getitem"):
+        return None
+    if node.aliases:
+        return node.aliases[0]
+    ins = node.inputs
+    return ins[0] if ins else None
+
+
+def owns_storage(node: Node, device_of: dict[Node, str]) -> bool:
+    """Does running ``node`` allocate a storage? Not for views, ``getitem`` and device moves
+    done by their copy: they share another's."""
+    return alias_base(node) is None and not moved_by_copy(node, device_of)
+
+
+def home_device(torch_device: str) -> str:
+    """Machine device name of a torch device string: "cpu" -> cpu:0, "cuda" -> cuda:0."""
+    if torch_device.startswith("cpu"):
+        return "cpu:0"
+    return "cuda:0" if torch_device == "cuda" else torch_device
+
+
+def storage_of(value: Node, in_pool: str, device_of: dict[Node, str]) -> StorageKey:
+    """Key of the storage that holds ``value`` in ``in_pool`` (see Memory in the docstring).
+
+    ``("local", n)``: op or input ``n``'s own output in the pool it was produced in (views share
+    their base's); ``("copy", v, pool)``: the copy of ``v`` into another pool (a device move
+    done by a copy shares its copy's).
+    """
+    here = pool(device_of[value]) == in_pool
+    if not here:
+        return ("copy", value, in_pool)
+    base = alias_base(value)
+    if base is not None:
+        return storage_of(base, in_pool, device_of)
+    if moved_by_copy(value, device_of):
+        return ("copy", value.args[0], in_pool)
+    return ("local", value)
+
+
+def pinned_storage(where: str, devices: Iterable[str]) -> bool:
+    """Kept until the run ends: read from another pool (a host scalar a GPU kernel takes as an
+    argument), or a host storage several CPU workers use (freeing it needs a cross-worker
+    event)."""
+    devices = set(devices)
+    if any(pool(d) != where for d in devices):
+        return True
+    return where == "cpu" and len(devices) > 1
