@@ -13,14 +13,13 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import time
 from datetime import date
 from pathlib import Path
 
 import torch
 
 import autopar
+from autopar.bench import measure
 
 
 def branch(x: torch.Tensor, steps: int) -> torch.Tensor:
@@ -30,14 +29,7 @@ def branch(x: torch.Tensor, steps: int) -> torch.Tensor:
 
 
 def median_s(fn, repeat: int) -> float:
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
+    return measure(fn, warmup=3, repeat=repeat, inner=1).median
 
 
 def main() -> None:

@@ -13,13 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import time
 from datetime import date
 from pathlib import Path
 
 import torch
 
+from autopar.bench import measure
 from autopar.cost import CostModel
 from autopar.graph import Graph, TensorMeta
 from autopar.machine import preset
@@ -46,17 +45,9 @@ def eager(x: torch.Tensor, steps: int) -> torch.Tensor:
     return x
 
 
-def timed(fn, sync, repeat: int) -> float:
-    for _ in range(3):
-        fn()
-    sync()
-    samples = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        sync()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
+def timed(fn, repeat: int) -> float:
+    """Median seconds per call (every GPU synchronized around each sample)."""
+    return measure(fn, warmup=3, repeat=repeat, inner=1).median
 
 
 def main() -> None:
@@ -67,7 +58,6 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     dev = args.device
-    sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
     g = chain_graph(args.steps, dev)
     cost = CostModel(preset("h200x2" if dev.startswith("cuda") else "cpu-only", cpu_workers=1))
     plan = make_plan(place(g, cost, policy="single"), cost)
@@ -76,9 +66,9 @@ def main() -> None:
     x = torch.randn(64, device=dev)
     torch.testing.assert_close(ex([x])[0], eager(x, args.steps))
     ops = 2 * args.steps
-    t_eager = timed(lambda: eager(x, args.steps), sync, args.repeat)
-    t_seq = timed(lambda: seq([x]), sync, args.repeat)
-    t_ex = timed(lambda: ex([x]), sync, args.repeat)
+    t_eager = timed(lambda: eager(x, args.steps), args.repeat)
+    t_seq = timed(lambda: seq([x]), args.repeat)
+    t_ex = timed(lambda: ex([x]), args.repeat)
     result = {
         "benchmark": "overhead", "device": dev, "ops": ops, "date": date.today().isoformat(),
         "host": platform.node(), "torch": torch.__version__,

@@ -13,32 +13,18 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import time
 from datetime import date
 from pathlib import Path
 
 import torch
 
 import autopar
-
-
-def sync_all() -> None:
-    for i in range(torch.cuda.device_count()):
-        torch.cuda.synchronize(i)
+from autopar.bench import measure
 
 
 def median_s(fn, repeat: int) -> float:
-    fn()
-    fn()
-    sync_all()
-    samples = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        sync_all()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
+    """Median seconds per call, every GPU synchronized around each sample."""
+    return measure(fn, warmup=2, repeat=repeat, inner=1).median
 
 
 def run(x: torch.Tensor, n: int) -> list[torch.Tensor]:
