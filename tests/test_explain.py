@@ -139,3 +139,21 @@ def test_a_training_step_is_explained_by_running_it_once():
     assert {row.eager_device for row in report.rows} == {"cuda:0"}
     assert report.predicted_s == pytest.approx(report.timeline.makespan)
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # it ran
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback is for CPU-only torch builds")
+def test_code_a_cpu_only_torch_cant_trace_on_fake_gpus_is_traced_on_the_cpu():
+    """Python indexing of a fake CUDA tensor needs CUDA's device guard; without it the code is
+    traced on the CPU and its values are taken to live on inputs_on."""
+
+    def rnn(xs, w):
+        h = xs[0] @ w
+        for t in range(1, xs.shape[0]):
+            h = torch.tanh(xs[t] @ w + h)
+        return h
+
+    report = autopar.explain(rnn, torch.randn(4, 8, 16), torch.randn(16, 16),
+                             machine="h200x2", inputs_on="cuda:0")
+    assert report.captured.startswith("traced with fake inputs on the CPU")
+    assert {row.eager_device for row in report.rows} == {"cuda:0"}
+    assert "aten.tanh" in {row.op for row in report.rows}

@@ -16,11 +16,14 @@ Policy
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+import torch
 
 from .capture import Unsupported, capture_by_running, relabel_devices, trace_fake
 from .cost import CostModel
@@ -202,6 +205,15 @@ def explain(fn: Callable, *args: Any, machine: Machine | str | None = None,
     try:
         return explain_graph(trace_fake(fn, args, inputs_on=torch_device), resolved, policy)
     except Unsupported as e:
+        if _no_cuda_here(e, torch_device):
+            # a CPU-only torch can't index or move fake GPU tensors: trace on the CPU instead
+            # and take its values to live on the GPU (explicit moves in the code are not seen)
+            with contextlib.suppress(Unsupported):
+                graph = relabel_devices(trace_fake(fn, args), "cpu", torch_device)
+                report = explain_graph(graph, resolved, policy)
+                report.captured = (f"traced with fake inputs on the CPU, values taken to live "
+                                   f"on {torch_device} (device moves in the code are not seen)")
+                return report
         if not run:
             raise Unsupported(f"{e}; pass run=True (--run) to capture it by running it once "
                               "on this host") from e
@@ -214,6 +226,11 @@ def explain(fn: Callable, *args: Any, machine: Machine | str | None = None,
     reports = [explain_graph(g, resolved, policy) for g in graphs]
     log.info("autopar: explain captured %s by running it: %s", graphs[0].name, why)
     return _in_sequence(reports, f"captured by running on this host: {len(graphs)} graphs")
+
+
+def _no_cuda_here(error: Exception, device: str | None) -> bool:
+    return (bool(device) and device != "cpu" and not torch.cuda.is_available()
+            and "not linked with support for cuda" in str(error))
 
 
 def _in_sequence(reports: list[ExplainReport], captured: str) -> ExplainReport:
