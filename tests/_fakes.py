@@ -93,6 +93,21 @@ def order_of(placement: Any) -> dict[str, list[str]]:
 
 
 # -- named graphs shared by the tests ---------------------------------------------------------
+def scalar_times_matrix() -> tuple[Graph, FakeCost]:
+    """``out = A * s``: A a 100x100 input on cuda:0, s a 0-dim ``scalar_tensor`` (5 us on the
+    host or the GPU); out takes 1 ms on the GPU and 1 s on the host."""
+    us, ms = 1e-6, 1e-3
+    g = Graph("scalar")
+    a = g.input(tensor((100, 100), "cuda:0"), name="A")
+    s = g.call(torch.ops.aten.scalar_tensor.default, (2.0,), {"device": torch.device("cuda:0")},
+               name="s")
+    out = g.call(torch.ops.aten.mul.Tensor, (a, s), name="out")
+    g.set_outputs([out])
+    cost = FakeCost(machine(cpus=1, gpus=1), {("s", "cpu"): 5 * us, ("s", "cuda"): 5 * us,
+                                              ("out", "cuda"): 1 * ms, ("out", "cpu"): 1.0})
+    return g, cost
+
+
 def two_chains() -> Graph:
     g = Graph("two_chains")
     x = g.input(tensor((1000, 1000), "cuda:0"), name="x")  # 4 MB each

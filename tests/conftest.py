@@ -2,5 +2,16 @@
 
 import os
 
+import pytest
+import torch
+
 os.environ.setdefault("AUTOPAR_NO_MEASURE", "1")
 os.environ.setdefault("AUTOPAR_CACHE_DIR", os.path.join(os.path.dirname(__file__), ".cache"))
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Compile from scratch in each test: no graph or guard cached by an earlier one."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

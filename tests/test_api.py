@@ -14,12 +14,7 @@ from autopar.api import Options, parse_devices
 from autopar.capture import from_fx, make_backend
 from autopar.runtime import SequentialRunner
 
-
-@pytest.fixture(autouse=True)
-def _reset_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def test_backend_is_registered_on_import():

@@ -64,11 +64,7 @@ def compiler_params(compilers: list[Compiler]) -> list[Any]:
     return [pytest.param(c, id=c.name) for c in compilers]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 @pytest.mark.parametrize("case", case_params(CASES))

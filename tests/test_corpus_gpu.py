@@ -27,6 +27,7 @@ POLICIES = ("single", "round_robin", "heft")
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.usefixtures("fresh_dynamo"),
 ]
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 
@@ -53,13 +54,6 @@ def _cases(cases: list[Case]) -> list:
 
 def _compilers(compilers: list[Compiler]) -> list:
     return [pytest.param(c, id=c.name) for c in compilers]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("case", _cases(CASES))

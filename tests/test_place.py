@@ -18,6 +18,7 @@ from _fakes import (
     machine,
     op,
     order_of,
+    scalar_times_matrix,
     tensor,
     two_chains,
     w4,
@@ -147,14 +148,7 @@ def test_tiny_values_prefer_the_host_on_a_tie():
         s = scalar_tensor(2.0, device=cuda:0)     5 us on cpu:0 or cuda:0
         out = A * s                               A@cuda:0, 1 ms
     """
-    g = Graph("scalar")
-    a = g.input(tensor((100, 100), "cuda:0"), name="A")
-    s = g.call(torch.ops.aten.scalar_tensor.default, (2.0,), {"device": torch.device("cuda:0")},
-               name="s")
-    out = g.call(torch.ops.aten.mul.Tensor, (a, s), name="out")
-    g.set_outputs([out])
-    cost = FakeCost(machine(cpus=1, gpus=1), {("s", "cpu"): 5 * us, ("s", "cuda"): 5 * us,
-                                              ("out", "cuda"): 1 * ms, ("out", "cpu"): 1.0})
+    g, cost = scalar_times_matrix()
     p = place(g, cost)
     assert devices_of(p) == {"s": "cpu:0", "out": "cuda:0"}
     assert p.copies() == []

@@ -13,6 +13,7 @@ from _fakes import (
     check_plan,
     machine,
     op,
+    scalar_times_matrix,
     tensor,
     two_chains,
     w5,
@@ -124,14 +125,8 @@ def test_host_scalar_feeds_a_gpu_kernel_without_a_copy():
 
         s = scalar_tensor(2.0) @cpu:0  ->  out = A * s @cuda:0
     """
-    g = Graph("scalar")
-    a = g.input(tensor((100, 100), "cuda:0"), name="A")
-    s = g.call(torch.ops.aten.scalar_tensor.default, (2.0,), {"device": torch.device("cuda:0")},
-               name="s")
-    out = g.call(torch.ops.aten.mul.Tensor, (a, s), name="out")
-    g.set_outputs([out])
-    cost = FakeCost(machine(cpus=1, gpus=1), {("s", "cpu"): 5 * us, ("s", "cuda"): 5 * us,
-                                              ("out", "cuda"): 1 * ms, ("out", "cpu"): 1.0})
+    g, cost = scalar_times_matrix()
+    s, out = by_name(g)["s"], by_name(g)["out"]
     plan = make_plan(place(g, cost))
     assert plan.programs == {"cpu:0": [Run(s), Record(s, 0)],
                              "cuda:0": [Wait(0, s, "cpu:0"), Run(out)]}
