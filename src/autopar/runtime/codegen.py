@@ -26,6 +26,7 @@ import torch
 
 from ..graph import Node, op_name
 from ..plan import Free, Record, Run, Send, Step, Wait
+from ..routing import pool
 
 _PLAIN = (int, float, bool, str, type(None))
 _counter = itertools.count()
@@ -53,7 +54,7 @@ class SlotTable:
         self.index: dict[tuple[int, str], int] = {}
 
     def __call__(self, node: Node, device: str) -> int:
-        key = (node.id, "cpu" if device.startswith("cpu") else device)
+        key = (node.id, pool(device))
         if key not in self.index:
             self.index[key] = len(self.index)
         return self.index[key]

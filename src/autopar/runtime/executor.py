@@ -132,10 +132,9 @@ class _Call:
 
     # -- called from generated code ---------------------------------------------------------
     def send(self, t: Any, src: str, dst: str, event: int, node: int = -1) -> Any:
-        """Issue the copy of ``t`` from ``src`` to ``dst`` on a side stream; mark ``event``."""
-        if _is_cpu(src) and _is_cpu(dst):
-            out = t
-        elif _is_cpu(dst):
+        """Issue the copy of ``t`` from ``src`` to ``dst`` on a side stream; mark ``event``.
+        (No Send joins two CPU workers: they share memory, and the plan orders them by Record.)"""
+        if _is_cpu(dst):
             out = self._to_host(t, src, event, node)
         elif _is_cpu(src):
             out = self._to_gpu(t, dst, event, node)
@@ -260,14 +259,14 @@ class Executor:
             ("slot", self.slots(o, dev)) if isinstance(o, Node) else ("const", o)
             for o, dev in plan.outputs
         ]
+        copies = plan.copies()
         # outputs a side-stream copy delivered to a GPU: the caller's stream must wait for them
-        arrivals = {(s.value.id, s.dst): s.event for s in plan.copies() if not _is_cpu(s.dst)}
+        arrivals = {(s.value.id, s.dst): s.event for s in copies if not _is_cpu(s.dst)}
         self.delivered = sorted({(self.slots(o, dev), dev, arrivals[(o.id, dev)])
                                  for o, dev in plan.outputs
                                  if isinstance(o, Node) and (o.id, dev) in arrivals})
         self.gpus = sorted({d for d in plan.programs if not _is_cpu(d)}
-                           | {s.dst for s in plan.copies() if not _is_cpu(s.dst)}
-                           | {s.src for s in plan.copies() if not _is_cpu(s.src)})
+                           | {d for s in copies for d in (s.src, s.dst) if not _is_cpu(d)})
         # the caller runs the host's program (or the first one); the rest go to workers
         order = sorted(self.programs, key=lambda d: (not _is_cpu(d), d))
         self.inline = order[0] if order else None
