@@ -105,34 +105,40 @@ class Options:
                        trace=os.fspath(trace) if isinstance(trace, os.PathLike) else trace)
 
 
-def make_runner(options: Options) -> Callable[[Graph, str], Callable]:
-    """The GraphRunner for these options: (graph, phase) -> run(args) -> outputs.
+class Runner:
+    """The GraphRunner for some options: ``runner(graph, phase) -> run(args) -> outputs``.
 
     Each graph is placed (policy over ``options.devices``), planned and handed to the
     executor. If any of that fails, the graph runs sequentially on eager's devices and the
-    reason is logged once: never a wrong result.
+    reason is logged once: never a wrong result. One machine and cost model serve every graph.
     """
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    from .cost import CostModel
-    from .machine import load_machine
-    from .place import place
-    from .plan import make_plan
-    from .runtime import Executor, SequentialRunner
+    def __init__(self, options: Options) -> None:
+        self.options = options
+        self._cost: Any = None
 
-    state: dict[str, Any] = {}
+    def cost_model(self) -> Any:
+        """The cost model, resolving (and if need be calibrating) the machine on first use."""
+        if self._cost is None:
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    def cost_model() -> CostModel:
-        if "cost" not in state:
-            workers = sum(d.startswith("cpu") for d in options.devices) or 1
+            from .cost import CostModel
+            from .machine import load_machine
+
+            workers = sum(d.startswith("cpu") for d in self.options.devices) or 1
             with unset_fake_temporarily():  # a backend runs inside tracing: measure for real
-                machine = load_machine(options.machine, cpu_workers=max(workers, 1))
-            state["cost"] = CostModel(machine)
-        return state["cost"]
+                machine = load_machine(self.options.machine, cpu_workers=workers)
+            self._cost = CostModel(machine)
+        return self._cost
 
-    def build(graph: Graph, phase: str) -> Callable:
+    def __call__(self, graph: Graph, phase: str) -> Callable:
+        from .place import place
+        from .plan import make_plan
+        from .runtime import Executor, SequentialRunner
+
+        options = self.options
         try:
-            cost = cost_model()
+            cost = self.cost_model()
             placement = place(graph, cost, policy=options.policy, devices=options.devices)
             plan = make_plan(placement, cost)
             executor = Executor(plan, trace=bool(options.trace))
@@ -145,8 +151,10 @@ def make_runner(options: Options) -> Callable[[Graph, str], Callable]:
             return _tracing(executor, options.trace)
         return executor
 
-    build.cost_model = cost_model  # type: ignore[attr-defined]
-    return build
+
+def make_runner(options: Options) -> Runner:
+    """The GraphRunner for these options (see :class:`Runner`)."""
+    return Runner(options)
 
 
 def _tracing(executor: Any, path: str) -> Callable:
