@@ -116,6 +116,7 @@ class Runner:
     def __init__(self, options: Options) -> None:
         self.options = options
         self._cost: Any = None
+        self.executors: list[Any] = []  # every graph's executor, in the order they were built
 
     def cost_model(self) -> Any:
         """The cost model, resolving (and if need be calibrating) the machine on first use."""
@@ -147,6 +148,7 @@ class Runner:
                         graph.name, type(e).__name__, e)
             return SequentialRunner(graph)
         log.debug("autopar: %s\n%s", graph.name, plan)
+        self.executors.append(executor)
         if isinstance(options.trace, str):
             return _tracing(executor, options.trace)
         return executor
