@@ -352,6 +352,47 @@ def test_graph_index_inputs_users_and_scalars():
     assert ix.scalars == {s}
 
 
+def test_only_binary_arithmetic_takes_a_host_scalar():
+    """masked_fill's mask must sit on self's device, and add of two 0-dim tensors would run
+    on the host: neither 0-dim input is a scalar argument; mul with a matrix is.
+
+        x@cuda:0 -> s = sum(x) -> masked_fill(x, s_bool, 0)
+                 -> t = sum(x) -> add(t, u)       (u = sum(x), 0-dim as well)
+                 -> w = sum(x) -> mul(x, w)
+    """
+    g = Graph("scalars")
+    x = g.input(tensor((4, 4), "cuda:0"), name="x")
+    s = g.call(torch.ops.aten.gt.Scalar, (g.call(torch.ops.aten.sum.default, (x,)), 0), name="s")
+    g.call(torch.ops.aten.masked_fill.Scalar, (x, s, 0.0), name="mf")
+    t = g.call(torch.ops.aten.sum.default, (x,), name="t")
+    u = g.call(torch.ops.aten.sum.default, (x,), name="u")
+    g.call(torch.ops.aten.add.Tensor, (t, u), name="tu")
+    w = g.call(torch.ops.aten.sum.default, (x,), name="w")
+    g.call(torch.ops.aten.mul.Tensor, (x, w), name="xw")
+    assert GraphIndex.of(g).scalars == {w}
+
+
+def test_outputs_sharing_a_storage_are_made_where_eager_makes_them():
+    """Two outputs are views of one cat: copied one by one they would no longer share it, so
+    the cat runs on the outputs' device even though the host is much faster here.
+
+        x@cuda:0, y@cuda:0 -> c = cat(x, y) -> a = c[:2], b = c[2:]   (outputs a, b)
+    """
+    g = Graph("shared")
+    x = g.input(tensor((2, 4), "cuda:0"), name="x")
+    y = g.input(tensor((2, 4), "cuda:0"), name="y")
+    c = g.call(torch.ops.aten.cat.default, ([x, y],), name="c")
+    a = g.call(torch.ops.aten.slice.Tensor, (c, 0, 0, 2), name="a")
+    b = g.call(torch.ops.aten.slice.Tensor, (c, 0, 2, 4), name="b")
+    g.set_outputs([a, b])
+    cost = FakeCost(machine(cpus=1, gpus=1), times={("c", "cpu:0"): 1 * us}, default=1 * ms,
+                    bandwidth=1e12)
+    p = place(g, cost)
+    assert devices_of(p) == {"c": "cuda:0", "a": "cuda:0", "b": "cuda:0"}
+    assert p.notes[c] == "pinned: outputs share its storage: produced on their device cuda:0"
+    assert p.copies() == []
+
+
 # -- the machine of MEASURED.md ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def h200x2() -> CostModel:

@@ -41,8 +41,8 @@ Timing model (what :mod:`autopar.simulate` replays exactly)
   ``cost.transfer_time``; a device move whose input arrives by a copy costs nothing more (the
   copy *is* the move).
 - No copy between CPU workers: they share host memory. A value without a tensor needs no copy
-  either, nor does a host 0-dim tensor whose consumers are all pointwise ops: a GPU kernel takes
-  it as a scalar argument (see :class:`GraphIndex`).
+  either, nor does a host 0-dim tensor whose consumers are all binary arithmetic ops: a GPU
+  kernel takes it as a scalar argument (see :class:`GraphIndex`).
 - One copy per (value, memory pool), always from the device that produced the value.
 
 Memory (per pool: ``"cpu"`` for the host, shared by CPU workers, and each ``"cuda:N"``)
@@ -300,6 +300,20 @@ class _Trial(NamedTuple):
     allocs: list[tuple[str, float, int]]
 
 
+def _shared_output_bases(graph: Graph, eager: dict[Node, str | None]) -> dict[Node, str]:
+    """Storage owners that two graph outputs share (views of one base, or a base and its view),
+    mapped to the outputs' eager device. Eager returns them sharing one storage; copied to that
+    device one by one they would not, so the base runs there and its views with it."""
+    groups: dict[Node, list[Node]] = {}
+    for o in dict.fromkeys(graph.output_nodes):
+        root = o
+        while (base := alias_base(root)) is not None:
+            root = base
+        groups.setdefault(root, []).append(o)
+    return {root: home for root, outs in groups.items()
+            if len(outs) > 1 and not root.is_input and (home := eager[outs[0]]) is not None}
+
+
 class _NoRoom(Exception):
     def __init__(self, node: Node, reasons: str) -> None:
         super().__init__(f"no device has room for {node!r} ({op_name(node.op)}): {reasons}")
@@ -328,6 +342,7 @@ class _Schedule:
         self.moves = {n for n in graph.ops if is_pure_move(n)}
         self.tiny = {n for n in graph.ops if is_tiny(n)}
         self.eager: dict[Node, str | None] = {n: self._home(n) for n in graph.nodes}
+        self.shared_outputs = _shared_output_bases(graph, self.eager)
         self.device: dict[Node, str] = {}
         self.ready: dict[Node, float] = {}
         self.arrival: dict[tuple[Node, str], float] = {}
@@ -392,6 +407,9 @@ class _Schedule:
             home = self.eager[node]
             assert home is not None
             return home, f"device move to {home}"
+        home = self.shared_outputs.get(node)
+        if home is not None:
+            return home, f"outputs share its storage: produced on their device {home}"
         return None
 
     def candidates(self, node: Node) -> list[str]:

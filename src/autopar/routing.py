@@ -137,9 +137,10 @@ class GraphIndex:
     ordering-only input, so that draws happen in eager's order and never two at once.
     ``users[n]``: its consumers (by ``ins``), in graph order. ``nbytes[n]``:
     :func:`value_bytes`. ``tensorless``: values with no tensor (never copied). ``scalars``: the
-    0-dim tensors whose every consumer is a pointwise op: on the host, a GPU kernel takes them
-    as a scalar argument, so they are never copied to a GPU (a property of the value, so one
-    value reaches one pool by one mechanism).
+    0-dim tensors whose every consumer is a binary arithmetic op or comparison with an operand
+    of more dimensions (:func:`takes_host_scalar`; with only 0-dim operands the op would run on
+    the host): on the host, a GPU kernel takes them as a scalar argument, so they are never
+    copied to a GPU (a property of the value, so one value reaches one pool by one mechanism).
     """
 
     ins: dict[Node, tuple[Node, ...]]
@@ -167,9 +168,26 @@ class GraphIndex:
         scalars = frozenset(
             n for n, ms in metas.items()
             if len(ms) == 1 and ms[0].shape == () and users[n]
-            and all(kind_of(u.op) == "pointwise" for u in users[n]))
+            and all(takes_host_scalar(u.op) and any(
+                m.shape != () for i in ins[u] for m in metas[i]) for u in users[n]))
         return GraphIndex(ins, users, {n: sum(m.nbytes for m in ms) for n, ms in metas.items()},
                           frozenset(n for n, ms in metas.items() if not ms), scalars)
+
+
+# Binary arithmetic and comparisons: TensorIterator reads a host 0-dim operand of a GPU kernel
+# as a scalar argument. Other pointwise ops (masked_fill's mask, where's condition, clamp's
+# bounds) insist on one device, so their 0-dim inputs are copied like any tensor.
+_HOST_SCALAR_OPS = frozenset((
+    "add", "sub", "rsub", "mul", "div", "true_divide", "floor_divide", "pow", "maximum",
+    "minimum", "fmod", "remainder", "atan2", "copysign", "hypot", "eq", "ne", "lt", "le", "gt",
+    "ge", "logical_and", "logical_or", "logical_xor", "bitwise_and", "bitwise_or",
+    "bitwise_xor"))
+
+
+def takes_host_scalar(op: Any) -> bool:
+    """Can a GPU kernel of ``op`` take a host 0-dim tensor operand as a scalar argument?"""
+    packet = getattr(op, "overloadpacket", None)
+    return packet is not None and packet.__name__ in _HOST_SCALAR_OPS
 
 
 def is_tiny(node: Node) -> bool:

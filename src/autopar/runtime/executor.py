@@ -169,7 +169,7 @@ class _Call:
     def _to_host(self, t: torch.Tensor, src: str, event: int, node: int) -> torch.Tensor:
         side = _Streams.of(src).d2h
         side.wait_stream(self.compute[src])
-        out = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, pin_memory=True)
+        out = _pinned_like(t)
 
         def issue() -> Any:
             with torch.cuda.stream(side):
@@ -186,7 +186,7 @@ class _Call:
     def _to_gpu(self, t: torch.Tensor, dst: str, event: int, node: int) -> torch.Tensor:
         side = _Streams.of(dst).h2d
         if not t.is_pinned():
-            staged = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, pin_memory=True)
+            staged = _pinned_like(t)
             staged.copy_(t)
             t = staged
         def issue() -> Any:
@@ -212,6 +212,13 @@ class _Call:
         ev.record(out_side)
         self.cuda_events[event] = ev
         return out
+
+
+def _pinned_like(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host buffer to copy ``t`` into, laid out as ``.to("cpu")`` would: ``t``'s
+    strides when they are non-overlapping and dense, else dense (a copy cannot write into
+    overlapping memory, such as an ``expand``'s)."""
+    return torch.empty_like(t, device="cpu", pin_memory=True)
 
 
 class _Worker(_PerDevice):
