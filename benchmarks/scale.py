@@ -299,14 +299,16 @@ def _release() -> None:
         torch.cuda.empty_cache()
 
 
-def measure_case(case: Case, gpus: int, repeat: int, row: ScaleRow) -> None:
-    """Check autopar against eager on ``gpus`` GPUs, then time both; fills ``row``."""
-    args = case.inputs("cuda:0", True)
+def measure_case(case: Case, devices: Sequence[str], repeat: int, row: ScaleRow,
+                 home: str = "cuda:0") -> None:
+    """Check autopar on ``devices`` against eager (inputs on ``home``), then time both; fills
+    ``row``. Raises AssertionError when a result differs."""
+    args = case.inputs(home, True)
     ref = case.fn(*args)
     if case.reference is not None:
         check_close(ref, case.reference(args), case.rtol, case.atol, f"{case.name} eager")
     torch._dynamo.reset()
-    compiled, runner = compile_recording(case.fn, gpu_names(gpus))
+    compiled, runner = compile_recording(case.fn, devices)
     check_close(compiled(*args), ref, case.rtol, case.atol, f"{case.name} autopar")
     del ref
     row.eager_s = measure(case.fn, *args, warmup=1, repeat=repeat).median
@@ -340,7 +342,7 @@ def collect(workloads: Sequence[str] = tuple(CASES), counts: Sequence[int] = GPU
                 if progress:
                     progress(f"{name} on {g} GPU{'s' if g > 1 else ''}")
                 try:
-                    measure_case(case, g, repeat, row)
+                    measure_case(case, gpu_names(g), repeat, row)
                 except Exception as e:  # the table goes on; the row says what failed
                     row.status = "error"
                     row.notes.append(f"{type(e).__name__}: {e}"[:300])
