@@ -125,20 +125,27 @@ class Case:
     atol: float = 1e-3
 
 
-def _draw(shape: tuple[int, ...], gen: torch.Generator, values: bool,
+def _draw(shape: tuple[int, ...], gen: torch.Generator | None, device: str,
           scale: float = 1.0) -> torch.Tensor:
-    if not values:
-        return torch.empty(shape)  # not touched: traced with fake tensors only
-    return torch.randn(shape, generator=gen) * scale
+    """Seeded normal values drawn on ``device`` (on the GPU: drawing a GiB on the host would
+    take seconds); with no generator, an untouched tensor of that shape on the host, which is
+    only ever traced with fake tensors."""
+    if gen is None:
+        return torch.empty(shape)
+    return torch.randn(shape, generator=gen, device=device) * scale
+
+
+def _generator(device: str, values: bool) -> torch.Generator | None:
+    return torch.Generator(device).manual_seed(SEED) if values else None
 
 
 def chains_case(gpus: int, size: str) -> Case:
     n, depth = CHAINS[size]
 
     def inputs(device: str, values: bool) -> tuple:
-        gen = torch.Generator().manual_seed(SEED)
-        xs = [_draw((n, n), gen, values).to(device) for _ in range(gpus)]
-        ws = [_draw((n, n), gen, values, 1 / math.sqrt(n)).to(device) for _ in range(gpus)]
+        gen = _generator(device, values)
+        xs = [_draw((n, n), gen, device) for _ in range(gpus)]
+        ws = [_draw((n, n), gen, device, 1 / math.sqrt(n)) for _ in range(gpus)]
         return xs, ws
 
     return Case("chains", "weak", make_chains(depth), inputs)
@@ -169,8 +176,7 @@ def cholesky_case(gpus: int, size: str) -> Case:
     def inputs(device: str, values: bool) -> tuple:
         if not values:
             return (torch.empty(n, n),)
-        gen = torch.Generator().manual_seed(SEED)
-        m = torch.randn(n, n, generator=gen).to(device)
+        m = _draw((n, n), _generator(device, values), device)
         a = m @ m.T / n + torch.eye(n, device=device)  # eigenvalues in [1, 5]: well conditioned
         return (a,)
 
@@ -376,7 +382,7 @@ HEADERS = ("workload", "GPUs", "status", "eager", "autopar", "predicted (this ho
 def grid(rows: Sequence[ScaleRow]) -> list[list[str]]:
     return [[r.workload + (" (weak)" if r.scaling == "weak" else ""), str(r.gpus), r.status,
              _t(r.eager_s), _t(r.autopar_s), _t(r.host_s), _pct(r.host_error, True),
-             f"{_t(r.preset_s)} {r.preset}", _pct(r.preset_error, True), _pct(r.efficiency),
+             f"{_t(r.preset_s)} on {r.preset}", _pct(r.preset_error, True), _pct(r.efficiency),
              _pct(r.preset_efficiency)] for r in rows]
 
 

@@ -105,7 +105,7 @@ def test_main_writes_the_simulated_rows_as_json(scale, tmp_path, capsys):
     assert [(r["gpus"], r["status"], r["preset"]) for r in doc["rows"]] == [
         (1, "simulated, not run", "h200x2"), (2, "simulated, not run", "h200x2"),
         (4, "simulated, not run", "h200x4"), (8, "simulated, not run", "h200x8")]
-    assert "| chains (weak) | 8 | simulated, not run |" in doc["markdown"]
+    assert "| chains (weak) | 8 | simulated, not run | — | — | — | — |" in doc["markdown"]
     assert "simulator accuracy: nothing measured on this host" in doc["goal_lines"]
     assert "chains at 4 GPUs" in capsys.readouterr().out
 
