@@ -4,9 +4,11 @@
     python benchmarks/run_all.py --readme benchmarks/README.md   # also refresh its table
 
 Families are the scripts beside this one listed in ``FAMILIES`` (``workloads.py``,
-``cost_model.py``, ``planning_time.py``, ``overhead.py``, and ``parallel.py`` on GPU hosts), each
-when present. Each runs in its own process with ``--json``: it prints one JSON document on
-stdout, or writes it to the path given after ``--json`` (``json_to_file``). A family that fails
+``cost_model.py``, ``planning_time.py``, ``overhead.py``, ``scale.py``, and ``parallel.py`` on GPU
+hosts), each when present. ``--size`` is passed to ``workloads.py``, and to ``scale.py`` unless
+it is ``auto`` (scale's own default: full-size predictions, measured where there are GPUs).
+Each runs in its own process with ``--json``: it prints one JSON document on stdout, or writes
+it to the path given after ``--json`` (``json_to_file``). A family that fails
 is recorded with its error and the others go on. The markdown holds the workloads table, and
 each other family's ``markdown`` field when its JSON has one. ``--readme`` replaces the text
 between ``<!-- results:<key>:start -->`` and ``<!-- results:<key>:end -->`` (key ``cpu`` on a
@@ -53,6 +55,8 @@ FAMILIES: dict[str, Family] = {
     "planning_time": Family("planning_time.py"),
     "overhead": Family("overhead.py", json_to_file=True),
     "parallel": Family("parallel.py", json_to_file=True, needs_gpu=True),
+    # without GPUs it still predicts every GPU count on the presets
+    "scale": Family("scale.py", json_to_file=True),
 }
 
 
@@ -147,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if family.needs_gpu and not machine.get("gpus"):
             continue
-        extra = ["--size", args.size] if name == "workloads" else []
+        sized = name == "workloads" or (name == "scale" and args.size != "auto")
+        extra = ["--size", args.size] if sized else []
         doc["families"][name] = run_family(name, family, extra, args.timeout)
 
     args.out.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,21 @@ def big() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.rand(4000, 4000), torch.rand(4000, 4000)
 
 
+def test_devices_restrict_placement_as_compile_does():
+    x = torch.rand(4000, 4000)
+    report = autopar.explain(two_chains, x, x, machine="h200x8", inputs_on="cuda:0",
+                             devices=["cuda:0", "cuda:1", "cuda:2"])
+    # 16 independent products: spread over the three GPUs allowed, none elsewhere
+    assert {row.device for row in report.rows} == {"cuda:0", "cuda:1", "cuda:2"}
+    alone = autopar.explain(two_chains, x, x, machine="h200x8", inputs_on="cuda:0",
+                            devices=["cuda:0"])
+    assert {row.device for row in alone.rows} == {"cuda:0"}
+    assert alone.predicted_s > 2.5 * report.predicted_s
+    with pytest.raises(ValueError, match="subset"):
+        autopar.explain(two_chains, x, x, machine="h200x2", inputs_on="cuda:0",
+                        devices=["cuda:5"])
+
+
 def test_two_chains_written_for_one_gpu_are_split_over_two():
     report = autopar.explain(two_chains, *big(), machine="h200x2", inputs_on="cuda:0")
     devices = {row.device for row in report.rows}

@@ -39,6 +39,20 @@ def test_meta_inference_keeps_eager_device_and_flops():
     assert mm.kind == "matmul"
 
 
+def test_cholesky_and_triangular_solve_have_flops():
+    g = Graph("potrf_trsm")
+    a = g.input(TensorMeta.make((3, 64, 64), device="cuda:0"), "a")
+    b = g.input(TensorMeta.make((3, 32, 64), device="cuda:0"), "b")
+    chol = g.call(aten.linalg_cholesky_ex.default, (a,))
+    low = g.call(operator.getitem, (chol, 0))
+    solve = g.call(aten.linalg_solve_triangular.default, (low, b), {"upper": False,
+                                                                   "left": False})
+    g.set_outputs([solve])
+    assert chol.flops == 3 * 64**3 // 3  # n^3 / 3 per matrix
+    assert solve.flops == 64 * 3 * 32 * 64  # n^2 per right-hand side of length n
+    assert chol.kind == solve.kind == "matmul"
+
+
 def test_totals_and_users():
     g = two_chains(n=3, size=10)
     t = g.totals()

@@ -51,7 +51,7 @@ def cache(tmp_path, monkeypatch):
 
 # -- presets ---------------------------------------------------------------------------------
 def test_preset_names_and_devices():
-    assert set(PRESETS) >= {"h200x2", "h200x8", "a100x4-pcie", "cpu-only"}
+    assert set(PRESETS) >= {"h200x2", "h200x4", "h200x8", "a100x4-pcie", "cpu-only"}
     m = preset("h200x2")
     assert [d.name for d in m.devices] == ["cpu:0", "cpu:1", "cuda:0", "cuda:1"]
     assert [d.name for d in m.cpus] == ["cpu:0", "cpu:1"]
@@ -61,6 +61,10 @@ def test_preset_names_and_devices():
     assert m.fingerprint == "preset-h200x2"
     assert m.profile_path is None
     assert len(preset("h200x8").gpus) == 8
+    four = preset("h200x4")
+    assert [d.name for d in four.gpus] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert all(four.has_peer(a.name, b.name) for a in four.gpus for b in four.gpus if a != b)
+    assert four.profile.device("cuda:3") == m.profile.device("cuda:0")  # the same H200s
     assert preset("cpu-only").gpus == ()
 
 

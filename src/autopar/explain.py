@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -157,19 +157,22 @@ def critical_path(placement: Placement, cost: CostModel) -> list[Node]:
 
 
 def explain_graph(graph: Graph, machine: Machine | str | None = None,
-                  policy: str = "heft") -> ExplainReport:
-    """Place, plan and simulate ``graph`` under ``policy`` and under eager placement."""
+                  policy: str = "heft", devices: Sequence[str] | None = None) -> ExplainReport:
+    """Place, plan and simulate ``graph`` under ``policy`` and under eager placement.
+
+    ``devices``: the machine's devices ops may be placed on (None: all of them), as
+    ``autopar.compile(devices=...)`` restricts them."""
     machine = load_machine(machine)
     cost = CostModel(machine)
-    placement = place(graph, cost, policy=policy)
+    placement = place(graph, cost, policy=policy, devices=devices)
     plan = make_plan(placement, cost)
     eager_plan = make_plan(place(graph, cost, policy="single"), cost)
     timeline = simulate(plan, cost)
     eager_timeline = simulate(eager_plan, cost)
-    devices = [d.name for d in machine.devices]
+    names = [d.name for d in machine.devices]
     rows = []
     for n in graph.ops:
-        times = {d: cost.node_time(n, d) for d in devices if cost.can_run(n, d)}
+        times = {d: cost.node_time(n, d) for d in names if cost.can_run(n, d)}
         rows.append(Row(
             graph=graph.name, node=n.id, name=repr(n), op=op_name(n.op), shapes=_shapes(n),
             device=placement.device[n], eager_device=machine.home(n.device or "cpu").name,
@@ -187,13 +190,14 @@ def explain_graph(graph: Graph, machine: Machine | str | None = None,
 
 def explain(fn: Callable, *args: Any, machine: Machine | str | None = None,
             policy: str = "heft", inputs_on: str | None = None,
-            run: bool = False) -> ExplainReport:
+            run: bool = False, devices: Sequence[str] | None = None) -> ExplainReport:
     """Explain how autopar would run ``fn(*args)`` on ``machine``.
 
     Nothing is computed unless ``run=True`` and the function can't be traced with fake inputs
     (see the module docstring). ``inputs_on``: the device of the machine on which CPU-built
     example inputs are taken to live (e.g. ``"cuda:0"`` for code written for a GPU, explained
-    on a CPU-only machine).
+    on a CPU-only machine). ``devices``: the devices of ``machine`` ops may be placed on (None:
+    all), as ``autopar.compile(devices=...)`` restricts them.
     """
     if not callable(fn):
         raise TypeError(f"explain expects a function or nn.Module, got {type(fn).__name__}")
@@ -203,14 +207,15 @@ def explain(fn: Callable, *args: Any, machine: Machine | str | None = None,
         raise ValueError(f"inputs_on={inputs_on!r} is not a device of {resolved.name} ({have})")
     torch_device = "cpu" if inputs_on and inputs_on.startswith("cpu") else inputs_on
     try:
-        return explain_graph(trace_fake(fn, args, inputs_on=torch_device), resolved, policy)
+        return explain_graph(trace_fake(fn, args, inputs_on=torch_device), resolved, policy,
+                             devices)
     except Unsupported as e:
         if _no_cuda_here(e, torch_device):
             # a CPU-only torch can't index or move fake GPU tensors: trace on the CPU instead
             # and take its values to live on the GPU (explicit moves in the code are not seen)
             with contextlib.suppress(Unsupported):
                 graph = relabel_devices(trace_fake(fn, args), "cpu", torch_device)
-                report = explain_graph(graph, resolved, policy)
+                report = explain_graph(graph, resolved, policy, devices)
                 report.captured = (f"traced with fake inputs on the CPU, values taken to live "
                                    f"on {torch_device} (device moves in the code are not seen)")
                 return report
@@ -223,7 +228,7 @@ def explain(fn: Callable, *args: Any, machine: Machine | str | None = None,
         raise Unsupported(f"running {getattr(fn, '__name__', fn)!r} made no graph to explain")
     if torch_device and torch_device != "cpu":
         graphs = [relabel_devices(g, "cpu", torch_device) for g in graphs]
-    reports = [explain_graph(g, resolved, policy) for g in graphs]
+    reports = [explain_graph(g, resolved, policy, devices) for g in graphs]
     log.info("autopar: explain captured %s by running it: %s", graphs[0].name, why)
     return _in_sequence(reports, f"captured by running on this host: {len(graphs)} graphs")
 

@@ -22,6 +22,7 @@ Policy and invariants
 
 from __future__ import annotations
 
+import math
 import operator
 import textwrap
 from collections import Counter
@@ -211,7 +212,7 @@ def op_kind(op: Any) -> str:
         r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
     ):
         return "view"
-    if op.overloadpacket in flop_registry:
+    if op.overloadpacket in flop_registry or op.overloadpacket in _LINALG_FLOPS:
         return "matmul"
     tags = op.tags
     if torch.Tag.nondeterministic_seeded in tags:
@@ -252,9 +253,36 @@ def _schema_effects(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, tuple, t
     return reads, tuple(dict.fromkeys(writes)), tuple(dict.fromkeys(aliases))
 
 
+def _cholesky_flops(a: tuple[int, ...], b: tuple[int, ...] | None) -> float:
+    n = a[-1]
+    return math.prod(a[:-2]) * n**3 / 3
+
+
+def _solve_triangular_flops(a: tuple[int, ...], b: tuple[int, ...] | None) -> float:
+    return a[-1] * math.prod(b or ())  # n^2 per right-hand side of length n
+
+
+_LINALG_FLOPS: dict[Any, Callable[[tuple[int, ...], tuple[int, ...] | None], float]] = {
+    torch.ops.aten.linalg_cholesky_ex: _cholesky_flops,
+    torch.ops.aten.linalg_solve_triangular: _solve_triangular_flops,
+}
+"""Formulas torch.utils.flop_counter lacks: LAPACK-style factorizations and solves (n^3/3 for
+Cholesky; n^2 per right-hand side for a triangular solve)."""
+
+
 def _flops(op: Any, args: tuple, kwargs: dict, meta: Meta) -> int:
-    """FLOPs by torch.utils.flop_counter's formula for ``op``, 0 when it has none."""
-    if not isinstance(op, torch._ops.OpOverload) or op.overloadpacket not in flop_registry:
+    """FLOPs by torch.utils.flop_counter's formula for ``op`` (or :data:`_LINALG_FLOPS`'), 0
+    when it has none."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return 0
+    if op.overloadpacket in _LINALG_FLOPS:
+        shapes = [x.meta.shape if isinstance(x, Node) and isinstance(x.meta, TensorMeta)
+                  else None for x in args[:2]]
+        if not shapes or shapes[0] is None:
+            return 0
+        b = shapes[1] if len(shapes) > 1 else None
+        return int(_LINALG_FLOPS[op.overloadpacket](shapes[0], b))
+    if op.overloadpacket not in flop_registry:
         return 0
 
     def as_tensor(x: Any) -> Any:

@@ -1,7 +1,8 @@
 """Presets: machines not at hand, for simulation, explain and tests.
 
 Built from measured figures: ``h200x2`` from ``shared/MEASURED.md`` (2 H200 with NVLink, torch
-2.11), the others scaled from published rates of their parts. ``preset(name)`` builds one;
+2.11), the others scaled from published rates of their parts (``h200x4`` and ``h200x8``: the same
+H200s and NVLink, every pair linked, on a larger host). ``preset(name)`` builds one;
 ``--machine NAME`` takes any name of :data:`PRESETS` wherever a machine is asked for.
 """
 
@@ -171,6 +172,9 @@ PRESETS: dict[str, _PresetSpec] = {
     "h200x2": _PresetSpec(
         "2x NVIDIA H200 with NVLink, 32-core host (the machine of MEASURED.md)",
         "x86-64, 32 cores", 32, 256 * GiB, 1.0, _h200, 2, _all_pairs(2)),
+    "h200x4": _PresetSpec(
+        "4x NVIDIA H200, all pairs NVLink, 64-core host",
+        "x86-64, 64 cores", 64, 512 * GiB, 1.5, _h200, 4, _all_pairs(4)),
     "h200x8": _PresetSpec(
         "8x NVIDIA H200, all pairs NVLink (NVSwitch), 128-core host",
         "x86-64, 128 cores", 128, 560 * GiB, 2.5, _h200, 8, _all_pairs(8)),
