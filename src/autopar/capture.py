@@ -102,7 +102,7 @@ _SCALAR_FUNCTIONS = frozenset({
     operator.mod, operator.pow, operator.neg, operator.pos, operator.abs, operator.eq,
     operator.ne, operator.lt, operator.le, operator.gt, operator.ge, operator.and_,
     operator.or_, operator.not_, math.floor, math.ceil, math.trunc, torch.sym_max,
-    torch.sym_min, torch.sym_float, torch.sym_int, torch.sym_not})
+    torch.sym_min, torch.sym_float, torch.sym_int, torch.sym_not, torch.sym_ite})
 """Python arithmetic dynamo records on numbers read from tensors."""
 
 
