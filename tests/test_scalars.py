@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _fakes import FakeCost, by_name, devices_of, machine, tensor
 
 import autopar
-from autopar.capture import from_fx, make_backend, relabel_devices
+from _fakes import FakeCost, by_name, devices_of, machine, tensor
+from autopar.capture import from_fx, make_backend
 from autopar.explain import explain_graph
 from autopar.graph import Graph, ScalarMeta
 from autopar.place import place
-from autopar.plan import make_plan
 from autopar.routing import GraphIndex
 from autopar.runtime import SequentialRunner
 
