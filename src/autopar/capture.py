@@ -279,13 +279,27 @@ def capturing_scalars(compiled: Callable) -> Callable:
     bounds kept in the graph (dynamo's ``capture_scalar_outputs``) instead of breaking it.
 
     The setting is dynamo's, read when a frame is traced; it is switched on around each call
-    only, so the caller's other compiled code is not affected.
+    only, so the caller's other compiled code is not affected. Switching costs a few
+    microseconds a call; with ``torch._dynamo.config.capture_scalar_outputs = True`` (or
+    ``TORCHDYNAMO_CAPTURE_SCALAR_OUTPUTS=1``) already set, calls go straight through.
     """
-    patch = torch._dynamo.config.patch(capture_scalar_outputs=True)
+    config = torch._dynamo.config
+    patch = config.patch(capture_scalar_outputs=True)
+
+    def wrap(fn: Callable) -> Callable:
+        patched = patch(fn)
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if config.capture_scalar_outputs:
+                return fn(*args, **kwargs)
+            return patched(*args, **kwargs)
+        return call
+
     if isinstance(compiled, torch.nn.Module):  # an OptimizedModule: its forward is dynamo's
-        compiled.forward = patch(compiled.forward)
+        compiled.forward = wrap(compiled.forward)
         return compiled
-    return functools.wraps(compiled)(patch(compiled))
+    return wrap(compiled)
 
 
 _DEFAULT_BACKEND: list[Callable] = []
