@@ -315,3 +315,14 @@ def test_autopar_compile_keeps_scalar_reads_in_one_graph_placed_on_the_host():
     reads = [n for n in p.graph.ops if n.op is READ]
     assert len(reads) == 3  # r0, r0 + 4 for the rows, r0 + 4 for the columns
     assert {p.device[n] for n in reads} == {"cpu:0"}
+
+
+def test_a_scalar_expanded_to_a_matrix_is_not_a_host_scalar():
+    """``one = full([], 1.0)``; ``m = one.expand(600, 600)`` on cuda:0: on the host, the
+    expanded view would be copied whole."""
+    g = Graph("expanded")
+    x = g.input(tensor((600, 600), "cuda:0"), name="x")
+    one = g.call(aten.full.default, ([], 1.0), {"device": torch.device("cuda:0")}, name="one")
+    m = g.call(aten.expand.default, (one, [600, 600]), name="m")
+    g.set_outputs([g.call(aten.mul.Tensor, (x, m), name="out")])
+    assert GraphIndex.of(g).host == frozenset()

@@ -195,7 +195,8 @@ def host_scalars(graph: Graph, ins: dict[Node, tuple[Node, ...]],
                  users: dict[Node, list[Node]]) -> frozenset[Node]:
     """Values the host computes: a Python number (:class:`~autopar.graph.ScalarMeta`, e.g. a
     ``.item()``), or a 0-dim tensor op, not random, mutating nothing, each of whose inputs is a
-    host scalar, a 0-dim host input, or *read* (below).
+    host scalar, a 0-dim host input, or *read* (below), and with no view wider than one
+    element (``s.expand(n, m)`` stays with ``s``: the host would copy the whole extent).
 
     A 0-dim value is *read* when every consumer is ``aten._local_scalar_dense`` or a read
     0-dim op: the host needs its value anyway, so copying it there once, early, costs the
@@ -212,8 +213,12 @@ def host_scalars(graph: Graph, ins: dict[Node, tuple[Node, ...]],
     def on_host(v: Node) -> bool:
         return v in host or v in read or (v.is_input and _is_zero_dim(v) and v.device == "cpu")
 
+    def widened(n: Node) -> bool:  # a view of it wider than one element: it stays with n
+        return any(kind_of(u.op) == "view" and not is_tiny(u) for u in users[n])
+
     for n in graph.ops:
-        if isinstance(n.meta, ScalarMeta) or (_scalar_op(n) and all(map(on_host, ins[n]))):
+        if isinstance(n.meta, ScalarMeta) or (
+                _scalar_op(n) and all(map(on_host, ins[n])) and not widened(n)):
             host.add(n)
     return frozenset(host)
 
