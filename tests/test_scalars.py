@@ -326,3 +326,13 @@ def test_a_scalar_expanded_to_a_matrix_is_not_a_host_scalar():
     m = g.call(aten.expand.default, (one, [600, 600]), name="m")
     g.set_outputs([g.call(aten.mul.Tensor, (x, m), name="out")])
     assert GraphIndex.of(g).host == frozenset()
+
+
+def test_explain_by_running_w1_places_the_reads_on_the_host_and_says_so():
+    report = autopar.explain(w1, *w1_inputs(), machine="h200x2", inputs_on="cuda:0", run=True)
+    assert report.captured == "captured by running on this host: 1 graphs"
+    reads = [r for r in report.rows if r.op == "aten._local_scalar_dense"]
+    assert [r.device for r in reads] == ["cpu:0"] * 4
+    assert [s.split(" is read")[0] for s in report.syncs] == [
+        "%arg0_1", "%arg1_1", "%arg2_1", "%arg3_1"]
+    assert report.transfers == 4
