@@ -621,6 +621,21 @@ def w1_tensor_bounds(A, B, r0, r1, c0, c1):
     B[:] = A[r0:r1, c0:c1]
 
 
+def w1_bounds_made_inside(A, B):
+    r0, r1 = torch.tensor(2, device=A.device), torch.tensor(6, device=A.device)
+    B[:] = A[r0:r1, r0 + 1:r1 + 1]
+
+
+def w2_scalar_made_inside(A):
+    a1 = torch.tensor(10.0, device=A.device)
+    return a1 * A + a1 ** 2
+
+
+def narrow_at_item(x, n):
+    k = n.item()
+    return x.narrow(0, k, 2) * k
+
+
 def results_to_cpu_w5(x):
     ys = [x.mm(x) for _ in range(10)]
     return [t.cpu() for t in ys]
@@ -880,6 +895,14 @@ CASES: list[Case] = [
          requires_grad=True, tags=_c("graph_break")),
     Case("w1_tensor_bounds", w1_tensor_bounds, lambda d: _bounds_inputs(d, as_tensors=True),
          mutates_inputs=True, tags=_c("slice", "mutation", "graph_break", "workload")),
+    Case("w1_bounds_made_inside", w1_bounds_made_inside,
+         lambda d: (rand(8, 8, device=d), rand(4, 4, device=d)),
+         mutates_inputs=True, tags=_c("slice", "mutation", "scalar", "workload")),
+    Case("w2_scalar_made_inside", w2_scalar_made_inside, lambda d: (rand(6, 6, device=d),),
+         tags=_c("scalar", "workload")),
+    Case("narrow_at_item", narrow_at_item,
+         lambda d: (rand(8, 3, device=d), torch.tensor(5, device=d)),
+         tags=_c("slice", "graph_break")),
     Case("results_to_cpu_w5", results_to_cpu_w5, lambda d: (rand(32, 32, device=d) / 6,),
          tags=_c("device", "workload")),
     Case("varying_shapes", varying_shapes, _varying_shape_inputs, calls=3, tags=_c("dynamic")),

@@ -9,7 +9,9 @@ Policy
   (:func:`autopar.machine.default_cpu_workers` says why not below).
 - The compiled callable is ``torch.compile(fn, backend=<autopar>, dynamic=False)``: every graph
   dynamo captures goes through :func:`make_runner` (place, plan, run); anything autopar can't
-  represent runs eagerly for that graph (see :mod:`autopar.capture`).
+  represent runs eagerly for that graph (see :mod:`autopar.capture`). It is traced with
+  ``.item()`` and tensor slice bounds kept in the graph (dynamo's ``capture_scalar_outputs``,
+  switched on around each call), so that they are placed instead of breaking the graph.
 """
 
 from __future__ import annotations
@@ -183,9 +185,9 @@ def compile(fn: Callable, **options: Any) -> Callable:
     if not callable(fn):
         raise TypeError(
             f"autopar.compile expects a function or nn.Module, got {type(fn).__name__}")
-    from .capture import make_backend
+    from .capture import capturing_scalars, make_backend
 
     opts = Options.parse(options)
     runner = make_runner(opts)
     runner.cost_model()  # resolve (and if need be calibrate) the machine now, not mid-trace
-    return torch.compile(fn, backend=make_backend(runner), dynamic=False)
+    return capturing_scalars(torch.compile(fn, backend=make_backend(runner), dynamic=False))

@@ -7,16 +7,29 @@ Policy
 - :func:`from_fx` converts one aot_autograd ``GraphModule`` into a :class:`~autopar.graph.Graph`:
   placeholders (then tensor constants from ``get_attr``) become graph inputs, ``call_function``
   nodes become op nodes with metadata read from the fake values dynamo recorded.
-- Anything the Graph can't represent exactly (symbolic shapes, non-ATen callables, ops on
-  non-tensor values, missing metadata) raises :class:`Unsupported`; the backend then runs that
-  fx graph eagerly and logs one reason on the ``autopar`` logger. Never a wrong result.
+- Scalar reads stay in the graph (with ``torch._dynamo.config.capture_scalar_outputs``, which
+  :func:`autopar.compile` turns on): ``aten._local_scalar_dense`` (``.item()``, a tensor used as
+  a slice bound) becomes a node whose value is a Python number (:class:`ScalarMeta`), read once
+  per input tensor however often dynamo asked for it; arithmetic on such numbers
+  (``operator.add``, ``torch.sym_max``...) and runtime asserts on them are nodes too, and the
+  tensor ops that take them as arguments refer to them. ``aten.sym_size`` and friends whose
+  value is a known int become that int.
+- A 0-dim tensor constant on a GPU (``torch.tensor(10.0, device="cuda")`` in the function) is
+  kept on the host and moved where eager has it by an ``aten._to_copy`` node: placement may run
+  that move, and the arithmetic after it, on the host (see :func:`autopar.routing.host_scalars`).
+- Anything the Graph can't represent exactly (symbolic shapes, as when a slice bound read from
+  a tensor decides an output's shape; dynamic-shape inputs; other non-ATen callables; other ops
+  on non-tensor values; missing metadata) raises :class:`Unsupported`; the backend then runs
+  that fx graph eagerly and logs one reason on the ``autopar`` logger. Never a wrong result.
 - Capture decides nothing about devices: :mod:`autopar.api` hands the Graph to the stages
   after it (place, plan, run).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import operator
 import os
 import re
@@ -26,7 +39,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from .graph import Graph, Node, TensorMeta
+from .graph import Graph, Node, ScalarMeta, TensorMeta
 
 log = logging.getLogger("autopar")
 
@@ -54,7 +67,7 @@ def source_of(fx_node: torch.fx.Node) -> str | None:
 def _meta_of(value: Any, what: str) -> Any:
     """TensorMeta (or a tuple of them) for a fake value; raise Unsupported otherwise."""
     if isinstance(value, torch.Tensor):
-        if any(not isinstance(s, int) for s in value.shape):
+        if any(_known_number(s) is None for s in (*value.shape, *value.stride())):
             raise Unsupported(f"{what} has a symbolic shape {tuple(value.shape)}")
         if value.layout != torch.strided:
             raise Unsupported(f"{what} has layout {value.layout}")
@@ -72,6 +85,47 @@ def _check_constant(x: Any, what: str) -> Any:
     if isinstance(x, torch.Tensor):
         raise Unsupported(f"{what} takes a tensor that is not a graph value")
     return x
+
+
+_aten = torch.ops.aten
+_TO_COPY = _aten._to_copy.default
+LOCAL_SCALAR_DENSE = _aten._local_scalar_dense.default
+_SCALAR_OPS = frozenset({LOCAL_SCALAR_DENSE, _aten._assert_scalar.default,
+                         _aten.sym_constrain_range.default,
+                         _aten.sym_constrain_range_for_size.default})
+"""ATen ops whose value is a Python number (or None): they run on the host."""
+_SIZE_OPS = frozenset({_aten.sym_size.int, _aten.sym_stride.int, _aten.sym_numel.default,
+                       _aten.sym_storage_offset.default})
+"""Shape queries: their value is known when the shape is, and then becomes a constant."""
+_SCALAR_FUNCTIONS = frozenset({
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv,
+    operator.mod, operator.pow, operator.neg, operator.pos, operator.abs, operator.eq,
+    operator.ne, operator.lt, operator.le, operator.gt, operator.ge, operator.and_,
+    operator.or_, operator.not_, math.floor, math.ceil, math.trunc, torch.sym_max,
+    torch.sym_min, torch.sym_float, torch.sym_int, torch.sym_not, torch.sym_ite})
+"""Python arithmetic dynamo records on numbers read from tensors."""
+
+
+def _on_host(t: torch.Tensor) -> torch.Tensor:
+    """A real copy of a constant on the host (the backend runs inside fake tensor tracing)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return t.detach().cpu()
+
+
+def _known_number(value: Any) -> int | float | bool | None:
+    """The plain number a traced scalar stands for, if it is not symbolic (else None)."""
+    if isinstance(value, bool | int | float):
+        return value
+    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+        node = value.node
+        if node.is_constant():
+            return node.pytype(node.constant)  # type: ignore[no-any-return]
+        expr = getattr(node, "expr", None)  # a sympy expression; a number once shapes agree
+        if getattr(expr, "is_number", False):
+            return node.pytype(expr)  # type: ignore[no-any-return]
+    return None
 
 
 def from_fx(gm: torch.fx.GraphModule, name: str = "graph") -> tuple[Graph, list[torch.Tensor]]:
@@ -93,13 +147,22 @@ def from_fx(gm: torch.fx.GraphModule, name: str = "graph") -> tuple[Graph, list[
             if val is None or not isinstance(val, torch.Tensor):
                 raise Unsupported(f"input {fx_node.name} is not a tensor ({type(val).__name__})")
             env[fx_node] = graph.input(_meta_of(val, f"input {fx_node.name}"), fx_node.name)
+    moved: list[tuple[torch.fx.Node, Node, TensorMeta]] = []
     for fx_node in gm.graph.nodes:
         if fx_node.op == "get_attr":
             value = getattr(gm, fx_node.target)
             if not isinstance(value, torch.Tensor):
                 raise Unsupported(f"attribute {fx_node.target} is a {type(value).__name__}")
+            meta = TensorMeta.of(value)
+            if meta.shape == () and meta.device != "cpu":
+                value = _on_host(value)
             env[fx_node] = graph.input(TensorMeta.of(value), fx_node.name)
             constants.append(value)
+            if value.device.type != meta.device.split(":")[0]:
+                moved.append((fx_node, env[fx_node], meta))
+    for fx_node, host, meta in moved:  # a 0-dim constant lives on the host, moved as eager has it
+        env[fx_node] = graph.call(_TO_COPY, (host,), {"device": torch.device(meta.device)},
+                                  meta=meta, name=f"{fx_node.name}_to_device")
 
     def convert(x: Any, what: str) -> Any:
         if isinstance(x, torch.fx.Node):
@@ -112,6 +175,7 @@ def from_fx(gm: torch.fx.GraphModule, name: str = "graph") -> tuple[Graph, list[
             return {k: convert(v, what) for k, v in x.items()}
         return _check_constant(x, what)
 
+    reads: dict[torch.fx.Node, Node] = {}  # tensor -> its _local_scalar_dense: one read
     for fx_node in gm.graph.nodes:
         if fx_node.op in ("placeholder", "get_attr"):
             continue
@@ -124,12 +188,35 @@ def from_fx(gm: torch.fx.GraphModule, name: str = "graph") -> tuple[Graph, list[
             raise Unsupported(f"fx node {fx_node.name} is a {fx_node.op}")
         target = fx_node.target
         what = f"op {fx_node.name} ({target})"
+        val = fx_node.meta.get("val")
+        if target in _SIZE_OPS:
+            known = _known_number(val)
+            if known is None:
+                raise Unsupported(f"{what} is a symbolic size {val}")
+            env[fx_node] = known
+            continue
+        if target is _aten._assert_scalar.default and fx_node.args[0] is True:
+            continue  # proved while tracing: nothing to check
+        if target in _SCALAR_OPS or target in _SCALAR_FUNCTIONS:
+            if target is LOCAL_SCALAR_DENSE and fx_node.args[0] in reads:
+                env[fx_node] = reads[fx_node.args[0]]  # the tensor is read once per call
+                continue
+            try:
+                meta = ScalarMeta.of(val)
+            except TypeError:
+                raise Unsupported(f"{what} has no scalar metadata ({val!r})") from None
+            env[fx_node] = graph.call(
+                target, convert(tuple(fx_node.args), what), convert(dict(fx_node.kwargs), what),
+                meta=meta, name=fx_node.name, source=source_of(fx_node))
+            if target is LOCAL_SCALAR_DENSE:
+                reads[fx_node.args[0]] = env[fx_node]
+            continue
         if not (isinstance(target, torch._ops.OpOverload) or target is operator.getitem):
             raise Unsupported(f"{what} is not an ATen op")
         if target is operator.getitem and not isinstance(fx_node.args[0].meta.get("val"),
                                                          (tuple, list)):
             raise Unsupported(f"{what} indexes a non-tuple value")
-        meta = _meta_of(fx_node.meta.get("val"), what)
+        meta = _meta_of(val, what)
         if meta is None and target is not operator.getitem:
             raise Unsupported(f"{what} has no output metadata")
         env[fx_node] = graph.call(
@@ -185,6 +272,34 @@ def make_backend(build: GraphRunner, name: str = "autopar") -> Callable:
         bw_compiler=compiler("backward"),
         inference_compiler=compiler("inference"),
     )
+
+
+def capturing_scalars(compiled: Callable) -> Callable:
+    """``compiled`` (a ``torch.compile`` result) traced with ``.item()`` and tensor slice
+    bounds kept in the graph (dynamo's ``capture_scalar_outputs``) instead of breaking it.
+
+    The setting is dynamo's, read when a frame is traced; it is switched on around each call
+    only, so the caller's other compiled code is not affected. Switching costs a few
+    microseconds a call; with ``torch._dynamo.config.capture_scalar_outputs = True`` (or
+    ``TORCHDYNAMO_CAPTURE_SCALAR_OUTPUTS=1``) already set, calls go straight through.
+    """
+    config = torch._dynamo.config
+    patch = config.patch(capture_scalar_outputs=True)
+
+    def wrap(fn: Callable) -> Callable:
+        patched = patch(fn)
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if config.capture_scalar_outputs:
+                return fn(*args, **kwargs)
+            return patched(*args, **kwargs)
+        return call
+
+    if isinstance(compiled, torch.nn.Module):  # an OptimizedModule: its forward is dynamo's
+        compiled.forward = wrap(compiled.forward)
+        return compiled
+    return wrap(compiled)
 
 
 _DEFAULT_BACKEND: list[Callable] = []
@@ -280,7 +395,8 @@ def capture_by_running(fn: Callable, args: Sequence[Any]) -> list[Graph]:
         return SequentialRunner(graph)
 
     name = getattr(fn, "__name__", type(fn).__name__)
-    torch.compile(fn, backend=make_backend(record, name=name), dynamic=False)(*args)
+    compiled = torch.compile(fn, backend=make_backend(record, name=name), dynamic=False)
+    capturing_scalars(compiled)(*args)
     return graphs
 
 

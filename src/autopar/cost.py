@@ -61,7 +61,7 @@ from autopar.machine import (
     check_envelope,
 )
 
-__all__ = ["CostModel", "History", "HistoryStats", "OpCost"]
+__all__ = ["CostModel", "History", "HistoryStats", "OpCost", "reads_to_host"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,6 +272,12 @@ _TRANSCENDENTAL = frozenset(f"aten::{name}" for name in (
     "mish", "softplus", "elu", "selu", "logit", "_softmax", "_log_softmax", "pow"))
 _CONVOLUTIONS = frozenset({"aten::convolution", "aten::convolution_backward",
                            "aten::cudnn_convolution", "aten::_convolution"})
+
+
+def reads_to_host(node: Node) -> bool:
+    """Does this op hand a tensor's value to the host (``.item()``, ``nonzero``...)? On a GPU
+    that is a device->host sync."""
+    return _schema_name(node) in _HOST_READS
 
 
 def _tf32_flags() -> tuple[bool, bool]:

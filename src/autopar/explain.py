@@ -6,6 +6,9 @@ Policy
   inputs are taken to live on ``inputs_on``.
 - The same graph is placed twice: by the chosen policy and by ``single`` (eager's placement).
   Both plans are simulated under one cost model; the report compares their makespans.
+- Host syncs are listed: each GPU value the host reads (a slice bound, ``.item()``, a host
+  scalar made from it) is one sync per call, however many ops use it; a read the plan leaves on
+  a GPU (no CPU device allowed) is one sync per reading op.
 - The critical path is the longest chain of (op time on its device + transfer time to the next
   op's device) through the placed graph.
 - Code that can't be traced with fake inputs (it reads tensor values, or calls ``backward()``)
@@ -26,7 +29,7 @@ from typing import Any
 import torch
 
 from .capture import Unsupported, capture_by_running, relabel_devices, trace_fake
-from .cost import CostModel
+from .cost import CostModel, reads_to_host
 from .graph import Graph, Node, op_name
 from .machine import Machine, load_machine
 from .place import Placement, place
@@ -70,6 +73,7 @@ class ExplainReport:
     plan: Plan = field(repr=False)
     critical_nodes: list[Node] = field(repr=False, default_factory=list)
     captured: str = "traced with fake inputs"
+    syncs: list[str] = field(default_factory=list)
 
     @property
     def speedup(self) -> float:
@@ -81,7 +85,8 @@ class ExplainReport:
             "predicted_s": self.predicted_s, "eager_predicted_s": self.eager_predicted_s,
             "speedup": self.speedup, "critical_path": self.critical_path,
             "transfers": self.transfers, "transfer_bytes": self.transfer_bytes,
-            "captured": self.captured, "rows": [asdict(r) for r in self.rows],
+            "captured": self.captured, "syncs": self.syncs,
+            "rows": [asdict(r) for r in self.rows],
         }
 
     def to_json(self) -> str:
@@ -111,6 +116,8 @@ class ExplainReport:
             f"{fmt_seconds(self.eager_predicted_s)}: "
             f"{self.speedup:.2f}x; {self.transfers} transfers, "
             f"{self.transfer_bytes / 1e6:.3g} MB moved")
+        for sync in self.syncs:
+            console.print(f"host sync: {sync}")
         path = " -> ".join(self.critical_path[:12])
         more = " ..." if len(self.critical_path) > 12 else ""
         console.print(f"critical path ({len(self.critical_path)} ops): {path}{more}")
@@ -127,6 +134,28 @@ def _shapes(node: Node) -> str:
     outs = node.tensor_metas
     ins = ", ".join(str(m) for m in metas[:3]) + (", ..." if len(metas) > 3 else "")
     return f"{ins} -> {', '.join(str(m) for m in outs)}"
+
+
+def host_syncs(plan: Plan) -> list[str]:
+    """Where the host waits for a GPU each call: GPU values read by host ops (one sync per
+    value), and ops that read a value back to the host on a GPU (one sync each)."""
+    device = plan.placement.device
+    graph = plan.graph
+    out = []
+    for send in plan.copies():
+        if send.dst.startswith("cpu") and send.src != "cpu":
+            readers = [n for n in graph.ops if send.value in n.inputs
+                       and device[n].startswith("cpu")]
+            if readers:
+                uses = ", ".join(f"{op_name(n.op)}{n!r}" for n in readers[:4])
+                more = ", ..." if len(readers) > 4 else ""
+                out.append(f"{send.value!r} is read from {send.src} once per call "
+                           f"(one sync) by {len(readers)} host op(s): {uses}{more}")
+    for n in graph.ops:
+        if reads_to_host(n) and not device[n].startswith("cpu"):
+            out.append(f"{op_name(n.op)}{n!r} reads a value back to the host on {device[n]} "
+                       "(one sync per call)")
+    return out
 
 
 def critical_path(placement: Placement, cost: CostModel) -> list[Node]:
@@ -185,7 +214,8 @@ def explain_graph(graph: Graph, machine: Machine | str | None = None,
         rows=rows, critical_path=[f"{op_name(n.op)}{n!r}" for n in path],
         transfers=len(copies),
         transfer_bytes=sum(m.nbytes for s in copies for m in s.value.tensor_metas),
-        timeline=timeline, eager_timeline=eager_timeline, plan=plan, critical_nodes=path)
+        timeline=timeline, eager_timeline=eager_timeline, plan=plan, critical_nodes=path,
+        syncs=host_syncs(plan))
 
 
 def explain(fn: Callable, *args: Any, machine: Machine | str | None = None,
@@ -261,4 +291,5 @@ def _in_sequence(reports: list[ExplainReport], captured: str) -> ExplainReport:
         transfer_bytes=sum(r.transfer_bytes for r in reports),
         timeline=chain([r.timeline for r in reports]),
         eager_timeline=chain([r.eager_timeline for r in reports]),
-        plan=main.plan, critical_nodes=main.critical_nodes, captured=captured)
+        plan=main.plan, critical_nodes=main.critical_nodes, captured=captured,
+        syncs=[sync for r in reports for sync in r.syncs])

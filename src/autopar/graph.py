@@ -9,8 +9,10 @@ Policy and invariants
 - A node's inputs are the nodes found (via pytree) in its ``args`` and ``kwargs``; users are derived
   from the node list (:meth:`Graph.users`), never stored, so they cannot drift.
 - A node's ``meta`` describes its output: one :class:`TensorMeta`, a tuple of them for ops that
-  return several tensors (read through ``operator.getitem`` nodes), or ``None`` for non-tensor
-  outputs. ``meta.device`` is the torch device string eager PyTorch produces the value on.
+  return several tensors (read through ``operator.getitem`` nodes), a :class:`ScalarMeta` for a
+  Python number (``aten._local_scalar_dense``: ``.item()`` and tensor slice bounds; arithmetic on
+  such numbers; runtime asserts), or ``None`` for ``getitem`` of a non-tensor. ``meta.device`` is
+  the torch device string eager PyTorch produces the value on; a Python number lives on the host.
 - ``reads``, ``writes`` and ``aliases`` come from the op schema's alias annotations, never from
   guesses, computed once when the node is made: ``writes`` are inputs the op mutates
   (``Tensor(a!)``), ``aliases`` are inputs the output is a view of (``Tensor(a)``), ``reads`` are
@@ -40,6 +42,7 @@ __all__ = [
     "GraphError",
     "GraphTotals",
     "Node",
+    "ScalarMeta",
     "TensorMeta",
     "op_kind",
     "op_name",
@@ -111,7 +114,31 @@ class TensorMeta:
         return f"{short}[{','.join(map(str, self.shape))}]"
 
 
-Meta = TensorMeta | tuple[TensorMeta | None, ...] | None
+@dataclass(frozen=True, slots=True)
+class ScalarMeta:
+    """A Python number (or ``None``, for an assert) that the host computes: no tensor, no copies.
+
+    ``type``: ``"int"``, ``"float"``, ``"bool"`` or ``"none"``.
+    """
+
+    type: str
+
+    @staticmethod
+    def of(value: Any) -> ScalarMeta:
+        """Metadata of a traced value: an int, float or bool (symbolic or not), or None."""
+        for kinds, name in (((bool, torch.SymBool), "bool"), ((int, torch.SymInt), "int"),
+                            ((float, torch.SymFloat), "float")):
+            if isinstance(value, kinds):
+                return ScalarMeta(name)
+        if value is None:
+            return ScalarMeta("none")
+        raise TypeError(f"not a Python scalar: {type(value).__name__}")
+
+    def __str__(self) -> str:
+        return self.type
+
+
+Meta = TensorMeta | tuple[TensorMeta | None, ...] | ScalarMeta | None
 
 
 @dataclass(eq=False, slots=True)
@@ -458,6 +485,8 @@ class Graph:
         def meta_str(m: Meta) -> str:
             if isinstance(m, TensorMeta):
                 return f"{m}@{m.device}"
+            if isinstance(m, ScalarMeta):
+                return f"{m}@host"
             if isinstance(m, tuple):
                 return "(" + ", ".join(meta_str(x) for x in m) + ")"
             return "-"

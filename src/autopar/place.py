@@ -20,11 +20,13 @@ Policy ``heft`` (the default)
    device order. Devices are tried in order of a lower bound (last input ready + op time), and
    those whose bound is past the best finish so far are skipped: same choice, fewer trials.
 3. Constraints. Graph inputs stay on their eager device; views and ``getitem`` run with their
-   base, an op that writes a tensor in place runs where that tensor lives, and a device move
-   (``x.cpu()``) runs on its target; other ops only where ``cost.can_run`` allows (random ops are
-   pinned this way). No memory pool ends up over its limit (see Memory); if no device has room
-   for an op, a warning is logged on ``logging.getLogger("autopar")`` and the placement falls
-   back to ``single``.
+   base, an op that writes a tensor in place runs where that tensor lives, a host scalar
+   (:func:`autopar.routing.host_scalars`: a Python number, or a 0-dim tensor made from host
+   values or from a value the host reads anyway) runs on the first CPU device allowed, and a
+   device move (``x.cpu()``) runs on its target; other ops only where ``cost.can_run`` allows
+   (random ops are pinned this way). No memory pool ends up over its limit (see Memory); if
+   no device has room for an op, a warning is logged on ``logging.getLogger("autopar")`` and
+   the placement falls back to ``single``.
 4. Guard. When eager placement (``single``) is predicted to finish sooner, uses only allowed
    devices and fits in memory, it is kept, with a note saying so: HEFT is greedy, and never
    planning slower than eager matters more than purity. (Skipped when HEFT already beats a
@@ -341,6 +343,7 @@ class _Schedule:
         self.outputs = set(graph.output_nodes)
         self.moves = {n for n in graph.ops if is_pure_move(n)}
         self.tiny = {n for n in graph.ops if is_tiny(n)}
+        self.host = next((d for d in self.devices if d.startswith("cpu")), None)
         self.eager: dict[Node, str | None] = {n: self._home(n) for n in graph.nodes}
         self.shared_outputs = _shared_output_bases(graph, self.eager)
         self.device: dict[Node, str] = {}
@@ -403,6 +406,8 @@ class _Schedule:
             target = node.writes[0]
             where = self.device[target]
             return where, f"writes {target!r} in place: runs where it lives"
+        if node in self.index.host and self.host is not None:
+            return self.host, self._host_reason(node)
         if node in self.moves:
             home = self.eager[node]
             assert home is not None
@@ -411,6 +416,14 @@ class _Schedule:
         if home is not None:
             return home, f"outputs share its storage: produced on their device {home}"
         return None
+
+    def _host_reason(self, node: Node) -> str:
+        far = [v for v in self.ins[node]
+               if v.tensor_metas and pool(self.device[v]) != pool(self.host or "cpu")]
+        if far:
+            reads = ", ".join(f"{v!r} from {self.device[v]}" for v in far)
+            return f"host scalar: reads {reads} to the host once per call (one sync)"
+        return "host scalar: a number or 0-dim tensor computed from host values"
 
     def candidates(self, node: Node) -> list[str]:
         cands = self._candidates.get(node)

@@ -7,6 +7,10 @@
   ordering event only: another CPU worker, a value without a tensor, a host 0-dim tensor a GPU
   pointwise kernel takes as a scalar) or ``copy`` (one copy per value and pool).
 - A pure device move (``x.cpu()``) whose input arrives by a copy *is* that copy.
+- Host scalars (:func:`host_scalars`): Python numbers and 0-dim tensors the host can compute
+  from host values, or from a 0-dim value the graph reads to the host anyway. Placement runs
+  them on the host; a GPU value among their inputs is copied there once, which is the one sync
+  that reading it costs.
 - :class:`GraphIndex`: per-node facts looked up by every stage, computed once.
 
 Pure functions of the graph and device names: no CUDA, no costs beyond what callers pass in.
@@ -22,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .graph import Graph, Node, op_kind
+from .graph import Graph, Node, ScalarMeta, TensorMeta, op_kind
 
 StorageKey = tuple[Any, ...]
 
@@ -141,6 +145,7 @@ class GraphIndex:
     of more dimensions (:func:`takes_host_scalar`; with only 0-dim operands the op would run on
     the host): on the host, a GPU kernel takes them as a scalar argument, so they are never
     copied to a GPU (a property of the value, so one value reaches one pool by one mechanism).
+    ``host``: :func:`host_scalars`.
     """
 
     ins: dict[Node, tuple[Node, ...]]
@@ -148,6 +153,7 @@ class GraphIndex:
     nbytes: dict[Node, int]
     tensorless: frozenset[Node]
     scalars: frozenset[Node]
+    host: frozenset[Node] = frozenset()
 
     @staticmethod
     def of(graph: Graph) -> GraphIndex:
@@ -171,7 +177,53 @@ class GraphIndex:
             and all(takes_host_scalar(u.op) and any(
                 m.shape != () for i in ins[u] for m in metas[i]) for u in users[n]))
         return GraphIndex(ins, users, {n: sum(m.nbytes for m in ms) for n, ms in metas.items()},
-                          frozenset(n for n, ms in metas.items() if not ms), scalars)
+                          frozenset(n for n, ms in metas.items() if not ms), scalars,
+                          host_scalars(graph, ins, users))
+
+
+_LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
+
+
+def _is_zero_dim(node: Node) -> bool:
+    return isinstance(node.meta, TensorMeta) and node.meta.shape == ()
+
+
+def _scalar_op(node: Node) -> bool:
+    """An op that makes one 0-dim tensor, draws no random numbers and mutates nothing."""
+    return (not node.is_input and _is_zero_dim(node) and not node.writes
+            and kind_of(node.op) != "random")
+
+
+def host_scalars(graph: Graph, ins: dict[Node, tuple[Node, ...]],
+                 users: dict[Node, list[Node]]) -> frozenset[Node]:
+    """Values the host computes: a Python number (:class:`~autopar.graph.ScalarMeta`, e.g. a
+    ``.item()``), or a 0-dim tensor op, not random, mutating nothing, each of whose inputs is a
+    host scalar, a 0-dim host input, or *read* (below), and with no view wider than one
+    element (``s.expand(n, m)`` stays with ``s``: the host would copy the whole extent).
+
+    A 0-dim value is *read* when every consumer is ``aten._local_scalar_dense`` or a read
+    0-dim op: the host needs its value anyway, so copying it there once, early, costs the
+    one sync the first read would have, and every later read and the arithmetic on it (a
+    slice bound ``r0 + 256``) stay on the host with no further sync.
+    """
+    read: set[Node] = set()
+    for n in reversed(graph.nodes):
+        if _is_zero_dim(n) and users[n] and all(
+                u.op is _LOCAL_SCALAR_DENSE or (u in read and _scalar_op(u)) for u in users[n]):
+            read.add(n)
+    host: set[Node] = set()
+
+    def on_host(v: Node) -> bool:
+        return v in host or v in read or (v.is_input and _is_zero_dim(v) and v.device == "cpu")
+
+    def widened(n: Node) -> bool:  # a view of it wider than one element: it stays with n
+        return any(kind_of(u.op) == "view" and not is_tiny(u) for u in users[n])
+
+    for n in graph.ops:
+        if isinstance(n.meta, ScalarMeta) or (
+                _scalar_op(n) and all(map(on_host, ins[n])) and not widened(n)):
+            host.add(n)
+    return frozenset(host)
 
 
 # Binary arithmetic and comparisons: TensorIterator reads a host 0-dim operand of a GPU kernel

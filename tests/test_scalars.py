@@ -1,0 +1,338 @@
+"""Scalars: values read back to the host are graph nodes, and host scalars stay on the host.
+
+Placement is checked exactly on small named graphs (times from a table: tests/_fakes.py; a host
+scalar is pinned whatever the times), capture on what dynamo really records, and results
+against eager for W1/W2 variants through both front doors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from _fakes import FakeCost, by_name, devices_of, machine, tensor
+from autopar.capture import from_fx, make_backend
+from autopar.explain import explain_graph
+from autopar.graph import Graph, ScalarMeta
+from autopar.place import place
+from autopar.routing import GraphIndex
+from autopar.runtime import SequentialRunner
+
+aten = torch.ops.aten
+READ = aten._local_scalar_dense.default
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+# -- graphs --------------------------------------------------------------------------------
+def w1_graph() -> Graph:
+    """W1 with tensor bounds, as captured with scalar outputs::
+
+        r0 (cuda:0)  r1 (cuda:0)        A (cuda:0)   B (cuda:0)
+          |            |                 |            |
+        l0 = item    l1 = item  ------> s = A[l0:l1]  |
+                                          \\-------> copy(B, s)
+    """
+    g = Graph("w1")
+    r0 = g.input(tensor((), "cuda:0", torch.int64), name="r0")
+    r1 = g.input(tensor((), "cuda:0", torch.int64), name="r1")
+    a = g.input(tensor((8, 8), "cuda:0"), name="A")
+    b = g.input(tensor((2, 8), "cuda:0"), name="B")
+    l0 = g.call(READ, (r0,), meta=ScalarMeta("int"), name="l0")
+    l1 = g.call(READ, (r1,), meta=ScalarMeta("int"), name="l1")
+    s = g.call(aten.slice.Tensor, (a, 0, l0, l1), meta=tensor((2, 8), "cuda:0"), name="s")
+    out = g.call(aten.copy.default, (b, s), name="out")
+    g.set_outputs([out])
+    return g
+
+
+def bound_arithmetic_graph() -> Graph:
+    """``A[r0:r0 + 2]``: the bound's arithmetic is a 0-dim op on the GPU value::
+
+        r0 (cuda:0) --> hi = r0 + 2 --> l1 = item(hi)
+             \\-------------------------> l0 = item(r0)     A[l0:l1] -> out
+    """
+    g = Graph("bound_arithmetic")
+    r0 = g.input(tensor((), "cuda:0", torch.int64), name="r0")
+    a = g.input(tensor((8, 8), "cuda:0"), name="A")
+    hi = g.call(aten.add.Tensor, (r0, 2), name="hi")
+    l0 = g.call(READ, (r0,), meta=ScalarMeta("int"), name="l0")
+    l1 = g.call(READ, (hi,), meta=ScalarMeta("int"), name="l1")
+    s = g.call(aten.slice.Tensor, (a, 0, l0, l1), meta=tensor((2, 8), "cuda:0"), name="s")
+    out = g.call(aten.mul.Tensor, (s, 2.0), name="out")
+    g.set_outputs([out])
+    return g
+
+
+def w2_made_inside_graph() -> Graph:
+    """W2 with ``a1 = torch.tensor(10.0, device="cuda")`` inside, as capture records it: the
+    0-dim constant lives on the host and is moved where eager has it::
+
+        c (cpu) -> to_dev -> a1 (lift_fresh_copy) -> sq = a1 ** 2 ----\\
+                                        \\-> m = a1 * A (cuda:0) -> out = m + sq
+    """
+    g = Graph("w2_inside")
+    a = g.input(tensor((600, 600), "cuda:0"), name="A")
+    c = g.input(tensor((), "cpu"), name="c")
+    to_dev = g.call(aten._to_copy.default, (c,), {"device": torch.device("cuda:0")},
+                    meta=tensor((), "cuda:0"), name="to_dev")
+    a1 = g.call(aten.lift_fresh_copy.default, (to_dev,), name="a1")
+    m = g.call(aten.mul.Tensor, (a1, a), name="m")
+    sq = g.call(aten.pow.Tensor_Scalar, (a1, 2), name="sq")
+    out = g.call(aten.add.Tensor, (m, sq), name="out")
+    g.set_outputs([out])
+    return g
+
+
+def w2_passed_in_graph() -> Graph:
+    """W2 with a1 a 0-dim CUDA input: ``a1 * A + a1 ** 2``."""
+    g = Graph("w2_passed")
+    a1 = g.input(tensor((), "cuda:0"), name="a1")
+    a = g.input(tensor((600, 600), "cuda:0"), name="A")
+    m = g.call(aten.mul.Tensor, (a1, a), name="m")
+    sq = g.call(aten.pow.Tensor_Scalar, (a1, 2), name="sq")
+    g.set_outputs([g.call(aten.add.Tensor, (m, sq), name="out")])
+    return g
+
+
+def sync_cost() -> FakeCost:
+    """1 us per op anywhere, but reading a value back on the GPU waits 50 us for it (a sync);
+    copies take 5 us."""
+    times = {(f"l{i}", "cuda"): 50e-6 for i in range(2)}
+    return FakeCost(machine(cpus=1, gpus=1), times, default=1e-6, latency=5e-6)
+
+
+def names(nodes) -> set[str]:
+    return {n.name for n in nodes}
+
+
+# -- which values are host scalars ----------------------------------------------------------
+def test_host_scalars_are_numbers_and_zero_dim_values_made_from_host_values():
+    assert names(GraphIndex.of(w1_graph()).host) == {"l0", "l1"}
+    assert names(GraphIndex.of(bound_arithmetic_graph()).host) == {"hi", "l0", "l1"}
+    assert names(GraphIndex.of(w2_made_inside_graph()).host) == {"to_dev", "a1", "sq"}
+    # a1 lives on the GPU and feeds a GPU kernel: the host never needs its value
+    assert names(GraphIndex.of(w2_passed_in_graph()).host) == set()
+
+
+# -- placement ----------------------------------------------------------------------------
+def test_w1_bounds_are_read_on_the_host_once_each_and_the_slice_stays_on_the_gpu():
+    g = w1_graph()
+    p = place(g, sync_cost())
+    assert devices_of(p) == {"l0": "cpu:0", "l1": "cpu:0", "s": "cuda:0", "out": "cuda:0"}
+    assert [(v.name, d) for v, d in p.copies()] == [("r0", "cpu:0"), ("r1", "cpu:0")]
+    n = by_name(g)
+    assert p.notes[n["l0"]] == ("pinned: host scalar: reads %r0 from cuda:0 to the host once "
+                                "per call (one sync)")
+
+
+def test_a_bound_used_twice_is_copied_to_the_host_once_and_its_arithmetic_runs_there():
+    p = place(bound_arithmetic_graph(), sync_cost())
+    assert devices_of(p) == {"hi": "cpu:0", "l0": "cpu:0", "l1": "cpu:0", "s": "cuda:0",
+                             "out": "cuda:0"}
+    assert [(v.name, d) for v, d in p.copies()] == [("r0", "cpu:0")]
+
+
+def test_w2_scalar_made_inside_stays_on_the_host_and_reaches_the_gpu_kernel_uncopied():
+    g = w2_made_inside_graph()
+    p = place(g, sync_cost())
+    assert devices_of(p) == {"to_dev": "cpu:0", "a1": "cpu:0", "sq": "cpu:0", "m": "cuda:0",
+                             "out": "cuda:0"}
+    assert p.copies() == []  # a1 and sq are scalar arguments of the GPU kernels
+    assert by_name(g)["sq"] in GraphIndex.of(g).scalars
+
+
+def test_host_scalars_follow_the_allowed_devices_and_eager_placement_ignores_them():
+    g = w1_graph()
+    cost = sync_cost()
+    only_gpu = place(g, cost, devices=["cuda:0"])
+    assert set(devices_of(only_gpu).values()) == {"cuda:0"}
+    assert only_gpu.copies() == []
+    eager = place(g, cost, policy="single")
+    assert devices_of(eager)["l0"] == "cuda:0"  # a node without a tensor goes with its input
+
+
+def test_w2_passed_in_is_placed_by_cost_not_pinned():
+    g = w2_passed_in_graph()
+    gpu_cheap = FakeCost(machine(cpus=1, gpus=1), default=1e-6, bandwidth=1e3, latency=1e-3)
+    p = place(g, gpu_cheap)
+    assert devices_of(p) == {"m": "cuda:0", "sq": "cuda:0", "out": "cuda:0"}
+    assert not any(note.startswith("pinned: host scalar") for note in p.notes.values())
+
+
+# -- explain ------------------------------------------------------------------------------
+def test_explain_lists_one_sync_per_gpu_value_the_host_reads():
+    report = explain_graph(bound_arithmetic_graph(), "h200x2")
+    assert report.syncs == ["%r0 is read from cuda:0 once per call (one sync) by 2 host op(s): "
+                            "aten.add.Tensor%hi, aten._local_scalar_dense%l0"]
+    assert "host sync: %r0 is read from cuda:0 once per call" in report.to_text()
+    eager = explain_graph(w1_graph(), "h200x2", policy="single")
+    assert eager.syncs == [
+        "aten._local_scalar_dense%l0 reads a value back to the host on cuda:0 (one sync per call)",
+        "aten._local_scalar_dense%l1 reads a value back to the host on cuda:0 (one sync per call)"]
+
+
+# -- capture ------------------------------------------------------------------------------
+def w1(A, B, r0, r1, c0, c1):
+    B[:] = A[r0:r1, c0:c1]
+    return B
+
+
+def w1_made_inside(A, B):
+    r0, r1 = torch.tensor(2, device=A.device), torch.tensor(6, device=A.device)
+    c0, c1 = torch.tensor(1, device=A.device), torch.tensor(5, device=A.device)
+    B[:] = A[r0:r1, c0:c1]
+    return B
+
+
+def bound_reused_and_item(A, B, r0):
+    B[:] = A[r0:r0 + 4, r0:r0 + 4]
+    return B * r0.item()
+
+
+def w2(a1, A):
+    return a1 * A + a1**2
+
+
+def w2_made_inside(A):
+    a1 = torch.tensor(10.0, device=A.device)
+    return a1 * A + a1**2
+
+
+def narrow_at_item(x, n):
+    k = n.item()
+    return x.narrow(0, k, 2) * k
+
+
+def rand(*shape: int) -> torch.Tensor:
+    return torch.rand(*shape, generator=torch.Generator().manual_seed(0))
+
+
+def w1_inputs():
+    return rand(8, 8), rand(4, 4), torch.tensor(2), torch.tensor(6), torch.tensor(1), \
+        torch.tensor(5)
+
+
+CASES = {
+    "w1": (w1, w1_inputs),
+    "w1_made_inside": (w1_made_inside, lambda: w1_inputs()[:2]),
+    "bound_reused_and_item": (bound_reused_and_item, lambda: (*w1_inputs()[:2], torch.tensor(3))),
+    "w2": (w2, lambda: (torch.tensor(10.0), rand(6, 6))),
+    "w2_made_inside": (w2_made_inside, lambda: (rand(6, 6),)),
+    "narrow_at_item": (narrow_at_item, lambda: (rand(8, 3), torch.tensor(5))),
+}
+
+
+def record_graphs(fn, args):
+    graphs = []
+
+    def build(graph, phase):
+        graphs.append(graph)
+        return SequentialRunner(graph)
+
+    compiled = torch.compile(fn, backend=make_backend(build), dynamic=False)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        out = compiled(*args)
+    return graphs, out
+
+
+def test_tensor_slice_bounds_are_one_graph_with_one_read_per_bound():
+    (g,), _ = record_graphs(w1, w1_inputs())
+    reads = [n for n in g.ops if n.op is READ]
+    assert [n.args[0].name for n in reads] == ["arg0_1", "arg1_1", "arg2_1", "arg3_1"]
+    assert all(n.meta == ScalarMeta("int") for n in reads)
+
+
+def test_a_tensor_read_twice_becomes_one_read():
+    from torch._dynamo.backends.common import aot_autograd
+
+    kept = []
+
+    def keep(gm, example_inputs):
+        kept.append(gm)
+        return gm
+
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        torch.compile(w1, backend=aot_autograd(fw_compiler=keep), dynamic=False)(*w1_inputs())
+    (gm,) = kept
+    first = next(n for n in gm.graph.nodes if n.target is READ)
+    user = next(iter(first.users))
+    with gm.graph.inserting_before(user):  # a second read of the same tensor for that use
+        again = gm.graph.call_function(READ, first.args)
+    again.meta = dict(first.meta)
+    user.replace_input_with(first, again)
+    graph, _ = from_fx(gm)
+    reads = [n for n in graph.ops if n.op is READ]
+    assert [n.args[0].name for n in reads] == ["arg0_1", "arg1_1", "arg2_1", "arg3_1"]
+
+
+def test_a_bound_that_decides_an_output_shape_runs_that_graph_eagerly(caplog):
+    def take(A, r0, r1):
+        return A[r0:r1]
+
+    A = torch.rand(8, 8)
+    graphs, out = record_graphs(take, (A, torch.tensor(1), torch.tensor(3)))
+    assert graphs == []
+    assert "symbolic shape" in caplog.text
+    torch.testing.assert_close(out, A[1:3])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("front", ["torch.compile", "autopar.compile"])
+def test_results_equal_eager(name, front):
+    fn, make = CASES[name]
+    expected_args, args = make(), make()
+    expected = fn(*expected_args)
+    if front == "autopar.compile":
+        compiled = autopar.compile(fn, devices="cpu:0,cpu:1")
+        got = compiled(*args)
+    else:
+        with torch._dynamo.config.patch(capture_scalar_outputs=True):
+            got = torch.compile(fn, backend="autopar")(*args)
+    torch.testing.assert_close(got, expected)
+    for a, e in zip(args, expected_args):
+        torch.testing.assert_close(a, e)  # B[:] = ... applied to the input
+
+
+def test_autopar_compile_keeps_scalar_reads_in_one_graph_placed_on_the_host():
+    placements = []
+    from autopar.api import Options, Runner
+
+    class Recording(Runner):
+        def __call__(self, graph, phase):
+            run = super().__call__(graph, phase)
+            placements.append(run.plan.placement)
+            return run
+
+    runner = Recording(Options.parse({"devices": "cpu:0,cpu:1"}))
+    compiled = torch.compile(bound_reused_and_item, backend=make_backend(runner), dynamic=False)
+    from autopar.capture import capturing_scalars
+
+    A, B, r0 = *w1_inputs()[:2], torch.tensor(3)
+    out = capturing_scalars(compiled)(A, B.clone(), r0)
+    torch.testing.assert_close(out, bound_reused_and_item(A, B.clone(), r0))
+    (p,) = placements
+    reads = [n for n in p.graph.ops if n.op is READ]
+    assert len(reads) == 3  # r0, r0 + 4 for the rows, r0 + 4 for the columns
+    assert {p.device[n] for n in reads} == {"cpu:0"}
+
+
+def test_a_scalar_expanded_to_a_matrix_is_not_a_host_scalar():
+    """``one = full([], 1.0)``; ``m = one.expand(600, 600)`` on cuda:0: on the host, the
+    expanded view would be copied whole."""
+    g = Graph("expanded")
+    x = g.input(tensor((600, 600), "cuda:0"), name="x")
+    one = g.call(aten.full.default, ([], 1.0), {"device": torch.device("cuda:0")}, name="one")
+    m = g.call(aten.expand.default, (one, [600, 600]), name="m")
+    g.set_outputs([g.call(aten.mul.Tensor, (x, m), name="out")])
+    assert GraphIndex.of(g).host == frozenset()
+
+
+def test_explain_by_running_w1_places_the_reads_on_the_host_and_says_so():
+    report = autopar.explain(w1, *w1_inputs(), machine="h200x2", inputs_on="cuda:0", run=True)
+    assert report.captured == "captured by running on this host: 1 graphs"
+    reads = [r for r in report.rows if r.op == "aten._local_scalar_dense"]
+    assert [r.device for r in reads] == ["cpu:0"] * 4
+    assert [s.split(" is read")[0] for s in report.syncs] == [
+        "%arg0_1", "%arg1_1", "%arg2_1", "%arg3_1"]
+    assert report.transfers == 4

@@ -1,0 +1,103 @@
+"""Scalars on a real GPU: a 0-dim CUDA bound is read once per call, host scalars never sync.
+
+Skipped without CUDA. The syncs are counted with ``torch.cuda.set_sync_debug_mode("warn")``,
+which warns once per synchronizing call (an ``.item()``, a blocking copy, an event wait on the
+host); the test's own setup runs outside the counted block.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import autopar
+from autopar.routing import GraphIndex
+
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.usefixtures("fresh_dynamo")]
+
+
+def count_syncs(fn, *args) -> tuple[int, object]:
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = fn(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    return len(syncs), out
+
+
+def bound_used_three_times(A, B, r0):
+    B[:] = A[r0:r0 + 256, r0:r0 + 256]
+    return B * r0.item()
+
+
+def w2_a1_inside(A):
+    a1 = torch.tensor(10.0, device=A.device)
+    return a1 * A + a1**2
+
+
+def w1_bounds_inside(A, B):
+    d = A.device
+    r0, r1 = torch.tensor(100, device=d), torch.tensor(356, device=d)
+    B[:] = A[r0:r1, r0:r1]
+    return B
+
+
+def test_a_cuda_bound_used_three_times_costs_at_most_one_sync_per_call():
+    A = torch.rand(600, 600, device="cuda")
+    B = torch.empty(256, 256, device="cuda")
+    r0 = torch.tensor(100, device="cuda")
+    compiled = autopar.compile(bound_used_three_times, devices="cpu:0,cuda:0")
+    expected = bound_used_three_times(A, B.clone(), r0)
+    eager_syncs, _ = count_syncs(bound_used_three_times, A, B.clone(), r0)
+    compiled(A, B, r0)  # compile outside the counted call
+    syncs, out = count_syncs(compiled, A, B, r0)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert eager_syncs >= 3  # eager reads the bound once per use
+    assert syncs <= 1
+
+
+def test_w2_scalar_made_inside_runs_on_the_host_without_syncs():
+    A = torch.rand(600, 600, device="cuda")
+    compiled = autopar.compile(w2_a1_inside, devices="cpu:0,cuda:0")
+    expected = w2_a1_inside(A)
+    compiled(A)
+    syncs, out = count_syncs(compiled, A)
+    assert out.device == expected.device
+    torch.testing.assert_close(out, expected)
+    assert syncs == 0
+
+
+def test_w1_bounds_made_inside_equal_eager_with_no_sync():
+    A = torch.rand(600, 600, device="cuda")
+    B = torch.empty(256, 256, device="cuda")
+    compiled = autopar.compile(w1_bounds_inside, devices="cpu:0,cuda:0")
+    expected = w1_bounds_inside(A, B.clone()).clone()
+    compiled(A, B)
+    syncs, out = count_syncs(compiled, A, B)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert syncs == 0
+
+
+def test_a_zero_dim_cuda_constant_is_captured_on_the_host():
+    from autopar.capture import make_backend
+    from autopar.runtime import SequentialRunner
+
+    graphs = []
+
+    def build(graph, phase):
+        graphs.append(graph)
+        return SequentialRunner(graph)
+
+    A = torch.rand(6, 6, device="cuda")
+    out = torch.compile(w2_a1_inside, backend=make_backend(build), dynamic=False)(A)
+    torch.testing.assert_close(out, w2_a1_inside(A))
+    (g,) = graphs
+    zero_dim = [n for n in g.ops if n.tensor_metas and n.tensor_metas[0].shape == ()]
+    assert zero_dim and set(zero_dim) <= GraphIndex.of(g).host
