@@ -141,10 +141,11 @@ class GraphIndex:
     ordering-only input, so that draws happen in eager's order and never two at once.
     ``users[n]``: its consumers (by ``ins``), in graph order. ``nbytes[n]``:
     :func:`value_bytes`. ``tensorless``: values with no tensor (never copied). ``scalars``: the
-    0-dim tensors whose every consumer is a binary arithmetic op or comparison with an operand
-    of more dimensions (:func:`takes_host_scalar`; with only 0-dim operands the op would run on
-    the host): on the host, a GPU kernel takes them as a scalar argument, so they are never
-    copied to a GPU (a property of the value, so one value reaches one pool by one mechanism).
+    0-dim tensors whose every consumer is a host scalar or a binary arithmetic op or comparison
+    with an operand of more dimensions (:func:`takes_host_scalar`; with only 0-dim operands the
+    op would run on the host): on the host, a GPU kernel takes them as a scalar argument, so
+    they are never copied to a GPU (a property of the value, so one value reaches one pool by
+    one mechanism).
     ``host``: :func:`host_scalars`.
     """
 
@@ -171,14 +172,18 @@ class GraphIndex:
             for i in ins[n]:
                 users[i].append(n)
         metas = {n: n.tensor_metas for n in graph.nodes}
+        host = host_scalars(graph, ins, users)
+
+        def scalar_argument(u: Node) -> bool:  # u takes a host 0-dim input as a scalar
+            return u in host or (takes_host_scalar(u.op) and any(
+                m.shape != () for i in ins[u] for m in metas[i]))
+
         scalars = frozenset(
             n for n, ms in metas.items()
             if len(ms) == 1 and ms[0].shape == () and users[n]
-            and all(takes_host_scalar(u.op) and any(
-                m.shape != () for i in ins[u] for m in metas[i]) for u in users[n]))
+            and all(scalar_argument(u) for u in users[n]))
         return GraphIndex(ins, users, {n: sum(m.nbytes for m in ms) for n, ms in metas.items()},
-                          frozenset(n for n, ms in metas.items() if not ms), scalars,
-                          host_scalars(graph, ins, users))
+                          frozenset(n for n, ms in metas.items() if not ms), scalars, host)
 
 
 _LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
