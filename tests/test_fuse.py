@@ -16,12 +16,12 @@ from autopar.cost import CostModel
 from autopar.graph import Graph, Node, TensorMeta
 from autopar.machine import preset
 from autopar.place import Placement
-from autopar.plan import Free, Record, Run, Send, Wait, make_plan
+from autopar.plan import Free, Record, Send, Wait, make_plan
 from autopar.routing import GraphIndex
 from autopar.runtime import Executor, SequentialRunner
 from autopar.runtime import fuse as fuse_module
 from autopar.runtime.executor import fusion_devices
-from autopar.runtime.fuse import Fused, FusedKernel, build_gm, fusible, fuse_program, regions
+from autopar.runtime.fuse import Fused, FusedKernel, build_gm, fuse_program, fusible, regions
 from corpus import autopar_compile, case, run_case
 
 aten = torch.ops.aten

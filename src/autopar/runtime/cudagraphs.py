@@ -1,9 +1,10 @@
 """CUDA-graph replay of a GPU program's segments.
 
 Policy
-- A *segment* is a maximal run of a program's Run, Fused and Free steps: it ends at every
-  cross-device point (Send, Record, Wait), which stay on streams and events, so replays are
-  ordered across devices by the same events as plain runs.
+- A *segment* is a maximal run of a program's capturable Run and Fused steps (Frees inside
+  it go with it): it ends at every cross-device point (Send, Record, Wait), which stay on
+  streams and events, so replays are ordered across devices by the same events as plain runs,
+  and at every op that can't be captured, which runs on the stream between two graphs.
 - What can't be captured is decided before trying (a failed capture can leave the CUDA RNG
   state unusable for the process): random ops, ops that write into an input, ops that make no
   tensor or a host tensor, ops that sync with the host or have data-dependent output shapes,
@@ -39,7 +40,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..graph import Node, op_name
+from ..graph import Node, TensorMeta, op_name
 from ..plan import Free, Run
 from ..routing import GraphIndex, kind_of
 from .codegen import Call, Program, SlotTable, build_program
@@ -58,12 +59,14 @@ _DATA_DEPENDENT = tuple(t for t in (getattr(torch.Tag, "dynamic_output_shape", N
                                     getattr(torch.Tag, "data_dependent_output", None)) if t)
 
 
-def segments(steps: Sequence[Any]) -> list[tuple[int, int]]:
-    """``[start, end)`` of each maximal run of Run, Fused and Free steps holding an op."""
+def segments(steps: Sequence[Any],
+             capturable: Callable[[Any], bool] = lambda step: True) -> list[tuple[int, int]]:
+    """``[start, end)`` of each maximal run of capturable Run and Fused steps (and Frees)
+    holding an op: cross-device steps and ops that can't be captured end a segment."""
     out: list[tuple[int, int]] = []
     start: int | None = None
     for i, step in enumerate([*steps, None]):
-        if isinstance(step, Run | Fused | Free):
+        if isinstance(step, Free) or (isinstance(step, Run | Fused) and capturable(step)):
             if start is None:
                 start = i
             continue
@@ -148,7 +151,9 @@ def escaping(seg_steps: Sequence[Any], outputs: Sequence[Node], program: Sequenc
             out.add(v)
             continue
         for u in ix.users[v]:
-            if u not in later_runs or (u not in inside and v in u.aliases):
+            if u in inside:
+                continue
+            if u not in later_runs or v in u.aliases:
                 out.add(v)
                 break
     return out
@@ -303,7 +308,14 @@ def capture_segments(device: str, steps: list[Any], slots: SlotTable,
     out: list[Any] = []
     statics: dict[int, Any] = {}
     done = 0
-    for k, (start, end) in enumerate(segments(steps)):
+
+    def capturable(step: Any) -> bool:
+        why = why_not_capturable([step], local)
+        if why:
+            log.debug("autopar: %s runs on streams, between graphs: %s", step, why)
+        return why is None
+
+    for k, (start, end) in enumerate(segments(steps, capturable)):
         seg = steps[start:end]
         name = f"segment {label}{device}#{k} ({len(seg)} steps)"
         made = [v for s in seg for v in _made(s)]
@@ -314,18 +326,14 @@ def capture_segments(device: str, steps: list[Any], slots: SlotTable,
         inputs = list(dict.fromkeys(v for v in reads if v not in inside_values))
         outputs = [v for v in made
                    if v in graph_outputs or any(u not in ops for u in ix.users[v])]
-        why = why_not_capturable(seg, local)
-        if why is None and any(len(v.tensor_metas) != 1 or isinstance(v.meta, tuple)
-                               for v in inputs + outputs):
-            why = "a value in or out is not a single tensor"
+        if any(not isinstance(v.meta, TensorMeta) for v in inputs + outputs):
+            log.debug("autopar: %s not captured: a value in or out is not one tensor", name)
+            continue
         escapes = escaping(seg, outputs, steps, end, ix, graph_outputs)
         n_launch = launches(seg, moved)
-        if why is None and not pays(mode, n_launch, len(inputs), len(escapes)):
+        if not pays(mode, n_launch, len(inputs), len(escapes)):
             log.debug("autopar: %s not captured: %d launches don't pay for %d copies and %d "
                       "clones", name, n_launch, len(inputs), len(escapes))
-            continue
-        if why is not None:
-            log.debug("autopar: %s not captured: %s", name, why)
             continue
         program = build_program(device, list(seg), slots, source_of, moved)
         segment = GraphSegment(
