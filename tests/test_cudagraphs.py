@@ -8,6 +8,7 @@ The same machinery on a real GPU: tests/test_cudagraphs_gpu.py.
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -20,8 +21,10 @@ from autopar.plan import Free, Run, Wait, make_plan
 from autopar.runtime import Executor, SequentialRunner
 from autopar.runtime import executor as executor_module
 from autopar.runtime.cudagraphs import pays, segments, why_not_capturable
+from corpus import CASES, autopar_compile, case, run_case
 
 aten = torch.ops.aten
+RUN_SLOW = os.environ.get("AUTOPAR_SLOW") == "1"
 
 
 @pytest.fixture(scope="module")
@@ -211,3 +214,19 @@ def test_cuda_graphs_false_and_tracing_leave_programs_alone(cost, stand_in):
     plain = Executor(plan).source()
     assert Executor(plan, cuda_graphs=False).source() == plain
     assert Executor(plan, cuda_graphs=True, trace=True).segments == []
+
+
+ALIASING = ["returns_views_of_input", "returns_views_of_intermediate", "returns_same_tensor_twice",
+            "mutate_then_use", "cat_stack_split", "topk_sort"]
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("name", [c.name for c in CASES if RUN_SLOW or c.name in ALIASING])
+def test_corpus_with_every_segment_replayed(name, stand_in):
+    """Every segment with an op becomes a graph (stand-in on the host): results, aliasing and
+    mutations stay eager's (the whole corpus under AUTOPAR_SLOW=1)."""
+    c = case(name)
+    if "slow" in c.tags and not RUN_SLOW:
+        pytest.skip("slow case")
+    stand_in(StandInGraphs())
+    run_case(c, autopar_compile(devices="cpu:0", cuda_graphs=True, fuse=False))

@@ -19,6 +19,9 @@ Policy
   launching), and the graph is replayed for that call. Later calls copy inputs whose tensor
   is not the static buffer into it (same layout, else the segment goes back to streams),
   replay, and hand out the static outputs.
+- A graph hands out fresh tensors only: a view (or tuple) that would leave a segment runs
+  after it, on the stream, and so does a ``getitem`` of a tuple made before it (found by a
+  fixpoint, as for fusion regions).
 - Static outputs are overwritten by the next replay, so an output that *escapes* (a graph
   output, read by a later Send or Record, or the base of a later view) is cloned after each
   replay; the others are read only by later steps of the same program, on the same stream.
@@ -44,7 +47,7 @@ from ..graph import Node, TensorMeta, op_name
 from ..plan import Free, Run
 from ..routing import GraphIndex, kind_of
 from .codegen import Call, Program, SlotTable, build_program
-from .fuse import Fused
+from .fuse import Fused, is_view
 
 __all__ = ["CudaGraphBackend", "GraphSegment", "capture_segments", "launches", "pays",
            "segments", "why_not_capturable"]
@@ -295,6 +298,26 @@ def _ops(step: Any) -> tuple[Node, ...]:
     return (step.node,) if isinstance(step, Run) else ()
 
 
+def _boundary(seg: Sequence[Any], ix: GraphIndex,
+              graph_outputs: set[Node]) -> tuple[list[Node], list[Node]]:
+    """(inputs, outputs) of a segment: values it reads from outside, values read outside."""
+    made = [v for s in seg for v in _made(s)]
+    inside_values = set(made)
+    ops = {n for s in seg for n in _ops(s)}
+    reads = [v for s in seg if isinstance(s, Run | Fused)
+             for v in (s.inputs if isinstance(s, Fused) else s.node.inputs)]
+    inputs = list(dict.fromkeys(v for v in reads if v not in inside_values))
+    outputs = [v for v in made
+               if v in graph_outputs or any(u not in ops for u in ix.users[v])]
+    return inputs, outputs
+
+
+def _misfit(value: Node) -> bool:
+    """A value no graph may hand out: a view (it would alias a static buffer) or something
+    other than one tensor."""
+    return not isinstance(value.meta, TensorMeta) or is_view(value)
+
+
 def capture_segments(device: str, steps: list[Any], slots: SlotTable,
                      source_of: Callable[[Node, str], str], moved: set[Node], ix: GraphIndex,
                      graph_outputs: set[Node], local: Callable[[Node], bool],
@@ -305,30 +328,32 @@ def capture_segments(device: str, steps: list[Any], slots: SlotTable,
     level); ``statics`` are shared by the program's segments (a static output one graph hands
     the next is not copied).
     """
-    out: list[Any] = []
-    statics: dict[int, Any] = {}
-    done = 0
-
     def capturable(step: Any) -> bool:
         why = why_not_capturable([step], local)
         if why:
             log.debug("autopar: %s runs on streams, between graphs: %s", step, why)
         return why is None
 
-    for k, (start, end) in enumerate(segments(steps, capturable)):
+    left_out: set[Node] = set()
+
+    def kept(step: Any) -> bool:
+        return not (isinstance(step, Run) and step.node in left_out) and capturable(step)
+
+    while True:  # views and tuples leaving a segment run after it, on the stream
+        found = [(start, end, *_boundary(steps[start:end], ix, graph_outputs))
+                 for start, end in segments(steps, kept)]
+        misfits = {v for *_, outs in found for v in outs if _misfit(v)}
+        misfits |= {n for *_, ins, _ in found for v in ins
+                    if not isinstance(v.meta, TensorMeta) for n in ix.users[v]}
+        if not misfits - left_out:
+            break
+        left_out |= misfits
+    out: list[Any] = []
+    statics: dict[int, Any] = {}
+    done = 0
+    for k, (start, end, inputs, outputs) in enumerate(found):
         seg = steps[start:end]
         name = f"segment {label}{device}#{k} ({len(seg)} steps)"
-        made = [v for s in seg for v in _made(s)]
-        inside_values = set(made)
-        ops = {n for s in seg for n in _ops(s)}
-        reads = [v for s in seg if isinstance(s, Run | Fused)
-                 for v in (s.inputs if isinstance(s, Fused) else s.node.inputs)]
-        inputs = list(dict.fromkeys(v for v in reads if v not in inside_values))
-        outputs = [v for v in made
-                   if v in graph_outputs or any(u not in ops for u in ix.users[v])]
-        if any(not isinstance(v.meta, TensorMeta) for v in inputs + outputs):
-            log.debug("autopar: %s not captured: a value in or out is not one tensor", name)
-            continue
         escapes = escaping(seg, outputs, steps, end, ix, graph_outputs)
         n_launch = launches(seg, moved)
         if not pays(mode, n_launch, len(inputs), len(escapes)):

@@ -234,6 +234,14 @@ def inputs_of(group: Sequence[Node]) -> list[Node]:
     return list(dict.fromkeys(v for n in group for v in n.inputs if v not in inside))
 
 
+def is_view(node: Node) -> bool:
+    """Does ``node`` share a storage with another value? A view, or an element of a tuple of
+    views (``split``, ``unbind``); an element of a tuple of fresh tensors is fresh itself."""
+    if node.op is operator.getitem:
+        node = node.args[0]
+    return bool(node.aliases) or bool(getattr(node.op, "is_view", False))
+
+
 def _misfits(group: list[Node], users: dict[Node, list[Node]],
              graph_outputs: set[Node]) -> list[Node]:
     """Nodes that must leave ``group``: escaping views and tuples, getitems of outside tuples."""
@@ -243,7 +251,7 @@ def _misfits(group: list[Node], users: dict[Node, list[Node]],
         if n.op is operator.getitem and n.args[0] not in inside:
             out.append(n)
     for n in outputs_of(group, users, graph_outputs):
-        if isinstance(n.meta, tuple) or (n.aliases and n.op is not operator.getitem):
+        if isinstance(n.meta, tuple) or is_view(n):
             out.append(n)
     return out
 
