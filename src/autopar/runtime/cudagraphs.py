@@ -186,17 +186,24 @@ class CudaGraphBackend:
 
     def capture(self, run: Callable[[list], list], static_in: list,
                 device: str) -> tuple[Callable[[], None], list]:
+        """Warm ``run`` up on a side stream, capture it on another, both of ``device``; one
+        capture at a time in the process (a capture syncs and empties the allocator's cache)."""
         dev = torch.device(device)
-        stream = torch.cuda.current_stream(dev)
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(stream)
-        with torch.cuda.stream(side):
-            run(static_in)  # warm-up off the graph: lazy initialization happens here
-        stream.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            outs = run(static_in)
-        return graph.replay, outs
+        with self._lock, torch.cuda.device(dev):
+            stream = torch.cuda.current_stream(dev)
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(stream)
+            with torch.cuda.stream(side):
+                run(static_in)  # off the graph: lazy initialization happens here
+            stream.wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, stream=torch.cuda.Stream(dev),
+                                      capture_error_mode="thread_local"):
+                    outs = run(static_in)
+            finally:
+                torch.cuda.set_stream(stream)  # a failing capture_end skips the graph's restore
+            return graph.replay, outs
 
 
 class GraphSegment:
