@@ -122,7 +122,8 @@ class _Emitter:
 
 def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTable,
                   source_of: Callable[[Node, str], str], moved_by_send: set[Node],
-                  traced: bool = False, eager_devices: bool = False) -> Program:
+                  traced: bool = False, eager_devices: bool = False,
+                  entry: tuple[list[int], list[tuple[str, Any]]] | None = None) -> Program:
     """Compile ``steps`` of ``device`` into a Python function ``program(env, rt)``.
 
     ``source_of(value, device)``: the device whose slot a reader on ``device`` takes ``value``
@@ -131,8 +132,14 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
     module docstring). ``traced``: also time every op (``rt.begin`` / ``rt.end``: host clock on
     CPU workers, CUDA events on GPUs), for measured Timelines. ``eager_devices``: keep every
     op's own ``device=`` argument (the sequential runner: ops run where eager runs them).
+    ``entry=(input_slots, outputs)``: a whole call instead, ``program(args) -> outputs``
+    (``outputs`` as :class:`~autopar.runtime.executor.Executor` lists them), for a plan of one
+    program with nothing to order.
     """
     em = _Emitter(device, slots, source_of)
+    if entry is not None:
+        em.emit("env = [None] * n_slots")
+        em.lines += [f"    env[{slot}] = args[{i}]" for i, slot in enumerate(entry[0])]
     lane = device if device.startswith("cpu") else f"{device}/compute"
     torch_device = torch.device("cpu") if device.startswith("cpu") else torch.device(device)
     for step in steps:
@@ -181,10 +188,16 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
             em.emit(f"env[{slots(step.value, device)}] = None", step)
         else:  # pragma: no cover - plan and codegen share the step types
             raise TypeError(f"unknown plan step {step!r}")
+    header = "def program(env, rt):\n"
+    if entry is not None:
+        outs = [f"env[{v}]" if kind == "slot" else em.const(v) for kind, v in entry[1]]
+        em.emit(f"return [{', '.join(outs)}]")
+        em.globals["n_slots"] = len(slots)
+        header = "def program(args, rt=None):\n"
     if not em.lines:
         em.lines.append("    pass")
     filename = f"<autopar program {device} #{next(_counter)}>"
-    source = "def program(env, rt):\n" + "\n".join(em.lines) + "\n"
+    source = header + "\n".join(em.lines) + "\n"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     namespace = dict(em.globals)
     exec(compile(source, filename, "exec"), namespace)

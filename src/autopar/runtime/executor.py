@@ -298,6 +298,7 @@ class Executor:
         self.programs: dict[str, Program] = {}
         self.fused: list[Fused] = []
         self.segments: list[GraphSegment] = []
+        final: dict[str, list[Any]] = {}
         for device, steps in plan.programs.items():
             if not steps:
                 continue
@@ -313,6 +314,7 @@ class Executor:
                 self.segments += [s.fn for s in steps if isinstance(s, Call)]
             self.programs[device] = build_program(device, steps, self.slots, source_of, moved,
                                                   traced=trace)
+            final[device] = steps
         self.output_slots = [
             ("slot", self.slots(o, dev)) if isinstance(o, Node) else ("const", o)
             for o, dev in plan.outputs
@@ -337,13 +339,25 @@ class Executor:
                                     and not trace) else None
         self._solo_gpu = (None if self.solo is None or _is_cpu(self.solo)
                           else torch.device(self.solo).index or 0)
+        if self.solo is not None:  # the whole call as one function: args -> outputs
+            self.programs[self.solo] = build_program(
+                self.solo, final[self.solo], self.slots, source_of, moved,
+                entry=(self.input_slots, self.output_slots))
 
     def __call__(self, args: Sequence[Any]) -> list[Any]:
         if len(args) != len(self.inputs):
             raise TypeError(f"graph {self.plan.graph.name} takes {len(self.inputs)} inputs, "
                             f"got {len(args)}")
-        if self.solo is not None:
-            return self._call_solo(args)
+        if self.solo is not None:  # one program, no events: one generated function, here
+            program = self.programs[self.solo]
+            try:
+                if self._solo_gpu is None or torch.cuda.current_device() == self._solo_gpu:
+                    return program.fn(args)
+                with torch.cuda.device(self._solo_gpu):
+                    return program.fn(args)
+            except BaseException as e:
+                _annotate(e, program)
+                raise
         compute = {g: torch.cuda.current_stream(torch.device(g)) for g in self.gpus}
         call = _Call(len(self.slots), self.n_events, compute, trace=self.trace)
         if self.trace:
@@ -370,23 +384,6 @@ class Executor:
             env[slot].record_stream(stream)  # allocated by a copy stream, used by the caller
         if self.trace:
             self.last_timeline = self._trace_finish(call, refs)
-        return [env[v] if kind == "slot" else v for kind, v in self.output_slots]
-
-    def _call_solo(self, args: Sequence[Any]) -> list[Any]:
-        """One program, no events: on the caller's thread, on its current stream."""
-        program = self.programs[self.solo]
-        env: list[Any] = [None] * len(self.slots)
-        for slot, value in zip(self.input_slots, args):
-            env[slot] = value
-        try:
-            if self._solo_gpu is None or torch.cuda.current_device() == self._solo_gpu:
-                program.fn(env, None)
-            else:
-                with torch.cuda.device(self._solo_gpu):
-                    program.fn(env, None)
-        except BaseException as e:
-            _annotate(e, program)
-            raise
         return [env[v] if kind == "slot" else v for kind, v in self.output_slots]
 
     def _job(self, device: str, call: _Call, finished: threading.Event):
