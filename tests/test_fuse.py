@@ -12,10 +12,12 @@ import pytest
 import torch
 
 import autopar
+from _fakes import w4
 from autopar.cost import CostModel
+from autopar.fusion import fused_regions, prefer_fused
 from autopar.graph import Graph, Node, TensorMeta
 from autopar.machine import preset
-from autopar.place import Placement
+from autopar.place import Placement, place
 from autopar.plan import Free, Record, Send, Wait, make_plan
 from autopar.routing import GraphIndex
 from autopar.runtime import Executor, SequentialRunner
@@ -239,3 +241,44 @@ def test_corpus_cases_with_fusion(name):
     """Mutation and aliasing through autopar.compile with fusion on the host (the whole corpus
     runs so under AUTOPAR_SLOW=1)."""
     run_case(case(name), autopar_compile(devices="cpu:0", fuse=True))
+
+
+# -- fusion-aware placement -------------------------------------------------------------------
+def tiny_chain(n: int = 100) -> Graph:
+    """x (64 floats on cuda:0) -> (mul -> add) * n -> out: tiny ops HEFT prices one by one."""
+    g = Graph("tiny_chain")
+    x = g.input(TensorMeta.make((64,), device="cuda:0"), "x")
+    for _ in range(n):
+        x = g.call(aten.add.Tensor, (g.call(aten.mul.Tensor, (x, 1.0001)), 0.001))
+    g.set_outputs([x])
+    return g
+
+
+@pytest.fixture(scope="module")
+def h200x2() -> CostModel:
+    return CostModel(preset("h200x2"))
+
+
+def placed_on(plan) -> set[str]:
+    return {plan.placement.device[n] for n in plan.graph.ops}
+
+
+def test_a_tiny_chain_stays_on_its_gpu_when_fused(h200x2):
+    """HEFT moves 200 tiny ops to the host (each cheaper there than a launch); fused on cuda:0
+    they are one kernel, predicted faster, so eager's placement is kept."""
+    g = tiny_chain()
+    devices = tuple(d.name for d in h200x2.machine.devices)
+    heft = make_plan(place(g, h200x2, devices=devices), h200x2)
+    assert placed_on(heft) <= {"cpu:0", "cpu:1"}
+    chosen = prefer_fused(heft, g, h200x2, devices, ["cuda:0", "cuda:1"])
+    assert placed_on(chosen) == {"cuda:0"}
+    assert [len(r) for r in fused_regions(chosen, ["cuda:0"])["cuda:0"]] == [200]
+    assert prefer_fused(heft, g, h200x2, devices, []) is heft  # no fusion: HEFT as it was
+
+
+def test_big_matmuls_keep_their_heft_plan_on_two_gpus(h200x2):
+    g = w4(n=6, side=4000)
+    devices = tuple(d.name for d in h200x2.machine.devices)
+    heft = make_plan(place(g, h200x2, devices=devices), h200x2)
+    assert placed_on(heft) == {"cuda:0", "cuda:1"}
+    assert prefer_fused(heft, g, h200x2, devices, ["cuda:0", "cuda:1"]) is heft

@@ -144,15 +144,20 @@ class Runner:
         return self._cost
 
     def __call__(self, graph: Graph, phase: str) -> Callable:
+        from .fusion import prefer_fused
         from .place import place
         from .plan import make_plan
         from .runtime import Executor, SequentialRunner
+        from .runtime.executor import fusion_devices
 
         options = self.options
         try:
             cost = self.cost_model()
             placement = place(graph, cost, policy=options.policy, devices=options.devices)
             plan = make_plan(placement, cost)
+            if options.policy == "heft":  # HEFT prices ops one by one; fusion changes that
+                fusing = fusion_devices(options.devices, options.fuse)
+                plan = prefer_fused(plan, graph, cost, options.devices, fusing)
             executor = Executor(plan, trace=bool(options.trace), fuse=options.fuse,
                                 cuda_graphs=options.cuda_graphs)
         except Exception as e:
