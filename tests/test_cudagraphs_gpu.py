@@ -39,7 +39,7 @@ def tiny_chain(x):
 def test_tiny_chain_is_one_fused_kernel_equal_to_eager():
     f, executors = compiled(tiny_chain, devices="cuda:0")
     for k in range(3):
-        x = torch.randn(64, device="cuda", generator=None) + k
+        x = torch.randn(64, device="cuda") + k
         torch.testing.assert_close(f(x), tiny_chain(x))
     (ex,) = executors
     assert [r.kernel.status for r in ex.fused] == ["compiled"]
@@ -101,14 +101,15 @@ def random_chain(x):
 
 
 def test_random_ops_run_between_graphs():
-    """rand_like splits the program: the mul before it and the chain after it are graphs."""
+    """rand_like runs on the stream between graphs: the ops around it are captured."""
     f, executors = compiled(random_chain, devices="cuda:0", fuse=False, cuda_graphs=True)
     x = torch.randn(256, device="cuda")
     for _ in range(3):
         y = f(x)
         assert y.shape == x.shape and y.abs().max() <= 1.5
     (ex,) = executors
-    assert [s.status for s in ex.segments] == ["captured", "captured"]
+    assert 1 <= len(ex.segments) <= 2  # x * 2 may be ordered before or after rand_like
+    assert all(s.status == "captured" for s in ex.segments)
     assert all("rand" not in s.program.source for s in ex.segments)
     assert "rand_like" in ex.programs["cuda:0"].source
 
