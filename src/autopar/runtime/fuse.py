@@ -115,6 +115,7 @@ class FusedKernel:
             layout = _layout(inputs)
             key = (self.gm.code, layout)
             fn = _CACHE.get(key)
+            cached = fn is not None
             start = time.perf_counter()
             if fn is None:
                 try:
@@ -126,7 +127,8 @@ class FusedKernel:
                 _CACHE[key] = fn
             self.compile_s = time.perf_counter() - start
             self.status, self._layout = "compiled", layout
-            log.info("autopar: compiled %s in %.3f s", self.label, self.compile_s)
+            log.info("autopar: compiled %s in %.3f s%s", self.label, self.compile_s,
+                     " (the same region was compiled before)" if cached else "")
             self._fn = fn
             return fn
 
