@@ -45,10 +45,18 @@ def _reference_skipped() -> str | None:
     return None if RUN_SLOW else "the aot_eager reference runs with AUTOPAR_SLOW=1"
 
 
+def _fused_skipped() -> str | None:
+    if not RUN_SLOW:
+        return "fusion on the CPU runs with AUTOPAR_SLOW=1 (Inductor compiles every case)"
+    return autopar_unavailable()
+
+
 COMPILERS: list[Compiler] = [
     Compiler("aot_eager", lambda fn: torch.compile(fn, backend="aot_eager"), _reference_skipped),
     Compiler("torch.compile-autopar", torch_compile_autopar, autopar_unavailable),
     Compiler("autopar.compile", autopar_compile(), autopar_unavailable),
+    Compiler("autopar-fused-cpu0", autopar_compile(devices="cpu:0", fuse=True),
+             _fused_skipped),
     *(Compiler(f"autopar-cpu0-cpu1-{p}", autopar_compile(devices=["cpu:0", "cpu:1"], policy=p),
                policies_unavailable) for p in ("single", "round_robin", "heft")),
 ]

@@ -166,3 +166,16 @@ def test_input_count_is_checked(cost):
     ex = Executor(make_plan(by_hand(g, {}), cost))
     with pytest.raises(TypeError, match="takes 2 inputs, got 1"):
         ex([torch.randn(4, 4)])
+
+
+def test_one_program_runs_as_one_function_and_still_names_a_failing_op(cost):
+    g = failing_graph()
+    ex = Executor(make_plan(by_hand(g, {}), cost))
+    assert ex.solo == "cpu:0" and ex.source().startswith("# cpu:0\ndef program(args, rt=None):")
+    with pytest.raises(RuntimeError) as info:
+        ex([torch.randn(4, 3)])
+    assert any("aten.mm" in n and "user.py:7" in n for n in getattr(info.value, "__notes__", []))
+    g2 = branches(n=2, size=8)
+    args = inputs(g2)
+    for x, y in zip(Executor(make_plan(by_hand(g2, {}), cost))(args), SequentialRunner(g2)(args)):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)

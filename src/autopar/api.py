@@ -87,6 +87,8 @@ class Options:
     policy: str = "heft"
     machine: Any = None  # None: this machine (calibrated or defaults); or a Machine
     trace: bool | str = False  # True: record timelines; a path: also write a Chrome trace there
+    fuse: bool | str = "auto"  # Inductor fuses each device's regions: "auto" on GPUs, True: all
+    cuda_graphs: bool | str = "auto"  # replay GPU segments as CUDA graphs (static shapes)
 
     @staticmethod
     def parse(options: dict[str, Any]) -> Options:
@@ -103,8 +105,18 @@ class Options:
         trace = options.get("trace", os.environ.get("AUTOPAR_TRACE") or False)
         if not isinstance(trace, bool | str | os.PathLike):
             raise TypeError(f"trace must be True, False or a file path, not {type(trace).__name__}")
+        fuse = _tristate(options, "fuse")
+        cuda_graphs = _tristate(options, "cuda_graphs")
         return Options(devices=devices, policy=policy, machine=options.get("machine"),
-                       trace=os.fspath(trace) if isinstance(trace, os.PathLike) else trace)
+                       trace=os.fspath(trace) if isinstance(trace, os.PathLike) else trace,
+                       fuse=fuse, cuda_graphs=cuda_graphs)
+
+
+def _tristate(options: dict[str, Any], name: str) -> bool | str:
+    value = options.get(name, "auto")
+    if value is True or value is False or value == "auto":
+        return value
+    raise ValueError(f"{name} must be 'auto', True or False, not {value!r}")
 
 
 class Runner:
@@ -135,16 +147,22 @@ class Runner:
         return self._cost
 
     def __call__(self, graph: Graph, phase: str) -> Callable:
+        from .fusion import prefer_fused
         from .place import place
         from .plan import make_plan
         from .runtime import Executor, SequentialRunner
+        from .runtime.executor import fusion_devices
 
         options = self.options
         try:
             cost = self.cost_model()
             placement = place(graph, cost, policy=options.policy, devices=options.devices)
             plan = make_plan(placement, cost)
-            executor = Executor(plan, trace=bool(options.trace))
+            if options.policy == "heft":  # HEFT prices ops one by one; fusion changes that
+                fusing = fusion_devices(options.devices, options.fuse)
+                plan = prefer_fused(plan, graph, cost, options.devices, fusing)
+            executor = Executor(plan, trace=bool(options.trace), fuse=options.fuse,
+                                cuda_graphs=options.cuda_graphs)
         except Exception as e:
             log.warning("autopar: running %s on eager's devices: planning failed: %s: %s",
                         graph.name, type(e).__name__, e)
@@ -180,7 +198,11 @@ def compile(fn: Callable, **options: Any) -> Callable:
     Options: ``devices`` ("auto", "cpu:0,cpu:1", ["cuda:0", "cuda:1"]), ``policy`` ("heft",
     "single", "round_robin"), ``machine`` (None: this machine's calibrated profile; a Machine
     to plan with other numbers), ``trace`` (True records timelines; a path also writes the
-    latest call's Chrome trace there; default ``$AUTOPAR_TRACE``).
+    latest call's Chrome trace there; default ``$AUTOPAR_TRACE``), ``fuse`` ("auto": Inductor
+    compiles the fusible regions of GPU programs; True: of every program, CPU workers too;
+    False: every op runs as its own ATen call), ``cuda_graphs`` ("auto": GPU segments with
+    static shapes are replayed as CUDA graphs where that pays; True: every capturable one;
+    False: never).
     """
     if not callable(fn):
         raise TypeError(

@@ -9,6 +9,9 @@ Policy
 - Ops with a ``device=`` argument (factories, ``_to_copy``) get the device they were placed on.
 - A ``_to_copy`` that only moves a value to the device it was placed on, whose input arrived
   there by a Send, is the Send itself: no second copy (as :mod:`autopar.place` assumes).
+- A :class:`~autopar.runtime.fuse.Fused` step (a region Inductor compiled) is one line that
+  calls its kernel on the region's inputs and stores its outputs; a :class:`Call` step (a
+  segment replayed as a CUDA graph) is one line that calls its object with ``env`` and ``rt``.
 - The generated source is registered with ``linecache`` under a fake file name, so tracebacks
   show it and a failing line maps back to its step (:meth:`Program.step_at`).
 """
@@ -27,6 +30,7 @@ import torch
 from ..graph import Node, op_name
 from ..plan import Free, Record, Run, Send, Step, Wait
 from ..routing import pool
+from .fuse import Fused
 
 _PLAIN = (int, float, bool, str, type(None))
 _counter = itertools.count()
@@ -42,6 +46,19 @@ class Program:
 
     def step_at(self, lineno: int) -> Step | None:
         return self.steps_by_line.get(lineno)
+
+
+@dataclass(frozen=True, eq=False)
+class Call:
+    """A step that calls ``fn(env, rt)``: a captured segment
+    (:mod:`autopar.runtime.cudagraphs`); ``node`` is where its errors are reported."""
+
+    fn: Callable[[list, Any], None]
+    label: str
+    node: Node
+
+    def __str__(self) -> str:
+        return f"call   {self.label}"
 
 
 class SlotTable:
@@ -103,9 +120,10 @@ class _Emitter:
             self.steps_by_line[len(self.lines) + 1] = step  # +1: the def line
 
 
-def build_program(device: str, steps: list[Step], slots: SlotTable,
+def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTable,
                   source_of: Callable[[Node, str], str], moved_by_send: set[Node],
-                  traced: bool = False, eager_devices: bool = False) -> Program:
+                  traced: bool = False, eager_devices: bool = False,
+                  entry: tuple[list[int], list[tuple[str, Any]]] | None = None) -> Program:
     """Compile ``steps`` of ``device`` into a Python function ``program(env, rt)``.
 
     ``source_of(value, device)``: the device whose slot a reader on ``device`` takes ``value``
@@ -114,8 +132,14 @@ def build_program(device: str, steps: list[Step], slots: SlotTable,
     module docstring). ``traced``: also time every op (``rt.begin`` / ``rt.end``: host clock on
     CPU workers, CUDA events on GPUs), for measured Timelines. ``eager_devices``: keep every
     op's own ``device=`` argument (the sequential runner: ops run where eager runs them).
+    ``entry=(input_slots, outputs)``: a whole call instead, ``program(args) -> outputs``
+    (``outputs`` as :class:`~autopar.runtime.executor.Executor` lists them), for a plan of one
+    program with nothing to order.
     """
     em = _Emitter(device, slots, source_of)
+    if entry is not None:
+        em.emit("env = [None] * n_slots")
+        em.lines += [f"    env[{slot}] = args[{i}]" for i, slot in enumerate(entry[0])]
     lane = device if device.startswith("cpu") else f"{device}/compute"
     torch_device = torch.device("cpu") if device.startswith("cpu") else torch.device(device)
     for step in steps:
@@ -138,6 +162,16 @@ def build_program(device: str, steps: list[Step], slots: SlotTable,
             em.emit(f"env[{out}] = {op}({args}){note}", step)
             if traced:
                 em.emit(f"rt.end(mark, {lane!r}, {op_name(node.op)!r}, {node.id})")
+        elif isinstance(step, Fused):
+            ins = ", ".join(em.expr(v) for v in step.inputs)
+            outs = "".join(f"env[{slots(n, device)}], " for n in step.outputs)
+            if traced:
+                em.emit(f"mark = rt.begin({device!r})")
+            em.emit(f"{outs}= {em.const(step.kernel)}([{ins}])  # {step.kernel.label}", step)
+            if traced:
+                em.emit(f"rt.end(mark, {lane!r}, {step.kernel.label!r}, {step.node.id})")
+        elif isinstance(step, Call):
+            em.emit(f"{em.const(step.fn)}(env, rt)  # {step.label}", step)
         elif isinstance(step, Send):
             src = slots(step.value, step.src)
             dst = slots(step.value, step.dst)
@@ -154,10 +188,16 @@ def build_program(device: str, steps: list[Step], slots: SlotTable,
             em.emit(f"env[{slots(step.value, device)}] = None", step)
         else:  # pragma: no cover - plan and codegen share the step types
             raise TypeError(f"unknown plan step {step!r}")
+    header = "def program(env, rt):\n"
+    if entry is not None:
+        outs = [f"env[{v}]" if kind == "slot" else em.const(v) for kind, v in entry[1]]
+        em.emit(f"return [{', '.join(outs)}]")
+        em.globals["n_slots"] = len(slots)
+        header = "def program(args, rt=None):\n"
     if not em.lines:
         em.lines.append("    pass")
     filename = f"<autopar program {device} #{next(_counter)}>"
-    source = "def program(env, rt):\n" + "\n".join(em.lines) + "\n"
+    source = header + "\n".join(em.lines) + "\n"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     namespace = dict(em.globals)
     exec(compile(source, filename, "exec"), namespace)

@@ -28,6 +28,7 @@ error; ``pending_host`` the copies to the host that must complete before returni
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -41,9 +42,13 @@ from ..graph import Node, op_name
 from ..plan import Plan, Run
 from ..routing import GraphIndex, moved_by_copy, route
 from ..timeline import Span, Timeline
-from .codegen import Program, SlotTable, build_program
+from .codegen import Call, Program, SlotTable, build_program
+from .cudagraphs import CudaGraphBackend, GraphSegment, capture_segments
+from .fuse import Fused, cpu_fusion_unavailable, fuse_program, same_pool
 
-__all__ = ["Executor", "WorkerError"]
+__all__ = ["Executor", "WorkerError", "fusion_devices", "graph_devices"]
+
+log = logging.getLogger("autopar")
 
 _TIMEOUT = float(os.environ.get("AUTOPAR_WAIT_TIMEOUT", "600"))
 
@@ -238,11 +243,47 @@ class _Worker(_PerDevice):
             fn()
 
 
-class Executor:
-    """Runs a :class:`~autopar.plan.Plan`: ``executor(args) -> outputs``."""
+def fusion_devices(devices: Sequence[str], fuse: bool | str) -> list[str]:
+    """The devices whose programs get their regions compiled by Inductor.
 
-    def __init__(self, plan: Plan, trace: bool = False) -> None:
+    ``False``: none. ``"auto"``: the GPUs (where a launch costs most). ``True``: every device,
+    CPU workers too when Inductor has a C++ compiler here (else they are skipped, logged).
+    """
+    if fuse is False:
+        return []
+    gpus = [d for d in devices if not _is_cpu(d)]
+    if fuse == "auto":
+        return gpus
+    cpus = [d for d in devices if _is_cpu(d)]
+    why = cpu_fusion_unavailable() if cpus else None
+    if why:
+        log.info("autopar: no fusion on %s: %s", ", ".join(cpus), why)
+        return gpus
+    return list(devices)
+
+
+def graph_devices(devices: Sequence[str], cuda_graphs: bool | str) -> list[str]:
+    """The devices whose programs may have segments replayed as CUDA graphs: the GPUs."""
+    return [] if cuda_graphs is False else [d for d in devices if not _is_cpu(d)]
+
+
+_GRAPH_BACKEND = CudaGraphBackend()
+
+
+class Executor:
+    """Runs a :class:`~autopar.plan.Plan`: ``executor(args) -> outputs``.
+
+    ``fuse``: which programs get their fusible regions compiled by Inductor (see
+    :func:`fusion_devices` and :mod:`autopar.runtime.fuse`); off by default here, the
+    :func:`autopar.compile` option decides for compiled functions. ``cuda_graphs``: replay
+    GPU segments as CUDA graphs (see :mod:`autopar.runtime.cudagraphs`); off when tracing,
+    which times every op.
+    """
+
+    def __init__(self, plan: Plan, trace: bool = False, fuse: bool | str = False,
+                 cuda_graphs: bool | str = False) -> None:
         self.plan = plan
+        self.cuda_graphs = cuda_graphs
         self.trace = trace
         self.last_timeline: Timeline | None = None
         graph = plan.graph
@@ -258,10 +299,29 @@ class Executor:
                 else device_of[value]
 
         moved = {n for n in graph.ops if moved_by_copy(n, device_of)}
-        self.programs: dict[str, Program] = {
-            device: build_program(device, steps, self.slots, source_of, moved, traced=trace)
-            for device, steps in plan.programs.items() if steps
-        }
+        fusing = fusion_devices(list(plan.programs), fuse)
+        capturing = [] if trace else graph_devices(list(plan.programs), cuda_graphs)
+        outputs = set(graph.output_nodes)
+        self.programs: dict[str, Program] = {}
+        self.fused: list[Fused] = []
+        self.segments: list[GraphSegment] = []
+        final: dict[str, list[Any]] = {}
+        for device, steps in plan.programs.items():
+            if not steps:
+                continue
+            local = same_pool(device, source_of)
+            if device in fusing:
+                steps = fuse_program(device, steps, ix, outputs, local, device_of,
+                                     label=f"{graph.name}/")
+                self.fused += [s for s in steps if isinstance(s, Fused)]
+            if device in capturing:
+                steps = capture_segments(device, steps, self.slots, source_of, moved, ix,
+                                         outputs, local, cuda_graphs, _GRAPH_BACKEND,
+                                         label=f"{graph.name}/")
+                self.segments += [s.fn for s in steps if isinstance(s, Call)]
+            self.programs[device] = build_program(device, steps, self.slots, source_of, moved,
+                                                  traced=trace)
+            final[device] = steps
         self.output_slots = [
             ("slot", self.slots(o, dev)) if isinstance(o, Node) else ("const", o)
             for o, dev in plan.outputs
@@ -274,16 +334,37 @@ class Executor:
                                  if isinstance(o, Node) and (o.id, dev) in arrivals})
         self.gpus = sorted({d for d in plan.programs if not _is_cpu(d)}
                            | {d for s in copies for d in (s.src, s.dst) if not _is_cpu(d)})
+        for segment in self.segments:
+            segment.peers = tuple(self.gpus)
         # the caller runs the host's program (or the first one); the rest go to workers
         order = sorted(self.programs, key=lambda d: (not _is_cpu(d), d))
         self.inline = order[0] if order else None
         self.threaded = order[1:]
         self.n_events = plan.n_events
+        # one program and nothing to order: run it straight, without per-call machinery
+        self.solo = self.inline if (len(self.programs) == 1 and not self.n_events
+                                    and not trace) else None
+        self._solo_gpu = (None if self.solo is None or _is_cpu(self.solo)
+                          else torch.device(self.solo).index or 0)
+        if self.solo is not None:  # the whole call as one function: args -> outputs
+            self.programs[self.solo] = build_program(
+                self.solo, final[self.solo], self.slots, source_of, moved,
+                entry=(self.input_slots, self.output_slots))
 
     def __call__(self, args: Sequence[Any]) -> list[Any]:
         if len(args) != len(self.inputs):
             raise TypeError(f"graph {self.plan.graph.name} takes {len(self.inputs)} inputs, "
                             f"got {len(args)}")
+        if self.solo is not None:  # one program, no events: one generated function, here
+            program = self.programs[self.solo]
+            try:
+                if self._solo_gpu is None or torch.cuda.current_device() == self._solo_gpu:
+                    return program.fn(args)
+                with torch.cuda.device(self._solo_gpu):
+                    return program.fn(args)
+            except BaseException as e:
+                _annotate(e, program)
+                raise
         compute = {g: torch.cuda.current_stream(torch.device(g)) for g in self.gpus}
         call = _Call(len(self.slots), self.n_events, compute, trace=self.trace)
         if self.trace:

@@ -1,0 +1,232 @@
+"""CUDA-graph segments: which are formed, which can be captured, what pays, and the runtime
+state machine, checked on the CPU with a stand-in for CUDA graphs that has their memory
+semantics (static inputs and outputs, overwritten by each replay).
+
+The same machinery on a real GPU: tests/test_cudagraphs_gpu.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from autopar.cost import CostModel
+from autopar.graph import Graph, Node, TensorMeta
+from autopar.machine import preset
+from autopar.place import Placement
+from autopar.plan import Free, Run, Wait, make_plan
+from autopar.runtime import Executor, SequentialRunner
+from autopar.runtime import executor as executor_module
+from autopar.runtime.cudagraphs import pays, segments, why_not_capturable
+from corpus import CASES, autopar_compile, case, run_case
+
+aten = torch.ops.aten
+RUN_SLOW = os.environ.get("AUTOPAR_SLOW") == "1"
+
+
+@pytest.fixture(scope="module")
+def cost() -> CostModel:
+    return CostModel(preset("cpu-only", cpu_workers=2))
+
+
+class StandInGraphs:
+    """Captures by running the segment; a replay runs it again on the static inputs and writes
+    the results into the static outputs, as a CUDA graph's replay overwrites its memory."""
+
+    def __init__(self, fail: str | None = None) -> None:
+        self.fail = fail
+        self.captures = 0
+
+    def enable_peer_access(self, gpus) -> None:
+        pass
+
+    def capture(self, run, static_in, device):
+        self.captures += 1
+        if self.fail:
+            raise RuntimeError(self.fail)
+        run(static_in)  # warm-up
+        outs = run(static_in)
+
+        def replay() -> None:
+            for out, fresh in zip(outs, run(static_in)):
+                out.copy_(fresh)
+        return replay, outs
+
+
+def by_hand(graph: Graph, devices: dict[str, str]) -> Placement:
+    device = {n: devices.get(n.name, "cpu:0") for n in graph.nodes}
+    order: dict[str, list[Node]] = {}
+    for n in graph.ops:
+        order.setdefault(device[n], []).append(n)
+    return Placement(graph=graph, device=device, order=order, policy="by_hand", notes={},
+                     predicted_s=0.0)
+
+
+def split_chain() -> Graph:
+    """cpu:0 runs two segments around ``d``, which cpu:1 computes.
+
+        x -> a=mul -> b=add -> c=mul -> d=exp (cpu:1)
+                      b ...................... e=mul(d, b) -> f=add -> g=relu -> out
+    """
+    g = Graph("split_chain")
+    x = g.input(TensorMeta.make((4, 8)), "x")
+    a = g.call(aten.mul.Tensor, (x, 0.5), name="a")
+    b = g.call(aten.add.Tensor, (a, 1.0), name="b")
+    c = g.call(aten.mul.Tensor, (b, b), name="c")
+    d = g.call(aten.exp.default, (c,), name="d")
+    e = g.call(aten.mul.Tensor, (d, b), name="e")
+    f = g.call(aten.add.Tensor, (e, -1.0), name="f")
+    g.set_outputs([g.call(aten.relu.default, (f,), name="g")])
+    return g
+
+
+def shown(steps) -> list[str]:
+    return [f"{type(s).__name__.lower()} {(s.node if isinstance(s, Run) else s.value).name}"
+            for s in steps]
+
+
+def test_segments_end_at_cross_device_points(cost):
+    plan = make_plan(by_hand(split_chain(), {"d": "cpu:1"}), cost)
+    steps = plan.programs["cpu:0"]
+    assert shown(steps) == ["run a", "run b", "free a", "run c", "record c", "wait d", "run e",
+                            "free b", "run f", "free e", "run g", "free f"]
+    assert [shown(steps[i:j]) for i, j in segments(steps)] == [
+        ["run a", "run b", "free a", "run c"],
+        ["run e", "free b", "run f", "free e", "run g", "free f"]]
+    assert segments([Wait(0, steps[0].node, "cpu:1"), Free(steps[0].node, "cpu:0")]) == []
+
+
+def test_what_cannot_be_captured_is_known_before_trying():
+    g = Graph("uncapturable")
+    x = g.input(TensorMeta.make((4,)), "x")
+    host = g.input(TensorMeta.make(()), "host")
+    r = g.call(aten.rand_like.default, (x,), name="r")
+    w = g.call(aten.copy_.default, (x, r), name="w")
+    nz = g.call(aten.nonzero.default, (x,), meta=TensorMeta.make((2, 1), torch.int64), name="nz")
+    m = g.call(aten.mul.Tensor, (x, host), name="m")
+    ok = g.call(aten.sin.default, (x,), name="ok")
+    local = lambda v: v is not host  # noqa: E731
+    why = {n.name: why_not_capturable([Run(n)], local) for n in (r, w, nz, m, ok)}
+    assert why == {
+        "r": "aten.rand_like draws random numbers (a failed capture would spoil the CUDA RNG)",
+        "w": "aten.copy_ writes into its input (a graph would write into a static copy)",
+        "nz": "aten.nonzero syncs with the host",
+        "m": "aten.mul.Tensor reads %host from another memory pool",
+        "ok": None,
+    }
+
+
+@pytest.mark.parametrize(("mode", "launches", "copies", "clones", "want"), [
+    (False, 50, 0, 0, False),
+    (True, 1, 3, 3, True),
+    ("auto", 0, 0, 0, False),
+    ("auto", 4, 1, 0, True),   # 4 launches against a replay, a copy: 2 * 2
+    ("auto", 3, 1, 0, False),
+    ("auto", 100, 2, 1, True),
+    ("auto", 7, 2, 2, False),  # 7 < 2 * 5
+])
+def test_capture_pays_when_launches_outweigh_copies_and_clones(mode, launches, copies, clones,
+                                                                want):
+    assert pays(mode, launches, copies, clones) is want
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """CPU workers get graph segments, captured by a :class:`StandInGraphs`."""
+    def install(backend: StandInGraphs) -> StandInGraphs:
+        monkeypatch.setattr(executor_module, "graph_devices",
+                            lambda devices, mode: [] if mode is False else list(devices))
+        monkeypatch.setattr(executor_module, "_GRAPH_BACKEND", backend)
+        return backend
+    return install
+
+
+def test_segments_replay_with_static_buffers_and_equal_sequential(cost, stand_in):
+    backend = stand_in(StandInGraphs())
+    g = split_chain()
+    ex = Executor(make_plan(by_hand(g, {"d": "cpu:1"}), cost), cuda_graphs=True)
+    first, second, lone = ex.segments  # cpu:0's two, then cpu:1's exp
+    assert "segment" in ex.source()
+    assert lone.label == "segment split_chain/cpu:1#0 (1 steps)"
+    outs = []
+    for k in range(4):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(k))
+        got = ex([x])
+        torch.testing.assert_close(got, SequentialRunner(g)([x]), rtol=0, atol=0)
+        outs.append((x, got[0]))
+        want = "pending" if k == 0 else "captured"
+        assert [s.status for s in ex.segments] == [want] * 3
+    assert backend.captures == 3
+    for x, out in outs:  # an output is cloned from the static buffer: later replays keep it
+        torch.testing.assert_close(out, SequentialRunner(g)([x])[0], rtol=0, atol=0)
+    # b stays in the first graph's static buffer and is the second's input as it is
+    assert any(t is s for t in second._static_in for s in first._static_out)
+    assert [escapes for _, escapes in first.output_slots] == [False, True]  # b, c (recorded)
+
+
+def test_a_failed_capture_stays_on_streams(cost, stand_in, caplog):
+    backend = stand_in(StandInGraphs(fail="operation not permitted when stream is capturing"))
+    g = split_chain()
+    ex = Executor(make_plan(by_hand(g, {"d": "cpu:1"}), cost), cuda_graphs=True)
+    with caplog.at_level(logging.WARNING, logger="autopar"):
+        for k in range(3):
+            x = torch.randn(4, 8) + k
+            torch.testing.assert_close(ex([x]), SequentialRunner(g)([x]), rtol=0, atol=0)
+    assert [s.status for s in ex.segments] == ["streams"] * 3
+    assert ex.segments[0].reason == ("capture failed: RuntimeError: operation not permitted "
+                                     "when stream is capturing")
+    assert backend.captures == 3  # one try each, never again
+    assert sum("stays on streams" in r.getMessage() for r in caplog.records) == 3
+
+
+def test_uncapturable_and_unpaying_segments_are_never_tried(cost, stand_in):
+    """A random op runs on streams between segments and is never captured; "auto" leaves a
+    two-op segment with an input copy and an output clone alone, and takes a six-op one."""
+    backend = stand_in(StandInGraphs())
+    g = Graph("random_then_chain")
+    x = g.input(TensorMeta.make((4, 4)), "x")
+    r = g.call(aten.rand_like.default, (x,), name="r")
+    y = g.call(aten.mul.Tensor, (x, r))
+    g.set_outputs([g.call(aten.neg.default, (y,))])
+    ex = Executor(make_plan(by_hand(g, {}), cost), cuda_graphs=True)
+    assert [s.label for s in ex.segments] == ["segment random_then_chain/cpu:0#0 (4 steps)"]
+    assert "rand_like" not in ex.segments[0].program.source
+    g2 = Graph("short")
+    x2 = g2.input(TensorMeta.make((4, 4)), "x")
+    g2.set_outputs([g2.call(aten.relu.default, (g2.call(aten.neg.default, (x2,)),))])
+    short = Executor(make_plan(by_hand(g2, {}), cost), cuda_graphs="auto")
+    assert short.segments == []  # 2 launches < 2 * (1 + 1 copy + 1 clone)
+    for _ in range(3):
+        ex([torch.randn(4, 4)])
+        short([torch.randn(4, 4)])
+    assert backend.captures == 1  # the mul and neg after rand_like
+    g3 = split_chain()
+    six = Executor(make_plan(by_hand(g3, {}), cost), cuda_graphs="auto")
+    assert len(six.segments) == 1  # 6 launches >= 2 * 3
+
+
+def test_cuda_graphs_false_and_tracing_leave_programs_alone(cost, stand_in):
+    stand_in(StandInGraphs())
+    plan = make_plan(by_hand(split_chain(), {"d": "cpu:1"}), cost)
+    plain = Executor(plan).source()
+    assert Executor(plan, cuda_graphs=False).source() == plain
+    assert Executor(plan, cuda_graphs=True, trace=True).segments == []
+
+
+ALIASING = ["returns_views_of_input", "returns_views_of_intermediate", "returns_same_tensor_twice",
+            "mutate_then_use", "cat_stack_split", "topk_sort"]
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("name", [c.name for c in CASES if RUN_SLOW or c.name in ALIASING])
+def test_corpus_with_every_segment_replayed(name, stand_in):
+    """Every segment with an op becomes a graph (stand-in on the host): results, aliasing and
+    mutations stay eager's (the whole corpus under AUTOPAR_SLOW=1)."""
+    c = case(name)
+    if "slow" in c.tags and not RUN_SLOW:
+        pytest.skip("slow case")
+    stand_in(StandInGraphs())
+    run_case(c, autopar_compile(devices="cpu:0", cuda_graphs=True, fuse=False))

@@ -1,0 +1,284 @@
+"""Fusion of a device's regions by Inductor: which ops form regions, and results equal eager.
+
+Inductor compiles take seconds on a CPU: the tests that compile share one graph each and the
+corpus runs with fusion only under AUTOPAR_SLOW=1 (tests/test_corpus.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import autopar
+from _fakes import w4
+from autopar.cost import CostModel
+from autopar.fusion import fused_regions, prefer_fused
+from autopar.graph import Graph, Node, TensorMeta
+from autopar.machine import preset
+from autopar.place import Placement, place
+from autopar.plan import Free, Record, Send, Wait, make_plan
+from autopar.routing import GraphIndex
+from autopar.runtime import Executor, SequentialRunner
+from autopar.runtime import fuse as fuse_module
+from autopar.runtime.executor import fusion_devices
+from autopar.runtime.fuse import Fused, FusedKernel, build_gm, fuse_program, fusible, regions
+from corpus import autopar_compile, case, run_case
+
+aten = torch.ops.aten
+needs_cxx = pytest.mark.skipif(fuse_module.cpu_fusion_unavailable() is not None,
+                               reason=f"{fuse_module.cpu_fusion_unavailable()}")
+
+
+@pytest.fixture(scope="module")
+def cost() -> CostModel:
+    return CostModel(preset("cpu-only", cpu_workers=2))
+
+
+def mixed() -> Graph:
+    """Two pointwise ops, an escaping view, a lone exp, a random op, then mul/sum/neg.
+
+        x -> a=mul -> b=add -> v=view ............... out
+                      b -> c=exp -> d=rand_like
+                           c, d -> e=mul -> f=sum -> g=neg -> out
+    """
+    g = Graph("mixed")
+    x = g.input(TensorMeta.make((4, 4)), "x")
+    a = g.call(aten.mul.Tensor, (x, 2.0), name="a")
+    b = g.call(aten.add.Tensor, (a, 1.0), name="b")
+    v = g.call(aten.view.default, (b, [16]), name="v")
+    c = g.call(aten.exp.default, (b,), name="c")
+    d = g.call(aten.rand_like.default, (c,), name="d")
+    e = g.call(aten.mul.Tensor, (c, d), name="e")
+    f = g.call(aten.sum.default, (e,), name="f")
+    out = g.call(aten.neg.default, (f,), name="g")
+    g.set_outputs([v, out])
+    return g
+
+
+def by_hand(graph: Graph, devices: dict[str, str]) -> Placement:
+    """Op ``name`` on ``devices[name]`` (cpu:0 otherwise), in graph order."""
+    device = {n: devices.get(n.name, "cpu:0") for n in graph.nodes}
+    order: dict[str, list[Node]] = {}
+    for n in graph.ops:
+        order.setdefault(device[n], []).append(n)
+    return Placement(graph=graph, device=device, order=order, policy="by_hand", notes={},
+                     predicted_s=0.0)
+
+
+def names(groups: list[list[Node]]) -> list[list[str]]:
+    return [[n.name for n in g] for g in groups]
+
+
+def program_regions(graph: Graph, placement: Placement, device: str, cost) -> list[list[str]]:
+    plan = make_plan(placement, cost)
+    ix = GraphIndex.of(graph)
+    ok = lambda n: fusible(n, device, lambda v: True, placement.device)  # noqa: E731
+    return names(regions(plan.programs[device], ok, ix.users, set(graph.output_nodes)))
+
+
+def test_regions_skip_escaping_views_random_ops_and_lone_ops(cost):
+    """The view of ``b`` escapes (an output) so it runs plain; ``rand_like`` is never fused;
+    ``exp`` alone between them does not pay."""
+    g = mixed()
+    assert program_regions(g, by_hand(g, {}), "cpu:0", cost) == [["a", "b"], ["e", "f", "g"]]
+
+
+def test_regions_end_at_cross_device_points(cost):
+    """``c`` on cpu:1: cpu:0 records ``b`` for it and waits for ``c``: a region never spans
+    a Record or a Wait; the view still runs plain."""
+    g = mixed()
+    placement = by_hand(g, {"c": "cpu:1"})
+    steps = make_plan(placement, cost).programs["cpu:0"]
+    kinds = [type(s).__name__ for s in steps if not isinstance(s, Free)]
+    assert kinds == ["Run", "Run", "Record", "Run", "Wait", "Run", "Run", "Run", "Run"]
+    assert program_regions(g, placement, "cpu:0", cost) == [["a", "b"], ["e", "f", "g"]]
+
+
+def test_mutations_and_lone_matmuls_are_not_fused(cost):
+    """x -> mm -> relu -> copy_ into x: the copy_ writes, and mm + relu has one pointwise op."""
+    g = Graph("mutating")
+    x = g.input(TensorMeta.make((4, 4)), "x")
+    m = g.call(aten.mm.default, (x, x), name="m")
+    r = g.call(aten.relu.default, (m,), name="r")
+    t = g.call(aten.tanh.default, (r,), name="t")
+    w = g.call(aten.copy_.default, (x, t), name="w")
+    g.set_outputs([w])
+    assert program_regions(g, by_hand(g, {}), "cpu:0", cost) == [["m", "r", "t"]]
+    g2 = Graph("lone")
+    y = g2.input(TensorMeta.make((4, 4)), "y")
+    g2.set_outputs([g2.call(aten.relu.default, (g2.call(aten.mm.default, (y, y)),))])
+    assert program_regions(g2, by_hand(g2, {}), "cpu:0", cost) == []
+
+
+def test_fuse_program_keeps_frees_of_outside_values_and_drops_internal_ones(cost):
+    g = mixed()
+    placement = by_hand(g, {})
+    plan = make_plan(placement, cost)
+    steps = fuse_program("cpu:0", plan.programs["cpu:0"], GraphIndex.of(g),
+                         set(g.output_nodes), lambda v: True, placement.device)
+    shown = [f"fused {[n.name for n in s.nodes]} -> {[n.name for n in s.outputs]}"
+             if isinstance(s, Fused) else f"{type(s).__name__.lower()} {s.value.name}"
+             if isinstance(s, Free) else f"run {s.node.name}" for s in steps]
+    assert shown == ["fused ['a', 'b'] -> ['b']", "run v", "run c", "free b", "run d",
+                     "fused ['e', 'f', 'g'] -> ['g']", "free c", "free d"]
+    assert not any(isinstance(s, Send | Record | Wait) for s in steps)
+
+
+def test_fusion_devices_by_option():
+    devices = ["cpu:0", "cuda:0", "cuda:1"]
+    assert fusion_devices(devices, False) == []
+    assert fusion_devices(devices, "auto") == ["cuda:0", "cuda:1"]
+    expect = devices if fuse_module.cpu_fusion_unavailable() is None else devices[1:]
+    assert fusion_devices(devices, True) == expect
+
+
+def test_fuse_false_leaves_the_programs_as_they_were(cost):
+    g = mixed()
+    plan = make_plan(by_hand(g, {"c": "cpu:1"}), cost)
+    assert Executor(plan, fuse=False).source() == Executor(plan).source()
+    assert "fused" not in Executor(plan, fuse="auto").source()  # no GPU here: nothing fused
+
+
+def test_options_validate_fuse_and_cuda_graphs():
+    with pytest.raises(ValueError, match="fuse must be 'auto', True or False, not 'yes'"):
+        autopar.compile(lambda x: x, fuse="yes")
+    with pytest.raises(ValueError, match="cuda_graphs must be"):
+        autopar.compile(lambda x: x, cuda_graphs=1)
+
+
+def pointwise_graph() -> Graph:
+    """Two workers: cpu:1 computes ``c`` between two regions of cpu:0.
+
+        x -> a=mul -> b=add -> c=exp (cpu:1) -> e=mul(c, b) -> f=sum -> out
+                              b ............... /             e -> out
+    """
+    g = Graph("two_regions")
+    x = g.input(TensorMeta.make((8, 8)), "x")
+    a = g.call(aten.mul.Tensor, (x, 0.5), name="a")
+    b = g.call(aten.add.Tensor, (a, 1.0), name="b")
+    c = g.call(aten.exp.default, (b,), name="c")
+    e = g.call(aten.mul.Tensor, (c, b), name="e")
+    f = g.call(aten.sum.dim_IntList, (e, [1]), name="f")
+    g.set_outputs([f, e])
+    return g
+
+
+@needs_cxx
+def test_fused_regions_on_two_workers_equal_sequential(cost, caplog, monkeypatch):
+    g = pointwise_graph()
+    plan = make_plan(by_hand(g, {"c": "cpu:1"}), cost)
+    ex = Executor(plan, fuse=True)
+    assert [[n.name for n in f.nodes] for f in ex.fused] == [["a", "b"], ["e", "f"]]
+    x = torch.randn(8, 8)
+    with caplog.at_level(logging.INFO, logger="autopar"):
+        got = ex([x])
+    want = SequentialRunner(g)([x])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    assert [f.kernel.status for f in ex.fused] == ["compiled", "compiled"]
+    assert all(f.kernel.compile_s > 0 for f in ex.fused)
+    assert sum("compiled fused region" in r.getMessage() for r in caplog.records) == 2
+    again = ex([x * 2])  # compiled once: the second call reuses it
+    torch.testing.assert_close(again[0], SequentialRunner(g)([x * 2])[0])
+    def unused(gm, inputs):
+        raise AssertionError("compiled twice")
+
+    monkeypatch.setattr(fuse_module, "_inductor", unused)
+    same = Executor(plan, fuse=True)  # a new executor of the same plan: served by the cache
+    same([x])
+    assert [f.kernel.status for f in same.fused] == ["compiled", "compiled"]
+
+
+def test_a_failed_compile_runs_the_region_op_by_op(cost, monkeypatch, caplog):
+    def broken(gm, inputs):
+        raise RuntimeError("no compiler today\nsecond line")
+
+    monkeypatch.setattr(fuse_module, "_inductor", broken)
+    monkeypatch.setattr(fuse_module, "_CACHE", {})  # not the region an earlier test compiled
+    g = pointwise_graph()
+    ex = Executor(make_plan(by_hand(g, {"c": "cpu:1"}), cost), fuse=True)
+    x = torch.randn(8, 8)
+    with caplog.at_level(logging.WARNING, logger="autopar"):
+        for _ in range(2):
+            for a, b in zip(ex([x]), SequentialRunner(g)([x])):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert [f.kernel.status for f in ex.fused] == ["fallback", "fallback"]
+    assert ex.fused[0].kernel.reason == "Inductor failed: RuntimeError: no compiler today"
+    assert sum("runs op by op" in r.getMessage() for r in caplog.records) == 2  # once each
+
+
+def test_inputs_of_another_layout_run_op_by_op(monkeypatch):
+    """Inductor's code checks strides; when they changed, the region runs op by op."""
+    def strict(gm, inputs):
+        want = [t.stride() for t in inputs]
+
+        def run(args):
+            assert [t.stride() for t in args] == want, "stride changed"
+            return tuple(gm(*args))
+        return run
+
+    monkeypatch.setattr(fuse_module, "_inductor", strict)
+    monkeypatch.setattr(fuse_module, "_CACHE", {})
+    g = Graph("layout")
+    x = g.input(TensorMeta.make((3, 5)), "x")
+    a = g.call(aten.mul.Tensor, (x, 3.0))
+    b = g.call(aten.sub.Tensor, (a, x))
+    kernel = FusedKernel(build_gm([a, b], [x], [b], "cpu:0"), "cpu:0", "test region")
+    y = torch.randn(3, 5)
+    torch.testing.assert_close(kernel([y])[0], y * 2)
+    assert kernel.status == "compiled"
+    z = torch.randn(5, 3).t()
+    torch.testing.assert_close(kernel([z])[0], z * 2)
+    assert kernel.status == "fallback" and "layout changed" in kernel.reason
+
+
+@needs_cxx
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("name", ["mutate_then_use", "returns_views_of_intermediate"])
+def test_corpus_cases_with_fusion(name):
+    """Mutation and aliasing through autopar.compile with fusion on the host (the whole corpus
+    runs so under AUTOPAR_SLOW=1)."""
+    run_case(case(name), autopar_compile(devices="cpu:0", fuse=True))
+
+
+# -- fusion-aware placement -------------------------------------------------------------------
+def tiny_chain(n: int = 100) -> Graph:
+    """x (64 floats on cuda:0) -> (mul -> add) * n -> out: tiny ops HEFT prices one by one."""
+    g = Graph("tiny_chain")
+    x = g.input(TensorMeta.make((64,), device="cuda:0"), "x")
+    for _ in range(n):
+        x = g.call(aten.add.Tensor, (g.call(aten.mul.Tensor, (x, 1.0001)), 0.001))
+    g.set_outputs([x])
+    return g
+
+
+@pytest.fixture(scope="module")
+def h200x2() -> CostModel:
+    return CostModel(preset("h200x2"))
+
+
+def placed_on(plan) -> set[str]:
+    return {plan.placement.device[n] for n in plan.graph.ops}
+
+
+def test_a_tiny_chain_stays_on_its_gpu_when_fused(h200x2):
+    """HEFT moves 200 tiny ops to the host (each cheaper there than a launch); fused on cuda:0
+    they are one kernel, predicted faster, so eager's placement is kept."""
+    g = tiny_chain()
+    devices = tuple(d.name for d in h200x2.machine.devices)
+    heft = make_plan(place(g, h200x2, devices=devices), h200x2)
+    assert placed_on(heft) <= {"cpu:0", "cpu:1"}
+    chosen = prefer_fused(heft, g, h200x2, devices, ["cuda:0", "cuda:1"])
+    assert placed_on(chosen) == {"cuda:0"}
+    assert [len(r) for r in fused_regions(chosen, ["cuda:0"])["cuda:0"]] == [200]
+    assert prefer_fused(heft, g, h200x2, devices, []) is heft  # no fusion: HEFT as it was
+
+
+def test_big_matmuls_keep_their_heft_plan_on_two_gpus(h200x2):
+    g = w4(n=6, side=4000)
+    devices = tuple(d.name for d in h200x2.machine.devices)
+    heft = make_plan(place(g, h200x2, devices=devices), h200x2)
+    assert placed_on(heft) == {"cuda:0", "cuda:1"}
+    assert prefer_fused(heft, g, h200x2, devices, ["cuda:0", "cuda:1"]) is heft
