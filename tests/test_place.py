@@ -37,7 +37,7 @@ from autopar.place import (
     retime,
 )
 from autopar.plan import make_plan
-from autopar.routing import GraphIndex, gc_paused
+from autopar.routing import GraphIndex, copy_time, gc_paused
 from autopar.simulate import simulate
 
 ms, us = 1e-3, 1e-6
@@ -442,3 +442,13 @@ def test_gc_paused_restores_the_collector():
     with pytest.raises(ValueError), gc_paused():
         raise ValueError("inside")
     assert gc.isenabled()
+
+
+def test_copies_between_host_and_gpu_pay_the_executor_crossing(h200x2):
+    """The link's time, plus the profile's crossing cost only where one end is the host."""
+    link = h200x2.transfer_time(4, "cuda:0", "cpu:0")
+    assert h200x2.crossing_s == pytest.approx(25 * us)
+    assert copy_time(h200x2, 4, "cuda:0", "cpu:0") == pytest.approx(link + 25 * us)
+    assert copy_time(h200x2, 4, "cuda:0", "cuda:1") == h200x2.transfer_time(4, "cuda:0", "cuda:1")
+    assert copy_time(h200x2, 4, "cpu:0", "cpu:1") == 0.0
+    assert copy_time(FakeCost(machine()), 4_000, "cpu:0", "cuda:0") == pytest.approx(4e-6)

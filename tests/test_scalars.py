@@ -7,6 +7,8 @@ against eager for W1/W2 variants through both front doors.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from _fakes import FakeCost, by_name, devices_of, machine, tensor
 from autopar.capture import from_fx, make_backend
 from autopar.explain import explain_graph
 from autopar.graph import Graph, ScalarMeta
+from autopar.machine import Machine, preset
 from autopar.place import place
 from autopar.routing import GraphIndex
 from autopar.runtime import SequentialRunner
@@ -161,11 +164,22 @@ def test_w2_passed_in_is_placed_by_cost_not_pinned():
 
 
 # -- explain ------------------------------------------------------------------------------
+def h200x2_crossing(crossing_s: float) -> Machine:
+    """The h200x2 preset with the executor's host<->GPU crossing cost set to ``crossing_s``."""
+    m = preset("h200x2")
+    return dataclasses.replace(m, profile=dataclasses.replace(m.profile, crossing_s=crossing_s))
+
+
 def test_explain_lists_one_sync_per_gpu_value_the_host_reads():
-    report = explain_graph(bound_arithmetic_graph(), "h200x2")
+    """With copies to the host at the link's cost alone, reading r0 once beats two syncs; at
+    the executor's crossing cost (25 us on the preset) two syncs on the GPU are cheaper."""
+    report = explain_graph(bound_arithmetic_graph(), h200x2_crossing(0.0))
     assert report.syncs == ["%r0 is read from cuda:0 once per call (one sync) by 2 host op(s): "
                             "aten.add.Tensor%hi, aten._local_scalar_dense%l0"]
     assert "host sync: %r0 is read from cuda:0 once per call" in report.to_text()
+    assert explain_graph(bound_arithmetic_graph(), "h200x2").syncs == [
+        "aten._local_scalar_dense%l0 reads a value back to the host on cuda:0 (one sync per call)",
+        "aten._local_scalar_dense%l1 reads a value back to the host on cuda:0 (one sync per call)"]
     eager = explain_graph(w1_graph(), "h200x2", policy="single")
     assert eager.syncs == [
         "aten._local_scalar_dense%l0 reads a value back to the host on cuda:0 (one sync per call)",
@@ -329,7 +343,8 @@ def test_a_scalar_expanded_to_a_matrix_is_not_a_host_scalar():
 
 
 def test_explain_by_running_w1_places_the_reads_on_the_host_and_says_so():
-    report = autopar.explain(w1, *w1_inputs(), machine="h200x2", inputs_on="cuda:0", run=True)
+    report = autopar.explain(w1, *w1_inputs(), machine=h200x2_crossing(0.0), inputs_on="cuda:0",
+                             run=True)
     assert report.captured == "captured by running on this host: 1 graphs"
     reads = [r for r in report.rows if r.op == "aten._local_scalar_dense"]
     assert [r.device for r in reads] == ["cpu:0"] * 4

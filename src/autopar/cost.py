@@ -388,6 +388,10 @@ class CostModel:
     def event_wait_s(self) -> float:
         return self.machine.profile.event_wait_s
 
+    @property
+    def crossing_s(self) -> float:
+        return self.machine.profile.crossing_s
+
     # -- learning ------------------------------------------------------------------------
     def observe(self, node: Node, device: Device | str, seconds: float) -> None:
         """Record a measured time of ``node`` on ``device``: for a CPU worker its wall time, for

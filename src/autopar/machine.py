@@ -86,6 +86,12 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
+CROSSING_S = 25e-6
+"""Executor cost of one host<->GPU copy beyond the link's time: staging in pinned memory, the
+CUDA event and the host's wait. Between two threads it was 100-160 us a crossing on the 2xH200
+host (2026-11-30, benchmarks/NOTES.md); the host and its GPU partner now share one thread
+(:mod:`autopar.runtime.interleave`), for which this is the predicted figure. Profiles without
+the key take this value."""
 """Version of the profile JSON layout; a file with another version is foreign and replaced."""
 
 _FORMAT = "autopar-profile"
@@ -311,6 +317,9 @@ class Profile:
     ``host_sync_s``: host time of waiting for an idle device (a ``.item()`` costs one launch plus
     this). ``event_wait_s``: cost of ordering one queue after another (CUDA event record + wait;
     between CPU workers, a thread hand-off). ``view_s``: host time of a metadata-only op.
+    ``crossing_s``: what one copy between the host and a GPU costs the executor beyond the
+    link's own time (staging through pinned memory, the CUDA event, the host waiting for it and
+    the worker thread waking): :data:`CROSSING_S` until calibration measures it per host.
     """
 
     fingerprint: str
@@ -320,6 +329,7 @@ class Profile:
     host_sync_s: float
     event_wait_s: float
     view_s: float = 1e-6
+    crossing_s: float = CROSSING_S
     source: str = "defaults"  # "measured-quick" | "measured-full" | "preset:NAME" | "defaults"
     created: str = ""
     version: int = SCHEMA_VERSION
@@ -374,7 +384,7 @@ class Profile:
             "format": _FORMAT, "version": self.version, "fingerprint": self.fingerprint,
             "source": self.source, "created": self.created, "host": dict(self.host),
             "host_sync_s": self.host_sync_s, "event_wait_s": self.event_wait_s,
-            "view_s": self.view_s,
+            "view_s": self.view_s, "crossing_s": self.crossing_s,
             "devices": {k: dev(v) for k, v in sorted(self.devices.items())},
             "links": {k: link(v) for k, v in sorted(self.links.items())},
         }
@@ -397,6 +407,7 @@ class Profile:
                 links=links, host_sync_s=_pos(data["host_sync_s"], "host_sync_s", zero_ok=True),
                 event_wait_s=_pos(data["event_wait_s"], "event_wait_s", zero_ok=True),
                 view_s=_pos(data.get("view_s", 1e-6), "view_s", zero_ok=True),
+                crossing_s=_pos(data.get("crossing_s", CROSSING_S), "crossing_s", zero_ok=True),
                 source=str(data["source"]), created=str(data.get("created", "")),
             )
         except ProfileError:

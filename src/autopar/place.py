@@ -40,8 +40,8 @@ Timing model (what :mod:`autopar.simulate` replays exactly)
 - Lanes: a CPU worker ``cpu:N`` runs one op at a time; a GPU has a compute lane
   ``cuda:N/compute`` and three copy lanes: ``h2d`` (host to this GPU), ``d2h`` (this GPU to the
   host) and ``peer`` (this GPU to another). Ops take ``cost.node_time``; copies take
-  ``cost.transfer_time``; a device move whose input arrives by a copy costs nothing more (the
-  copy *is* the move).
+  :func:`copy_time` (the link, plus ``crossing_s`` between host and GPU); a device move whose
+  input arrives by a copy costs nothing more (the copy *is* the move).
 - No copy between CPU workers: they share host memory. A value without a tensor needs no copy
   either, nor does a host 0-dim tensor whose consumers are all binary arithmetic ops: a GPU
   kernel takes it as a scalar argument (see :class:`GraphIndex`).
@@ -87,6 +87,7 @@ from .routing import (
     alias_base,
     compute_lane,
     copy_lane,
+    copy_time,
     delivery_needed,
     gc_paused,
     handoff_time,
@@ -394,7 +395,7 @@ class _Schedule:
         key = (nbytes, src, dst)
         t = self._transfers.get(key)
         if t is None:
-            t = self._transfers[key] = float(self.cost.transfer_time(nbytes, src, dst))
+            t = self._transfers[key] = copy_time(self.cost, nbytes, src, dst)
         return t
 
     def forced(self, node: Node) -> tuple[str, str] | None:

@@ -268,6 +268,16 @@ def route(value: Node, src: str, dst: str, ix: GraphIndex) -> str:
     return "copy"
 
 
+def copy_time(cost: Any, nbytes: int, src: str, dst: str) -> float:
+    """Seconds a copy made by the executor takes: the link's time, plus, between the host and a
+    GPU, the executor's fixed cost of crossing (``crossing_s`` of the profile: pinned staging,
+    the event, the host's wait and a thread wake-up; 0 for cost models without)."""
+    t = float(cost.transfer_time(nbytes, src, dst))
+    if t > 0 and (pool(src) == "cpu") != (pool(dst) == "cpu"):
+        t += float(getattr(cost, "crossing_s", 0.0))
+    return t
+
+
 def handoff_time(cost: Any) -> float:
     """Seconds between one program marking a value ready (Record) and another, waiting for it,
     going on: a thread wake-up (``event_wait_s`` of the profile; 0 for cost models without)."""

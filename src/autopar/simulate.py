@@ -7,7 +7,7 @@ Policy (a discrete-event loop; no threads, no CUDA)
   (``place.handoff_time``); Free takes no time.
 - A Send does not hold its program: the copy joins its copy lane (e.g. ``cuda:0/d2h``). Each copy
   lane serves its copies in event order, each from max(value ready, lane free), for
-  ``cost.transfer_time``; the copy's event fires when it lands.
+  :func:`~autopar.routing.copy_time`; the copy's event fires when it lands.
 - The loop takes the program with the earliest clock from a heap and runs it until it blocks
   on an event; firing an event pushes its waiters back. Steps are visited once: linear in the
   plan's size, up to the heap's log factor. A plan whose programs wait on each other forever
@@ -35,6 +35,7 @@ from .plan import Free, Plan, Record, Run, Send, Wait
 from .routing import (
     GraphIndex,
     compute_lane,
+    copy_time,
     gc_paused,
     handoff_time,
     home_device,
@@ -139,7 +140,7 @@ class _Sim:
             send, ready = self.issued.pop(queue[self.head[lane]])
             nbytes = self.index.nbytes[send.value]
             start = max(ready, self.free_at[lane])
-            end = start + float(self.cost.transfer_time(nbytes, send.src, send.dst))
+            end = start + copy_time(self.cost, nbytes, send.src, send.dst)
             self.spans.append(Span(lane, f"copy {send.value!r}", start, end, "copy",
                                    send.value.id, nbytes, send.src, send.dst))
             self.free_at[lane] = end

@@ -123,7 +123,8 @@ class _Emitter:
 def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTable,
                   source_of: Callable[[Node, str], str], moved_by_send: set[Node],
                   traced: bool = False, eager_devices: bool = False,
-                  entry: tuple[list[int], list[tuple[str, Any]]] | None = None) -> Program:
+                  entry: tuple[list[int], list[tuple[str, Any]]] | None = None,
+                  step_devices: list[str] | None = None) -> Program:
     """Compile ``steps`` of ``device`` into a Python function ``program(env, rt)``.
 
     ``source_of(value, device)``: the device whose slot a reader on ``device`` takes ``value``
@@ -134,15 +135,19 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
     op's own ``device=`` argument (the sequential runner: ops run where eager runs them).
     ``entry=(input_slots, outputs)``: a whole call instead, ``program(args) -> outputs``
     (``outputs`` as :class:`~autopar.runtime.executor.Executor` lists them), for a plan of one
-    program with nothing to order.
+    program with nothing to order. ``step_devices``: the device of each step, when the
+    program runs the steps of several devices on one thread (see
+    :mod:`autopar.runtime.interleave`); ``device`` then names the program.
     """
     em = _Emitter(device, slots, source_of)
     if entry is not None:
         em.emit("env = [None] * n_slots")
         em.lines += [f"    env[{slot}] = args[{i}]" for i, slot in enumerate(entry[0])]
-    lane = device if device.startswith("cpu") else f"{device}/compute"
-    torch_device = torch.device("cpu") if device.startswith("cpu") else torch.device(device)
-    for step in steps:
+    program_device = device
+    for i, step in enumerate(steps):
+        device = em.device = step_devices[i] if step_devices is not None else program_device
+        lane = device if device.startswith("cpu") else f"{device}/compute"
+        torch_device = torch.device("cpu") if device.startswith("cpu") else torch.device(device)
         if isinstance(step, Run):
             node = step.node
             out = slots(node, device)
@@ -196,9 +201,9 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
         header = "def program(args, rt=None):\n"
     if not em.lines:
         em.lines.append("    pass")
-    filename = f"<autopar program {device} #{next(_counter)}>"
+    filename = f"<autopar program {program_device} #{next(_counter)}>"
     source = header + "\n".join(em.lines) + "\n"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     namespace = dict(em.globals)
     exec(compile(source, filename, "exec"), namespace)
-    return Program(device, namespace["program"], source, filename, em.steps_by_line)
+    return Program(program_device, namespace["program"], source, filename, em.steps_by_line)

@@ -2,7 +2,8 @@
 
 Policy
 - One worker per device of the plan. The calling thread runs one program itself (the host's, if
-  any); the others go to persistent daemon threads, one per device, kept across calls.
+  any, merged with that of the GPU it exchanges most with: :mod:`autopar.runtime.interleave`);
+  the others go to persistent daemon threads, one per device, kept across calls.
 - A GPU's compute stream is the caller's current stream on that device, so inputs and outputs
   need no cross-stream bookkeeping with the user's own code. Copies run on per-device side
   streams: ``h2d`` and ``d2h`` on the GPU that owns the transfer, ``peer`` on the source GPU and
@@ -45,6 +46,7 @@ from ..timeline import Span, Timeline
 from .codegen import Call, Program, SlotTable, build_program
 from .cudagraphs import CudaGraphBackend, GraphSegment, capture_segments
 from .fuse import Fused, cpu_fusion_unavailable, fuse_program, same_pool
+from .interleave import interleave, partner
 
 __all__ = ["Executor", "WorkerError", "fusion_devices", "graph_devices"]
 
@@ -277,11 +279,12 @@ class Executor:
     :func:`fusion_devices` and :mod:`autopar.runtime.fuse`); off by default here, the
     :func:`autopar.compile` option decides for compiled functions. ``cuda_graphs``: replay
     GPU segments as CUDA graphs (see :mod:`autopar.runtime.cudagraphs`); off when tracing,
-    which times every op.
+    which times every op. ``interleaved``: the host's program and one GPU's run on the calling
+    thread, interleaved (:mod:`autopar.runtime.interleave`); ``merged`` says which two.
     """
 
     def __init__(self, plan: Plan, trace: bool = False, fuse: bool | str = False,
-                 cuda_graphs: bool | str = False) -> None:
+                 cuda_graphs: bool | str = False, interleaved: bool = True) -> None:
         self.plan = plan
         self.cuda_graphs = cuda_graphs
         self.trace = trace
@@ -319,9 +322,21 @@ class Executor:
                                          outputs, local, cuda_graphs, _GRAPH_BACKEND,
                                          label=f"{graph.name}/")
                 self.segments += [s.fn for s in steps if isinstance(s, Call)]
+            final[device] = steps
+        # the host's program and its busiest GPU partner share the calling thread
+        host = min((d for d in final if _is_cpu(d)), default=None)
+        gpu = partner(final, host) if host is not None and interleaved else None
+        merged = interleave(final, host, gpu) if gpu is not None else None
+        self.merged = (host, gpu) if merged is not None else None
+        for device, steps in final.items():
+            if merged is not None and device in (host, gpu):
+                continue
             self.programs[device] = build_program(device, steps, self.slots, source_of, moved,
                                                   traced=trace)
-            final[device] = steps
+        if merged is not None:
+            self.programs[gpu] = build_program(
+                gpu, [s for _, s in merged], self.slots, source_of, moved, traced=trace,
+                step_devices=[d for d, _ in merged])
         self.output_slots = [
             ("slot", self.slots(o, dev)) if isinstance(o, Node) else ("const", o)
             for o, dev in plan.outputs
@@ -336,8 +351,10 @@ class Executor:
                            | {d for s in copies for d in (s.src, s.dst) if not _is_cpu(d)})
         for segment in self.segments:
             segment.peers = tuple(self.gpus)
-        # the caller runs the host's program (or the first one); the rest go to workers
-        order = sorted(self.programs, key=lambda d: (not _is_cpu(d), d))
+        # the caller runs the host's program (merged with its GPU partner's, or alone; else the
+        # first one); the rest go to workers
+        order = sorted(self.programs, key=lambda d: (
+            not (self.merged is not None and d == self.merged[1]), not _is_cpu(d), d))
         self.inline = order[0] if order else None
         self.threaded = order[1:]
         self.n_events = plan.n_events

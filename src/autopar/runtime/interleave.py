@@ -1,0 +1,86 @@
+"""One thread for the host's program and one GPU's: their steps interleaved once, at build time.
+
+Policy
+- GPU work is asynchronous: the thread that launches a GPU's ops can also run the host's ops, as
+  eager PyTorch does. A value crossing between the two then costs its copy and a CUDA event,
+  with no thread hand-off. (Between threads, each crossing cost the executor 100-160 µs on the
+  2xH200 host, against ~20 µs for the copy and event alone: ``benchmarks/NOTES.md``.)
+- Partner: the GPU whose program exchanges the most values with the host's (Sends either way);
+  none when no GPU program exchanges any. Other programs keep their own threads.
+- Order: a merge of the two step lists that keeps each list's order, in which every Wait comes
+  after the Send or Record that issues its event, whichever program issues it. Programs that
+  keep their threads are advanced in step as far as their own Waits allow, so a Wait on their
+  events is placed only where their thread is sure to have issued it: the merge never creates a
+  cycle that the separate threads would not have had.
+- Among the two, a GPU step goes first whenever its Waits are satisfied: launches return at once,
+  so the thread issues all the GPU work it can before it computes on the host or blocks on a
+  copy to the host. Host steps fill in where the GPU's next step waits for them.
+- No order exists only for a plan whose programs deadlock anyway; :func:`interleave` then
+  returns None and the programs stay on their own threads.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..plan import Record, Send, Wait
+from ..routing import pool
+
+
+def partner(programs: Mapping[str, Sequence[Any]], host: str) -> str | None:
+    """The GPU whose program exchanges the most values with ``host``'s (None if none does)."""
+    counts: Counter[str] = Counter()
+    for device, steps in programs.items():
+        for step in steps:
+            if isinstance(step, Send):
+                if device == host and pool(step.dst) != "cpu":
+                    counts[step.dst] += 1
+                elif pool(device) != "cpu" and step.src == device and pool(step.dst) == "cpu":
+                    counts[device] += 1
+    if not counts:
+        return None
+    top = max(counts.values())
+    return min(d for d, n in counts.items() if n == top)
+
+
+def interleave(programs: Mapping[str, Sequence[Any]], host: str,
+               gpu: str) -> list[tuple[str, Any]] | None:
+    """``host``'s and ``gpu``'s steps as one list of ``(device, step)``, or None if no order
+    keeps every Wait after its event (see the module docstring)."""
+    issued: set[int] = set()
+    pos = dict.fromkeys(programs, 0)
+    others = [d for d in programs if d not in (host, gpu)]
+
+    def ready(step: Any) -> bool:
+        return not isinstance(step, Wait) or step.event in issued
+
+    def issue(step: Any) -> None:
+        if isinstance(step, Send | Record):
+            issued.add(step.event)
+
+    def advance(device: str) -> bool:
+        steps, moved = programs[device], False
+        while pos[device] < len(steps) and ready(steps[pos[device]]):
+            issue(steps[pos[device]])
+            pos[device] += 1
+            moved = True
+        return moved
+
+    merged: list[tuple[str, Any]] = []
+    while True:
+        moved = any([advance(d) for d in others])
+        for device in (gpu, host):
+            steps = programs[device]
+            if pos[device] < len(steps) and ready(steps[pos[device]]):
+                step = steps[pos[device]]
+                issue(step)
+                pos[device] += 1
+                merged.append((device, step))
+                moved = True
+                break
+        if all(pos[d] == len(programs[d]) for d in (gpu, host)):
+            return merged
+        if not moved:
+            return None

@@ -1,0 +1,102 @@
+"""The host's program and one GPU's interleaved onto one thread (autopar.runtime.interleave):
+exact order on a small plan, and on random plans (hypothesis) an order that keeps each
+program's order, puts every Wait after its event and lets the other threads finish."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from _fakes import FakeCost, machine, tensor
+from autopar.graph import Graph
+from autopar.place import place
+from autopar.plan import Record, Send, Wait, make_plan
+from autopar.runtime.interleave import interleave, partner
+from test_place_properties import problems
+
+aten = torch.ops.aten
+us = 1e-6
+
+
+def check_order(programs, host, gpu, merged) -> None:
+    """Each program's order kept; every Wait after its event, by a simulation in which the
+    programs left on their own threads advance as far as they can."""
+    assert [s for d, s in merged if d == host] == list(programs[host])
+    assert [s for d, s in merged if d == gpu] == list(programs[gpu])
+    issued: set[int] = set()
+    pos = {d: 0 for d in programs if d not in (host, gpu)}
+
+    def run_others() -> None:
+        moved = True
+        while moved:
+            moved = False
+            for d in pos:
+                steps = programs[d]
+                while pos[d] < len(steps) and (not isinstance(steps[pos[d]], Wait)
+                                               or steps[pos[d]].event in issued):
+                    if isinstance(steps[pos[d]], Send | Record):
+                        issued.add(steps[pos[d]].event)
+                    pos[d] += 1
+                    moved = True
+
+    for _, step in merged:
+        run_others()
+        if isinstance(step, Wait):
+            assert step.event in issued, f"{step} before its event"
+        if isinstance(step, Send | Record):
+            issued.add(step.event)
+    run_others()
+    assert all(pos[d] == len(programs[d]) for d in pos), "another thread never finishes"
+
+
+def w2_like() -> Graph:
+    """x@cuda:0 -> a = relu(x) -> s = sum(a), t = s + 1 (only the host) -> b = mul(a, t); and
+    c = relu(x), which HEFT gives the idle host."""
+    g = Graph("w2_like")
+    x = g.input(tensor((1000,), "cuda:0"), name="x")
+    a = g.call(aten.relu.default, (x,), name="a")
+    s = g.call(aten.sum.default, (a,), name="s")
+    t = g.call(aten.add.Tensor, (s, 1.0), name="t")
+    b = g.call(aten.mul.Tensor, (a, t), name="b")
+    c = g.call(aten.relu.default, (x,), name="c")
+    g.set_outputs([b, c])
+    return g
+
+
+def test_gpu_steps_go_first_and_the_host_fills_in():
+    g = w2_like()
+    cost = FakeCost(machine(cpus=1, gpus=1), times={("s", "cpu:0"): 1 * us, ("t", "cpu:0"): 1 * us},
+                    default=100 * us, bandwidth=1e12, only={"s": ["cpu:0"], "t": ["cpu:0"]})
+    plan = make_plan(place(g, cost))
+    programs = {d: list(steps) for d, steps in plan.programs.items() if steps}
+    assert partner(programs, "cpu:0") == "cuda:0"
+    merged = interleave(programs, "cpu:0", "cuda:0")
+    assert merged is not None
+    check_order(programs, "cpu:0", "cuda:0", merged)
+    # the GPU issues all it can (x and a to the host, a) before the host's first wait; the
+    # host then runs its whole program (c, s, t) and the GPU ends with b, which waits for t
+    cuda, cpu = programs["cuda:0"], programs["cpu:0"]
+    assert merged == ([("cuda:0", s) for s in cuda[:3]] + [("cpu:0", s) for s in cpu]
+                      + [("cuda:0", s) for s in cuda[3:]])
+    assert isinstance(cuda[3], Wait) and cuda[3].src == "cpu:0"
+
+
+def test_no_partner_without_crossings():
+    assert partner({"cpu:0": [], "cuda:0": []}, "cpu:0") is None
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_random_plans_interleave_into_a_valid_order(problem):
+    g, cost, limits = problem
+    plan = make_plan(place(g, cost, "heft", memory=limits))
+    programs = {d: list(steps) for d, steps in plan.programs.items() if steps}
+    hosts = sorted(d for d in programs if d.startswith("cpu"))
+    if not hosts:
+        return
+    gpu = partner(programs, hosts[0])
+    if gpu is None:
+        return
+    merged = interleave(programs, hosts[0], gpu)
+    assert merged is not None
+    check_order(programs, hosts[0], gpu, merged)
