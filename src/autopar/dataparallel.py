@@ -1,0 +1,310 @@
+"""Whole-step data parallelism: ``autopar.data_parallel(step)`` runs a training step written for
+one device on several, splitting the batch when the cost model says it pays.
+
+Capture (why not ``torch.compile``): dynamo breaks a training step at ``loss.backward()`` and
+the optimizer update into separate forward, backward and update graphs; sharding across those
+boundaries would need the saved activations to stay sharded between graphs. Instead the whole
+step is traced into one graph: ``make_fx`` runs the step on fake tensors, and the autograd
+engine's backward ops and the in-place update are recorded as ATen ops like the forward ones;
+a second trace through ``torch.func.functionalize`` turns the in-place updates into functional
+ops plus trailing ``copy_`` into inputs. Those ``copy_`` are taken out of the graph: their
+values become outputs, written back into the user's tensors after the graph ran.
+
+Policy and invariants
+- The step takes its parameters as arguments (tensors that require grad and are leaves); its
+  ``.grad`` must be ``None`` on entry (zeroed by ``zero_grad()`` or set to None, as the step
+  does), else the call runs eagerly: accumulating into an existing ``.grad`` is not captured.
+  ``.grad`` left set by the step is set to the same values after the call.
+- Batch inputs: ``batch_argnums`` (positions of tensor arguments, batch dim 0), else every
+  tensor argument that doesn't require grad and whose dim 0 equals the first such one's. A step
+  with no parameters (inference) must name them.
+- After each call, the user's tensors hold what eager would have given (up to the summation
+  order of reduced gradients), on the devices eager would have used; the outputs are eager's
+  values, detached.
+- k and devices: the graph is placed unsplit and split over the first k devices of
+  ``devices`` (home first) for every k; the one with the least predicted time runs, "don't
+  split" included (see :mod:`autopar.shard` for the pass, :mod:`autopar.place` for the timing).
+- Replicas: a parameter's copy on another device is kept between calls and made again only
+  when the parameter changed outside the step (its ``_version`` or storage differ from what
+  the step itself left). The step's own update is broadcast by the graph (a device move of
+  the updated value to each replica's device), so replicas stay resident and current.
+- One compiled graph per argument signature (shapes, dtypes, devices, requires_grad, the
+  non-tensor arguments). Anything that can't be captured or sharded runs eagerly, with one
+  warning on the ``autopar`` logger. Never a wrong result.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .capture import Unsupported, from_fx
+from .graph import Graph, Node
+from .shard import NotShardable, Sharded, shard, torch_device
+
+__all__ = ["DataParallelStep", "StepGraph", "capture_step", "data_parallel"]
+
+log = logging.getLogger("autopar")
+
+_COPY_ = torch.ops.aten.copy_.default
+
+
+@dataclass
+class StepGraph:
+    """One traced step: a functional graph over the step's tensor arguments.
+
+    ``graph.outputs`` are, in order: the step's own outputs (``n_outputs`` of them, flattened),
+    the ``.grad`` of each index in ``grads``, and the new value of each index in ``mutated``.
+    """
+
+    graph: Graph
+    n_outputs: int
+    out_spec: Any
+    grads: list[int]
+    mutated: list[int]
+    params: list[int]
+
+
+def _signature(leaves: Sequence[Any], spec: Any) -> tuple:
+    def one(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return ("T", tuple(x.shape), x.dtype, str(x.device), x.requires_grad)
+        return ("C", type(x).__name__, x if isinstance(x, int | float | bool | str | None)
+                else id(x))
+    return (str(spec), tuple(one(x) for x in leaves))
+
+
+def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None) -> StepGraph:
+    """Trace ``fn(*args)`` (forward, backward, update) into one functional :class:`StepGraph`.
+
+    Nothing is computed and nothing of ``args`` changes: the trace runs on fake tensors.
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    leaves, spec = tree_flatten(tuple(args))
+    tensor_at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    tensors = [leaves[i] for i in tensor_at]
+    params = [j for j, t in enumerate(tensors) if t.requires_grad and t.is_leaf]
+    held = [j for j in params if tensors[j].grad is not None]
+    if held:
+        raise Unsupported(f"argument tensor {held[0]} has a .grad already: the step would add "
+                          "into it; set it to None (optimizer.zero_grad()) before the step")
+    found: dict[str, Any] = {}
+
+    def flat(*ts: torch.Tensor) -> list[torch.Tensor]:
+        full = list(leaves)
+        for i, t in zip(tensor_at, ts):
+            full[i] = t
+        out = fn(*tree_unflatten(full, spec))
+        outs, out_spec = tree_flatten(out)
+        bad = [o for o in outs if not isinstance(o, torch.Tensor)]
+        if bad:
+            raise Unsupported(f"the step returns a {type(bad[0]).__name__}; only tensors are "
+                              "captured")
+        grads = [j for j in params if ts[j].grad is not None]
+        found.update(n=len(outs), spec=out_spec, grads=grads)
+        return [o.detach() for o in outs] + [ts[j].grad for j in grads]
+
+    try:
+        gm = make_fx(flat, tracing_mode="fake")(*tensors)
+        plain = [t.detach() for t in tensors]
+        gm = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="fake")(*plain)
+    except Unsupported:
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise Unsupported(f"can't trace the step: {type(e).__name__}: {first}") from e
+    graph, constants = from_fx(gm, name or getattr(fn, "__name__", "step"))
+    if constants:
+        raise Unsupported(f"the step reads {len(constants)} tensor(s) that are not arguments "
+                          "(pass parameters and buffers as arguments)")
+    mutated = _take_input_copies(graph)
+    return StepGraph(graph, found["n"], found["spec"], found["grads"], mutated, params)
+
+
+def _take_input_copies(graph: Graph) -> list[int]:
+    """Remove the trailing ``copy_(input, value)`` nodes; their values become outputs."""
+    inputs = graph.inputs
+    mutated: list[int] = []
+    values: list[Node] = []
+    users = graph.users()
+    while graph.nodes and graph.nodes[-1].op is _COPY_:
+        node = graph.nodes[-1]
+        target, value = node.args[:2]
+        if not target.is_input or users[node] or node in graph.output_nodes:
+            raise Unsupported(f"{node!r} writes a value that is not a step argument")
+        graph.nodes.pop()
+        mutated.insert(0, inputs.index(target))
+        values.insert(0, value)
+    writers = [n for n in graph.ops if n.writes]
+    if writers:
+        raise Unsupported(f"{writers[0]!r} writes in place in the middle of the step")
+    graph.set_outputs([*graph.outputs, *values])
+    graph.verify()
+    return mutated
+
+
+@dataclass
+class _Compiled:
+    """One argument signature's choice: the graph that runs and how to call it."""
+
+    step: StepGraph
+    run: Callable[[Sequence[Any]], Sequence[Any]]
+    sharded: Sharded | None
+    predicted: dict[str, float]
+    replica_outputs: list[tuple[int, str]] = field(default_factory=list)
+
+
+class DataParallelStep:
+    """The callable :func:`data_parallel` returns (see the module docstring)."""
+
+    def __init__(self, fn: Callable, options: Any, batch_argnums: Sequence[int] | None) -> None:
+        from .api import make_runner
+
+        self.fn = fn
+        self.options = options
+        self.batch_argnums = None if batch_argnums is None else tuple(batch_argnums)
+        self.runner = make_runner(options)
+        self._compiled: dict[tuple, _Compiled | None] = {}
+        self._replicas: dict[tuple[int, str], tuple[torch.Tensor, int, int]] = {}
+        self.last: _Compiled | None = None
+
+    # -- compiling --------------------------------------------------------------------------
+    def _batch(self, step: StepGraph, args: Sequence[Any]) -> dict[Node, int]:
+        inputs = step.graph.inputs
+        tensors = [x for x in tree_flatten(tuple(args))[0] if isinstance(x, torch.Tensor)]
+        if self.batch_argnums is not None:
+            picked = []
+            for i in self.batch_argnums:
+                if not 0 <= i < len(args) or not isinstance(args[i], torch.Tensor):
+                    raise TypeError(f"batch_argnums names argument {i}, which is not a tensor "
+                                    f"(the step got {len(args)} arguments)")
+                picked.append(next(j for j, t in enumerate(tensors) if t is args[i]))
+            return {inputs[j]: 0 for j in picked}
+        if not step.params:
+            raise TypeError("the step has no parameters (tensors that require grad): name its "
+                            "batch arguments with batch_argnums=(...)")
+        rest = [j for j, t in enumerate(tensors) if j not in step.params and t.dim() >= 1]
+        if not rest:
+            raise NotShardable("no tensor argument without requires_grad to split")
+        n = tensors[rest[0]].shape[0]
+        return {inputs[j]: 0 for j in rest if tensors[j].shape[0] == n}
+
+    def _compile(self, args: Sequence[Any]) -> _Compiled:
+        from .place import place
+        from .plan import make_plan
+        from .runtime import Executor
+
+        step = capture_step(self.fn, args)
+        cost = self.runner.cost_model()
+        batch = self._batch(step, args)
+        devices = list(self.options.devices)
+        home = cost.machine.home(next(iter(batch)).device).name
+        if home not in devices:
+            devices.insert(0, home)
+        others = [d for d in devices if d != home]
+        same_kind = [d for d in others if d.split(":")[0] == home.split(":")[0]]
+        policy = self.options.policy
+        best = place(step.graph, cost, policy=policy, devices=devices)
+        choice: tuple[Any, Sharded | None] = (best, None)
+        predicted = {"unsplit": best.predicted_s}
+        for k in range(2, len(same_kind) + 2):
+            use = [home, *same_kind[:k - 1]]
+            try:
+                sharded = _with_replica_outputs(shard(step.graph, batch, use), step)
+            except NotShardable as e:
+                log.info("autopar: %s not split over %s: %s", step.graph.name, use, e)
+                continue
+            placed = place(sharded.graph, cost, policy=policy, devices=devices,
+                           pins=sharded.pins)
+            predicted[",".join(use)] = placed.predicted_s
+            if placed.predicted_s < choice[0].predicted_s:
+                choice = (placed, sharded)
+        placement, sharded = choice
+        run = Executor(make_plan(placement, cost), trace=bool(self.options.trace))
+        log.info("autopar: %s: predicted %s; running %s", step.graph.name, predicted,
+                 "unsplit" if sharded is None else ",".join(sharded.devices))
+        outs = sharded.replicas if sharded is not None else []
+        return _Compiled(step, run, sharded, predicted,
+                         [r for r in outs if r[0] in step.mutated])
+
+    # -- calling ----------------------------------------------------------------------------
+    def __call__(self, *args: Any) -> Any:
+        leaves, spec = tree_flatten(tuple(args))
+        key = _signature(leaves, spec)
+        if key not in self._compiled:
+            try:
+                self._compiled[key] = self._compile(args)
+            except (Unsupported, NotShardable) as e:
+                log.warning("autopar: running %s eagerly: %s",
+                            getattr(self.fn, "__name__", "step"), e)
+                self._compiled[key] = None
+        compiled = self._compiled[key]
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        if compiled is None or any(tensors[j].grad is not None for j in compiled.step.params):
+            self.last = None
+            return self.fn(*args)
+        self.last = compiled
+        return self._run(compiled, tensors)
+
+    def _run(self, c: _Compiled, tensors: list[torch.Tensor]) -> Any:
+        step = c.step
+        replicas = c.sharded.replicas if c.sharded is not None else []
+        call_args = [t.detach() for t in tensors] + [self._replica(tensors, i, d)
+                                                     for i, d in replicas]
+        outs = list(c.run(call_args))
+        n, g, m = step.n_outputs, len(step.grads), len(step.mutated)
+        user, grads, new = outs[:n], outs[n:n + g], outs[n + g:n + g + m]
+        with torch.no_grad():
+            for j, value in zip(step.mutated, new):
+                tensors[j].copy_(value)
+        for j, grad in zip(step.grads, grads):
+            tensors[j].grad = grad
+        for (j, device), fresh in zip(c.replica_outputs, outs[n + g + m:]):
+            self._replicas[(j, device)] = (fresh, tensors[j]._version, tensors[j].data_ptr())
+        return tree_unflatten(user, step.out_spec)
+
+    def _replica(self, tensors: list[torch.Tensor], j: int, device: str) -> torch.Tensor:
+        t = tensors[j]
+        got = self._replicas.get((j, device))
+        if got is not None and got[1] == t._version and got[2] == t.data_ptr():
+            return got[0]
+        fresh = t.detach().to(torch_device(device))
+        self._replicas[(j, device)] = (fresh, t._version, t.data_ptr())
+        return fresh
+
+
+def _with_replica_outputs(sharded: Sharded, step: StepGraph) -> Sharded:
+    """Append, for each replica of a mutated argument, the updated value moved to the
+    replica's device: the next call's replica (kept resident, see the module docstring)."""
+    g = sharded.graph
+    n_user = step.n_outputs + len(step.grads)
+    new_value = dict(zip(step.mutated, g.outputs[n_user:]))
+    extra = []
+    for j, device in sharded.replicas:
+        if j in new_value:
+            extra.append(g.call(torch.ops.aten._to_copy.default, (new_value[j],),
+                                {"device": torch.device(torch_device(device))},
+                                name=f"{g.inputs[j].name}@{device}_next"))
+    g.set_outputs([*g.outputs, *extra])
+    return sharded
+
+
+def data_parallel(fn: Callable, *, batch_argnums: Sequence[int] | None = None,
+                  **options: Any) -> DataParallelStep:
+    """Run ``fn`` (a whole training or inference step) with its batch split over devices.
+
+    ``batch_argnums``: positions of the arguments to split along dim 0 (default: see the module
+    docstring). Options are :func:`autopar.compile`'s (``devices``, ``policy``, ``machine``,
+    ``trace``).
+    """
+    if not callable(fn):
+        raise TypeError(f"data_parallel expects a function, got {type(fn).__name__}")
+    from .api import Options
+
+    return DataParallelStep(fn, Options.parse(options), batch_argnums)
