@@ -482,6 +482,8 @@ def _torch_compile(w: Workload, ctx: Context, inputs: tuple) -> Prepared:
 def _autopar(w: Workload, ctx: Context, inputs: tuple) -> Prepared:
     import autopar
 
+    if w.whole_step:
+        return autopar.data_parallel(w.eager, devices=list(ctx.devices)), inputs
     return autopar.compile(w.eager, devices=list(ctx.devices)), inputs
 
 

@@ -11,10 +11,12 @@ ops plus trailing ``copy_`` into inputs. Those ``copy_`` are taken out of the gr
 values become outputs, written back into the user's tensors after the graph ran.
 
 Policy and invariants
-- The step takes its parameters as arguments (tensors that require grad and are leaves); its
-  ``.grad`` must be ``None`` on entry (zeroed by ``zero_grad()`` or set to None, as the step
-  does), else the call runs eagerly: accumulating into an existing ``.grad`` is not captured.
-  ``.grad`` left set by the step is set to the same values after the call.
+- The step takes its parameters as arguments (tensors that require grad and are leaves) and
+  updates them itself: a ``torch.optim`` optimizer (which holds its own references to the
+  parameters) or a module's own parameters are refused at capture, and the step runs eagerly.
+  Their ``.grad`` must be ``None`` on entry (zeroed by ``zero_grad()`` or set to None, as the
+  step does), else the call runs eagerly: accumulating into an existing ``.grad`` is not
+  captured. A ``.grad`` the step leaves set is set to the same values after the call.
 - Batch inputs: ``batch_argnums`` (positions of tensor arguments, batch dim 0), else every
   tensor argument that doesn't require grad and whose dim 0 equals the first such one's. A step
   with no parameters (inference) must name them.
@@ -47,7 +49,7 @@ from .capture import Unsupported, from_fx
 from .graph import Graph, Node
 from .shard import NotShardable, Sharded, shard, torch_device
 
-__all__ = ["DataParallelStep", "StepGraph", "capture_step", "data_parallel"]
+__all__ = ["Choice", "DataParallelStep", "StepGraph", "capture_step", "choose", "data_parallel"]
 
 log = logging.getLogger("autopar")
 
@@ -85,6 +87,7 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None) -> 
     Nothing is computed and nothing of ``args`` changes: the trace runs on fake tensors.
     """
     from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     leaves, spec = tree_flatten(tuple(args))
     tensor_at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
@@ -110,6 +113,12 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None) -> 
         found.update(n=len(outs), spec=out_spec, grads=grads)
         return [o.detach() for o in outs] + [ts[j].grad for j in grads]
 
+    def refuse_optimizer(opt: Any, *_: Any) -> None:
+        raise Unsupported(f"the step calls {type(opt).__name__}.step(): torch.optim optimizers "
+                          "hold the parameters themselves, which the trace can't follow; write "
+                          "the update on the step's arguments (p -= lr * p.grad)")
+
+    hook = register_optimizer_step_pre_hook(refuse_optimizer)
     try:
         gm = make_fx(flat, tracing_mode="fake")(*tensors)
         plain = [t.detach() for t in tensors]
@@ -119,6 +128,8 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None) -> 
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise Unsupported(f"can't trace the step: {type(e).__name__}: {first}") from e
+    finally:
+        hook.remove()
     graph, constants = from_fx(gm, name or getattr(fn, "__name__", "step"))
     if constants:
         raise Unsupported(f"the step reads {len(constants)} tensor(s) that are not arguments "
@@ -150,25 +161,83 @@ def _take_input_copies(graph: Graph) -> list[int]:
 
 
 @dataclass
-class _Compiled:
-    """One argument signature's choice: the graph that runs and how to call it."""
+class Choice:
+    """What :func:`choose` picked: the placement that runs, the sharded graph (None: unsplit),
+    the predicted seconds of every candidate (key ``"unsplit"`` or the devices joined by
+    commas), and the replicas whose next value the graph outputs after the step's own."""
 
-    step: StepGraph
-    run: Callable[[Sequence[Any]], Sequence[Any]]
+    placement: Any
     sharded: Sharded | None
     predicted: dict[str, float]
     replica_outputs: list[tuple[int, str]] = field(default_factory=list)
 
 
+def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence[str], *,
+           policy: str = "heft", shards: int | None = None) -> Choice:
+    """Place ``step`` unsplit and split over the first k same-kind devices (home first) for
+    each k, and keep the one predicted fastest; ``shards`` forces k (1: don't split)."""
+    from .place import place
+
+    devices = list(devices)
+    home = cost.machine.home(next(iter(batch)).device).name
+    if home not in devices:
+        devices.insert(0, home)
+    same_kind = [home] + [d for d in devices if d != home and d.split(":")[0] ==
+                          home.split(":")[0]]
+    ks = range(1, len(same_kind) + 1) if shards is None else [shards]
+    if shards is not None and not 1 <= shards <= len(same_kind):
+        raise ValueError(f"shards={shards}: between 1 and {len(same_kind)} devices of the "
+                         f"home's kind ({', '.join(same_kind)}) can take a shard")
+    best: Choice | None = None
+    predicted: dict[str, float] = {}
+    for k in ks:
+        if k == 1:
+            placed, sharded = place(step.graph, cost, policy=policy, devices=devices), None
+            label = "unsplit"
+        else:
+            try:
+                sharded = _with_replica_outputs(shard(step.graph, batch, same_kind[:k]), step)
+            except NotShardable as e:
+                if shards is not None:
+                    raise
+                log.info("autopar: %s not split over %d devices: %s", step.graph.name, k, e)
+                continue
+            placed = place(sharded.graph, cost, policy=policy, devices=devices,
+                           pins=sharded.pins)
+            label = ",".join(same_kind[:k])
+        predicted[label] = placed.predicted_s
+        if best is None or placed.predicted_s < best.placement.predicted_s:
+            outs = [r for r in sharded.replicas if r[0] in step.mutated] if sharded else []
+            best = Choice(placed, sharded, predicted, outs)
+    assert best is not None
+    return best
+
+
+@dataclass
+class _Compiled:
+    """One argument signature's graph, how to call it, and why it was chosen."""
+
+    step: StepGraph
+    run: Callable[[Sequence[Any]], Sequence[Any]]
+    choice: Choice
+
+    @property
+    def sharded(self) -> Sharded | None:
+        return self.choice.sharded
+
+
 class DataParallelStep:
     """The callable :func:`data_parallel` returns (see the module docstring)."""
 
-    def __init__(self, fn: Callable, options: Any, batch_argnums: Sequence[int] | None) -> None:
+    def __init__(self, fn: Callable, options: Any, batch_argnums: Sequence[int] | None,
+                 shards: int | None = None) -> None:
         from .api import make_runner
 
         self.fn = fn
         self.options = options
         self.batch_argnums = None if batch_argnums is None else tuple(batch_argnums)
+        self.shards = shards
+        self.replica_copies = 0  # replicas made from a parameter (not by the step's broadcast)
         self.runner = make_runner(options)
         self._compiled: dict[tuple, _Compiled | None] = {}
         self._replicas: dict[tuple[int, str], tuple[torch.Tensor, int, int]] = {}
@@ -196,42 +265,17 @@ class DataParallelStep:
         return {inputs[j]: 0 for j in rest if tensors[j].shape[0] == n}
 
     def _compile(self, args: Sequence[Any]) -> _Compiled:
-        from .place import place
         from .plan import make_plan
         from .runtime import Executor
 
         step = capture_step(self.fn, args)
         cost = self.runner.cost_model()
-        batch = self._batch(step, args)
-        devices = list(self.options.devices)
-        home = cost.machine.home(next(iter(batch)).device).name
-        if home not in devices:
-            devices.insert(0, home)
-        others = [d for d in devices if d != home]
-        same_kind = [d for d in others if d.split(":")[0] == home.split(":")[0]]
-        policy = self.options.policy
-        best = place(step.graph, cost, policy=policy, devices=devices)
-        choice: tuple[Any, Sharded | None] = (best, None)
-        predicted = {"unsplit": best.predicted_s}
-        for k in range(2, len(same_kind) + 2):
-            use = [home, *same_kind[:k - 1]]
-            try:
-                sharded = _with_replica_outputs(shard(step.graph, batch, use), step)
-            except NotShardable as e:
-                log.info("autopar: %s not split over %s: %s", step.graph.name, use, e)
-                continue
-            placed = place(sharded.graph, cost, policy=policy, devices=devices,
-                           pins=sharded.pins)
-            predicted[",".join(use)] = placed.predicted_s
-            if placed.predicted_s < choice[0].predicted_s:
-                choice = (placed, sharded)
-        placement, sharded = choice
-        run = Executor(make_plan(placement, cost), trace=bool(self.options.trace))
-        log.info("autopar: %s: predicted %s; running %s", step.graph.name, predicted,
-                 "unsplit" if sharded is None else ",".join(sharded.devices))
-        outs = sharded.replicas if sharded is not None else []
-        return _Compiled(step, run, sharded, predicted,
-                         [r for r in outs if r[0] in step.mutated])
+        choice = choose(step, self._batch(step, args), cost, self.options.devices,
+                        policy=self.options.policy, shards=self.shards)
+        run = Executor(make_plan(choice.placement, cost), trace=bool(self.options.trace))
+        log.info("autopar: %s: predicted %s; running %s", step.graph.name, choice.predicted,
+                 "unsplit" if choice.sharded is None else ",".join(choice.sharded.devices))
+        return _Compiled(step, run, choice)
 
     # -- calling ----------------------------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
@@ -265,7 +309,7 @@ class DataParallelStep:
                 tensors[j].copy_(value)
         for j, grad in zip(step.grads, grads):
             tensors[j].grad = grad
-        for (j, device), fresh in zip(c.replica_outputs, outs[n + g + m:]):
+        for (j, device), fresh in zip(c.choice.replica_outputs, outs[n + g + m:]):
             self._replicas[(j, device)] = (fresh, tensors[j]._version, tensors[j].data_ptr())
         return tree_unflatten(user, step.out_spec)
 
@@ -275,6 +319,7 @@ class DataParallelStep:
         if got is not None and got[1] == t._version and got[2] == t.data_ptr():
             return got[0]
         fresh = t.detach().to(torch_device(device))
+        self.replica_copies += 1
         self._replicas[(j, device)] = (fresh, t._version, t.data_ptr())
         return fresh
 
@@ -296,15 +341,18 @@ def _with_replica_outputs(sharded: Sharded, step: StepGraph) -> Sharded:
 
 
 def data_parallel(fn: Callable, *, batch_argnums: Sequence[int] | None = None,
-                  **options: Any) -> DataParallelStep:
+                  shards: int | None = None, **options: Any) -> DataParallelStep:
     """Run ``fn`` (a whole training or inference step) with its batch split over devices.
 
     ``batch_argnums``: positions of the arguments to split along dim 0 (default: see the module
-    docstring). Options are :func:`autopar.compile`'s (``devices``, ``policy``, ``machine``,
-    ``trace``).
+    docstring). ``shards``: how many devices take a shard (default: the cost model decides; 1
+    never splits). Options are :func:`autopar.compile`'s (``devices``, ``policy``,
+    ``machine``, ``trace``).
     """
     if not callable(fn):
         raise TypeError(f"data_parallel expects a function, got {type(fn).__name__}")
+    if shards is not None and (not isinstance(shards, int) or shards < 1):
+        raise ValueError(f"shards must be a positive int or None, not {shards!r}")
     from .api import Options
 
-    return DataParallelStep(fn, Options.parse(options), batch_argnums)
+    return DataParallelStep(fn, Options.parse(options), batch_argnums, shards)
