@@ -49,7 +49,8 @@ from .capture import Unsupported, from_fx
 from .graph import Graph, Node
 from .shard import NotShardable, Sharded, shard, torch_device
 
-__all__ = ["Choice", "DataParallelStep", "StepGraph", "capture_step", "choose", "data_parallel"]
+__all__ = ["Choice", "DataParallelStep", "StepGraph", "StepPrediction", "capture_step", "choose",
+           "data_parallel", "predict_step"]
 
 log = logging.getLogger("autopar")
 
@@ -338,6 +339,47 @@ def _with_replica_outputs(sharded: Sharded, step: StepGraph) -> Sharded:
                                 name=f"{g.inputs[j].name}@{device}_next"))
     g.set_outputs([*g.outputs, *extra])
     return sharded
+
+
+@dataclass
+class StepPrediction:
+    """:func:`predict_step`'s answer: the choice, eager's predicted seconds (every op where
+    eager runs it) and the simulated Timeline of the chosen plan."""
+
+    choice: Choice
+    eager_s: float
+    timeline: Any
+
+    @property
+    def predicted_s(self) -> float:
+        return self.choice.placement.predicted_s
+
+
+def predict_step(fn: Callable, args: Sequence[Any], machine: Any,
+                 inputs_on: str | None = "cuda:0", batch_argnums: Sequence[int] | None = None,
+                 shards: int | None = None) -> StepPrediction:
+    """What :func:`data_parallel` would do with ``fn(*args)`` on ``machine`` (a preset name or a
+    Machine), without running it: tensors built on the CPU are taken to live on ``inputs_on``.
+    """
+    from .api import Options
+    from .cost import CostModel
+    from .machine import load_machine
+    from .place import place
+    from .plan import make_plan
+    from .simulate import simulate
+
+    step = capture_step(fn, args)
+    if inputs_on is not None:
+        from .capture import relabel_devices
+
+        relabel_devices(step.graph, "cpu", inputs_on)
+    cost = CostModel(load_machine(machine))
+    devices = [d.name for d in cost.machine.devices]
+    runner = DataParallelStep(fn, Options(devices=tuple(devices)), batch_argnums, shards)
+    choice = choose(step, runner._batch(step, args), cost, devices, shards=shards)
+    eager = place(step.graph, cost, policy="single", devices=devices)
+    return StepPrediction(choice, eager.predicted_s,
+                          simulate(make_plan(choice.placement, cost), cost))
 
 
 def data_parallel(fn: Callable, *, batch_argnums: Sequence[int] | None = None,
