@@ -102,24 +102,32 @@ def test_sharded_graph_computes_what_the_original_does():
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
-def test_on_gpus_parameters_are_replicated_and_partials_copied_home():
+def test_on_gpus_parameters_are_replicated_and_gradients_all_reduced():
     step = capture_step(w6_train_step, mlp_inputs(batch=8))
     relabel_devices(step.graph, "cpu", "cuda:0")
-    s = shard(step.graph, batch_of(step), ["cuda:0", "cuda:1"])
+    s = shard(step.graph, batch_of(step), ["cuda:0", "cuda:1"], updates=step.updates)
     assert sorted(s.replicas) == [(0, "cuda:1"), (1, "cuda:1"), (2, "cuda:1"), (3, "cuda:1")]
     replicas = s.graph.inputs[6:]
     assert [(n.name, n.device) for n in replicas] == [
         (f"arg{i}_1@cuda:1", "cuda:1") for i, _ in s.replicas]
-    moves = [n for n in ops_named(s.graph, "aten._to_copy") if "device" in n.kwargs]
-    to_gpu1 = [n for n in moves if n.device == "cuda:1"]
-    assert [n.args[0].name for n in to_gpu1] == ["arg4_1_s1", "arg5_1_s1"]  # batch halves
-    for n in ops_named(s.graph, "aten.add.Tensor"):
-        a, b = n.args
-        assert a.device == b.device == "cuda:0" and op_name(b.op) == "aten._to_copy"
-    # shard 1 reads only cuda:1 values: replicas, its batch half, reduced scalars copied in
-    for n, dev in s.pins.items():
-        if dev == "cuda:1" and op_name(n.op) not in ("aten._to_copy", "getitem"):
-            assert n.device == "cuda:1"
+    # to cuda:1 go the batch halves and partial results, never a whole parameter
+    moved = [n.args[0] for n in ops_named(s.graph, "aten._to_copy")
+             if n.kwargs.get("device") == torch.device("cuda:1")]
+    assert [n.name for n in moved[:2]] == ["arg4_1_s1", "arg5_1_s1"]
+    assert all(s.pins.get(n) == "cuda:0" or n.name.endswith("_s1") for n in moved)
+    # every gradient is summed on both GPUs, shard 0's partial first on each
+    for dev in ("cuda:0", "cuda:1"):
+        adds = [n for n in ops_named(s.graph, "aten.add.Tensor") if n.device == dev]
+        assert sorted(n.meta.shape for n in adds if n.meta.shape) == [
+            (1, 3), (1, 5), (3, 5), (5, 6)]
+        for n in adds:
+            first = n.args[0].args[0] if op_name(n.args[0].op) == "aten._to_copy" else n.args[0]
+            assert first.name.endswith("_s0") or s.pins.get(first) == "cuda:0"
+    # the replicas' next values: the update repeated on cuda:1
+    assert sorted(s.replica_outputs) == sorted(s.replicas)
+    nexts = s.graph.outputs[5:]
+    assert [(op_name(n.op), n.device) for n in nexts] == [("aten.sub.Tensor", "cuda:1")] * 4
+    assert [n.args[0] for n in nexts] == [s.graph.inputs[6 + k] for k in range(4)]
 
 
 def test_placement_obeys_the_shard_pins():
@@ -179,7 +187,7 @@ def test_cost_model_splits_w6_over_two_h200s_and_not_a_tiny_batch():
     choice = choose(big, batch_of(big), cost, devices)
     assert choice.sharded is not None and choice.sharded.devices == ("cuda:0", "cuda:1")
     assert choice.placement.predicted_s < 0.6 * choice.predicted["unsplit"]
-    assert sorted(choice.replica_outputs) == [(i, "cuda:1") for i in range(4)]
+    assert sorted(choice.sharded.replica_outputs) == [(i, "cuda:1") for i in range(4)]
     tiny = capture_step(w6_train_step, mlp_inputs(batch=8))
     relabel_devices(tiny.graph, "cpu", "cuda:0")
     choice = choose(tiny, batch_of(tiny), cost, devices)
@@ -200,3 +208,23 @@ def test_capture_step_outputs_loss_then_grads_then_updates():
     assert (step.n_outputs, step.grads, step.mutated) == (1, [], [0, 1, 2, 3])
     assert all(op_name(n.op) != "aten.copy_" for n in step.graph.ops)
     assert [o.op for o in step.graph.outputs[:1]] != [operator.getitem]
+
+
+def test_gpu_sharded_graph_run_on_the_cpu_gives_eager_values_and_identical_replicas():
+    """The two-GPU graph's arithmetic, run op by op with both GPUs relabelled to the host."""
+    from autopar.runtime import SequentialRunner
+
+    inputs = mlp_inputs(batch=9)
+    step = capture_step(w6_train_step, inputs)
+    want = SequentialRunner(step.graph)([t.detach() for t in inputs])
+    relabel_devices(step.graph, "cpu", "cuda:0")
+    s = shard(step.graph, batch_of(step), ["cuda:0", "cuda:1"], updates=step.updates)
+    for dev in ("cuda:0", "cuda:1"):
+        relabel_devices(s.graph, dev, "cpu")
+    args = [t.detach() for t in inputs]
+    got = SequentialRunner(s.graph)(args + [args[j].clone() for j, _ in s.replicas])
+    for g, w in zip(got[:5], want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    updated = dict(zip(step.mutated, got[1:5]))
+    for (j, _), replica in zip(s.replica_outputs, got[5:], strict=True):
+        assert torch.equal(replica, updated[j])  # all-reduced: the same bits as home's

@@ -28,8 +28,9 @@ Policy and invariants
   split" included (see :mod:`autopar.shard` for the pass, :mod:`autopar.place` for the timing).
 - Replicas: a parameter's copy on another device is kept between calls and made again only
   when the parameter changed outside the step (its ``_version`` or storage differ from what
-  the step itself left). The step's own update is broadcast by the graph (a device move of
-  the updated value to each replica's device), so replicas stay resident and current.
+  the step itself left). The graph computes each replica's next value on its own device (the
+  update repeated there on all-reduced gradients, see :mod:`autopar.shard`), so replicas stay
+  resident and current with no broadcast.
 - One compiled graph per argument signature (shapes, dtypes, devices, requires_grad, the
   non-tensor arguments). Anything that can't be captured or sharded runs eagerly, with one
   warning on the ``autopar`` logger. Never a wrong result.
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -71,6 +72,13 @@ class StepGraph:
     grads: list[int]
     mutated: list[int]
     params: list[int]
+
+    @property
+    def updates(self) -> dict[Node, Node]:
+        """Each mutated input and the node of its new value."""
+        first = self.n_outputs + len(self.grads)
+        inputs = self.graph.inputs
+        return {inputs[j]: self.graph.outputs[first + k] for k, j in enumerate(self.mutated)}
 
 
 def _signature(leaves: Sequence[Any], spec: Any) -> tuple:
@@ -163,14 +171,13 @@ def _take_input_copies(graph: Graph) -> list[int]:
 
 @dataclass
 class Choice:
-    """What :func:`choose` picked: the placement that runs, the sharded graph (None: unsplit),
-    the predicted seconds of every candidate (key ``"unsplit"`` or the devices joined by
-    commas), and the replicas whose next value the graph outputs after the step's own."""
+    """What :func:`choose` picked: the placement that runs, the sharded graph (None: unsplit)
+    and the predicted seconds of every candidate (key ``"unsplit"`` or the devices joined by
+    commas)."""
 
     placement: Any
     sharded: Sharded | None
     predicted: dict[str, float]
-    replica_outputs: list[tuple[int, str]] = field(default_factory=list)
 
 
 def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence[str], *,
@@ -197,7 +204,7 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
             label = "unsplit"
         else:
             try:
-                sharded = _with_replica_outputs(shard(step.graph, batch, same_kind[:k]), step)
+                sharded = shard(step.graph, batch, same_kind[:k], updates=step.updates)
             except NotShardable as e:
                 if shards is not None:
                     raise
@@ -208,8 +215,7 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
             label = ",".join(same_kind[:k])
         predicted[label] = placed.predicted_s
         if best is None or placed.predicted_s < best.placement.predicted_s:
-            outs = [r for r in sharded.replicas if r[0] in step.mutated] if sharded else []
-            best = Choice(placed, sharded, predicted, outs)
+            best = Choice(placed, sharded, predicted)
     assert best is not None
     return best
 
@@ -310,7 +316,8 @@ class DataParallelStep:
                 tensors[j].copy_(value)
         for j, grad in zip(step.grads, grads):
             tensors[j].grad = grad
-        for (j, device), fresh in zip(c.choice.replica_outputs, outs[n + g + m:]):
+        nexts = c.sharded.replica_outputs if c.sharded is not None else []
+        for (j, device), fresh in zip(nexts, outs[n + g + m:], strict=True):
             self._replicas[(j, device)] = (fresh, tensors[j]._version, tensors[j].data_ptr())
         return tree_unflatten(user, step.out_spec)
 
@@ -323,22 +330,6 @@ class DataParallelStep:
         self.replica_copies += 1
         self._replicas[(j, device)] = (fresh, t._version, t.data_ptr())
         return fresh
-
-
-def _with_replica_outputs(sharded: Sharded, step: StepGraph) -> Sharded:
-    """Append, for each replica of a mutated argument, the updated value moved to the
-    replica's device: the next call's replica (kept resident, see the module docstring)."""
-    g = sharded.graph
-    n_user = step.n_outputs + len(step.grads)
-    new_value = dict(zip(step.mutated, g.outputs[n_user:]))
-    extra = []
-    for j, device in sharded.replicas:
-        if j in new_value:
-            extra.append(g.call(torch.ops.aten._to_copy.default, (new_value[j],),
-                                {"device": torch.device(torch_device(device))},
-                                name=f"{g.inputs[j].name}@{device}_next"))
-    g.set_outputs([*g.outputs, *extra])
-    return sharded
 
 
 @dataclass

@@ -27,8 +27,12 @@ Policy and invariants
   the global total weight, which gives eager's gradient rows exactly.
 - Replicated inputs. A non-batch graph input used by a shard on another device is read from a
   *replica*: an extra graph input on that device (listed in :attr:`Sharded.replicas`), which the
-  caller keeps resident between calls (see :mod:`autopar.dataparallel`). Views of replicated
-  values are made per shard; other whole values a shard reads are copied by the plan.
+  caller keeps resident between calls (see :mod:`autopar.dataparallel`).
+- Whole values a shard reads are made on the shard's device where no whole value needs a copy
+  for it: a reduced sum is added again there from the partials, in the same order as on home
+  (an all-reduce: every device gets the same bits); views, elementwise ops, casts and fills of
+  such values are repeated there. So a training step's parameter update runs on every device
+  and the replicas' next values need no broadcast. Other whole values are copied by the plan.
 - Devices. ``devices[0]`` is the home: where eager runs the graph and where results are
   gathered and reduced. Devices of the same memory (logical CPU workers) share one tensor: no
   replica and no copy, only the pin differs.
@@ -86,6 +90,8 @@ class Sharded:
 
     ``graph``'s inputs are the original graph's inputs, in order, then one input per entry of
     ``replicas``: ``(original input index, device)``, a copy of that input on that device.
+    Its outputs are the original graph's, then the next value of each replica in
+    ``replica_outputs`` (same kind of entries), made on the replica's device.
     ``pins`` fixes every shard op to its device. ``unsplit`` names the ops left unsplit and why.
     """
 
@@ -94,6 +100,7 @@ class Sharded:
     sizes: tuple[int, ...]
     pins: dict[Node, str]
     replicas: list[tuple[int, str]]
+    replica_outputs: list[tuple[int, str]] = field(default_factory=list)
     unsplit: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -132,6 +139,8 @@ class _Builder:
         self._replica_nodes: dict[tuple[Node, str], Node] = {}  # (src input, device) -> input
         self._local: dict[tuple[Node, int], Node] = {}  # (src node, shard) -> shard-local copy
         self._gathered: dict[Node, Node] = {}
+        self._partials: dict[Node, tuple[Node, ...]] = {}  # reduced sum -> its partials
+        self._can_local: dict[Node, bool] = {}
         self.users = src.users()
 
     # -- emitting ------------------------------------------------------------------------------
@@ -172,33 +181,67 @@ class _Builder:
         return got
 
     def reduce(self, parts: Sequence[Node]) -> Node:
-        """Sum of per-shard partial results, on home."""
+        """Sum of per-shard partial results, on home (remembered: :meth:`local` adds them
+        again on a shard that needs the sum, in the same order, so every copy is identical)."""
         total = self.to_home(parts[0])
         for p in parts[1:]:
             total = self.call(aten.add.Tensor, (total, self.to_home(p)))
+        self._partials[total] = tuple(parts)
         return total
 
     def local(self, src: Node, shard: int) -> Node:
-        """A Whole value of ``src`` as shard ``shard`` reads it: a replica for inputs, a
-        per-shard view of a replica for views, else the whole node (the plan copies it)."""
+        """A Whole value of ``src`` as shard ``shard`` reads it, made on the shard's device
+        where that needs no copy of a whole value (see :meth:`_localizable`), else the whole
+        node itself (the plan copies it)."""
         lay = self.layout[src]
         assert isinstance(lay, Whole)
         if shard == 0 or torch_device(self.devices[shard]) == self.home:
             return lay.node
         key = (src, shard)
         got = self._local.get(key)
-        if got is not None:
-            return got
-        if src.is_input and isinstance(src.meta, TensorMeta) and src.device == self.home:
-            got = self._replica(src, self.devices[shard])
-        elif op_kind(src.op) == "view" and all(isinstance(self.layout[i], Whole)
-                                               for i in src.inputs):
-            args, kwargs = tree_map(lambda x: self.local(x, shard) if isinstance(x, Node) else x,
-                                    (src.args, src.kwargs))
-            got = self.call(src.op, args, kwargs, shard=shard, like=src)
-        else:
-            got = lay.node
-        self._local[key] = got
+        if got is None:
+            got = self._local[key] = self._make_local(src, shard)
+        return got
+
+    def _make_local(self, src: Node, shard: int) -> Node:
+        node = self.layout[src].node
+        dev = torch_device(self.devices[shard])
+        parts = self._partials.get(node)
+        if parts is not None:  # a reduced sum: add the partials again here (an all-reduce)
+            total = self.to_device(parts[0], shard)
+            for p in parts[1:]:
+                total = self.call(aten.add.Tensor, (total, self.to_device(p, shard)),
+                                  shard=shard)
+            return total
+        if src.is_input:
+            return self._replica(src, self.devices[shard])
+        if not self._localizable(src):
+            return node
+        args, kwargs = tree_map(lambda x: self.local(x, shard) if isinstance(x, Node) else x,
+                                (src.args, src.kwargs))
+        if isinstance(kwargs.get("device"), torch.device):
+            kwargs["device"] = torch.device(dev)
+        return self.call(src.op, args, kwargs, shard=shard, like=src)
+
+    def _localizable(self, src: Node) -> bool:
+        """Can every shard make ``src`` itself from values it has (replicas, reduced sums, other
+        such values) rather than receive a copy? Only for views, elementwise ops, casts and
+        fills (no random ops, no FLOPs): the same op on the same values gives the same result
+        on every device of a kind, and costs less than copying it."""
+        got = self._can_local.get(src)
+        if got is None:
+            lay = self.layout.get(src)
+            if not isinstance(lay, Whole) or lay.node is None:
+                got = False
+            elif lay.node in self._partials or (src.is_input and src.device == self.home):
+                got = True
+            else:
+                kind = op_kind(src.op)
+                got = (not src.is_input and src.flops == 0 and not src.writes
+                       and (kind in ("view", "pointwise", "copy")
+                            or (kind == "other" and not src.inputs))  # a fill
+                       and all(self._localizable(i) for i in src.inputs))
+            self._can_local[src] = got
         return got
 
     def _replica(self, src: Node, device: str) -> Node:
@@ -492,11 +535,13 @@ def _rule(op: Any) -> Rule | None:
 
 # -- the pass -----------------------------------------------------------------------------------
 def shard(graph: Graph, batch: dict[Node, int], devices: Sequence[str],
-          sizes: Sequence[int] | None = None) -> Sharded:
+          sizes: Sequence[int] | None = None, updates: dict[Node, Node] | None = None) -> Sharded:
     """Split ``graph``'s batch-parallel work over ``devices`` (see the module docstring).
 
     ``batch`` maps graph inputs to their batch dimension; they must agree on the batch size.
-    ``devices[0]`` must be where eager puts those inputs.
+    ``devices[0]`` must be where eager puts those inputs. ``updates`` maps graph inputs to the
+    node holding their next value (a training step's updated parameters): each replica of such
+    an input gets its next value as an extra output (:attr:`Sharded.replica_outputs`).
     """
     if len(devices) < 1 or len(set(devices)) != len(devices):
         raise NotShardable(f"devices {list(devices)} must be distinct and non-empty")
@@ -521,10 +566,17 @@ def shard(graph: Graph, batch: dict[Node, int], devices: Sequence[str],
     for node in graph.ops:
         b.layout[node] = _rewrite(b, node, nll)
     outs = [b.whole(o) if isinstance(o, Node) else o for o in graph.outputs]
+    shard_of = {d: i for i, d in enumerate(devices)}
+    nexts = []
+    for j, device in list(b.replicas):
+        value = (updates or {}).get(graph.nodes[j])
+        if value is not None:
+            outs.append(b.local(value, shard_of[device]))
+            nexts.append((j, device))
     b.out.set_outputs(outs)
     _move_replicas_to_inputs(b)
     b.out.verify()
-    return Sharded(b.out, tuple(devices), sizes, b.pins, b.replicas, b.unsplit)
+    return Sharded(b.out, tuple(devices), sizes, b.pins, b.replicas, nexts, b.unsplit)
 
 
 def _batch_size(graph: Graph, batch: dict[Node, int], devices: Sequence[str]) -> int:
