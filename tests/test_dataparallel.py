@@ -143,3 +143,25 @@ def test_shards_must_fit_the_devices():
     step = autopar.data_parallel(w6_train_step, devices=CPUS, shards=3)
     with pytest.raises(ValueError, match="shards=3: between 1 and 2"):
         step(*mlp_inputs())
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_mean_cross_entropy_with_ignored_targets_and_class_weights_equals_eager(weighted):
+    def step_fn(w, x, t, cw):
+        loss = F.cross_entropy(x @ w, t, weight=cw if weighted else None, ignore_index=1)
+        loss.backward()
+        with torch.no_grad():
+            w -= 0.5 * w.grad
+            w.grad = None
+        return loss.detach()
+
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(4, 3, generator=g).requires_grad_()
+    x, t = torch.randn(9, 4, generator=g), torch.tensor([1, 0, 2, 1, 1, 0, 2, 2, 1])
+    cw = torch.tensor([0.2, 1.0, 3.0])
+    ref, mine = (w, x, t, cw), twin((w, x, t, cw))
+    step = autopar.data_parallel(step_fn, devices=CPUS, batch_argnums=(1, 2), shards=2)
+    for _ in range(3):
+        torch.testing.assert_close(step(*mine), step_fn(*ref), rtol=1e-5, atol=1e-6)
+    assert step.last.sharded.unsplit == {}
+    assert_same(mine, ref)

@@ -54,7 +54,7 @@ def test_batch_of_seven_over_two_cpu_workers_has_exact_shard_shapes():
     # CPU workers share memory: no replicas, no copies
     assert s.replicas == []
     assert [n.kwargs for n in ops_named(s.graph, "aten._to_copy")] == [
-        {"dtype": torch.float32}] * 2  # only the target counts' casts
+        {"dtype": torch.float32}]  # only the target count's cast
     assert s.unsplit == {}
 
 
@@ -62,13 +62,13 @@ def test_weight_gradients_are_partial_products_summed_on_home():
     step = capture_step(w6_train_step, mlp_inputs(batch=8))
     s = shard(step.graph, batch_of(step), ["cpu:0", "cpu:1"])
     sums = ops_named(s.graph, "aten.add.Tensor")
-    # loss sum, total weight, then dW2, db2, dW1, db1: one add of two partials each
+    # loss sum, then dW2, db2, dW1, db1: one add of two partials each
     shapes = [n.meta.shape for n in sums]
-    assert shapes == [(), (), (3, 5), (1, 3), (5, 6), (1, 5)]
-    for n in sums[2:]:
+    assert shapes == [(), (3, 5), (1, 3), (5, 6), (1, 5)]
+    for n in sums:
         a, b = n.args
         assert {s.pins[a], s.pins[b]} == {"cpu:0", "cpu:1"}
-        assert op_name(a.op) in ("aten.mm", "aten.sum.dim_IntList")
+        assert op_name(a.op) in ("aten.mm", "aten.sum.dim_IntList", "getitem")
 
 
 def test_mean_loss_is_the_sum_of_shard_sums_over_the_total_weight():
@@ -79,9 +79,11 @@ def test_mean_loss_is_the_sum_of_shard_sums_over_the_total_weight():
     (div,) = ops_named(s.graph, "aten.div.Tensor")
     total, weight = div.args
     assert [op_name(a.op) for a in total.args] == ["getitem", "getitem"]
-    # the total weight counts the targets not ignored, from the targets alone
-    counts = [op_name(a.op) for a in weight.args]
-    assert counts == ["aten._to_copy", "aten._to_copy"]
+    # the total weight counts the targets not ignored, from the whole targets alone
+    assert op_name(weight.op) == "aten._to_copy" and weight not in s.pins
+    (count,) = weight.args
+    (kept,) = count.args
+    assert op_name(kept.op) == "aten.ne.Scalar" and kept.args == (s.graph.inputs[5], -100)
     backward = ops_named(s.graph, "aten.nll_loss_backward")
     assert [n.args[6] for n in backward] == [weight, weight]
     assert [n.args[4] for n in backward] == [1, 1]  # each shard's rows with the global mean

@@ -140,6 +140,7 @@ class _Builder:
         self._local: dict[tuple[Node, int], Node] = {}  # (src node, shard) -> shard-local copy
         self._gathered: dict[Node, Node] = {}
         self._partials: dict[Node, tuple[Node, ...]] = {}  # reduced sum -> its partials
+        self.batch_inputs: dict[Node, Node] = {}  # split graph input -> the whole input
         self._can_local: dict[Node, bool] = {}
         self.users = src.users()
 
@@ -461,13 +462,15 @@ def _nll_forward(b: _Builder, node: Node) -> Any:
     if weight is None:
         # the total weight is the count of targets not ignored: known from the targets alone,
         # so backward need not wait for every shard's forward
+        # (from the whole targets when they are a graph input, ready at once; unpinned: tiny
+        # work the placer puts wherever it is done soonest)
+        whole = b.batch_inputs.get(target)
         counts = []
-        for i, t in enumerate(st.parts):
-            kept = b.call(aten.ne.Scalar, (t, ignore_index), shard=i)
-            n = b.call(aten.sum.default, (kept,), shard=i)
-            counts.append(b.call(aten._to_copy.default, (n,), {"dtype": x.meta.dtype},
-                                 shard=i))
-        nll.totals[1] = b.reduce(counts)
+        for t in st.parts if whole is None else [whole]:
+            kept = b.call(aten.ne.Scalar, (t, ignore_index))
+            n = b.call(aten.sum.default, (kept,))
+            counts.append(b.call(aten._to_copy.default, (n,), {"dtype": x.meta.dtype}))
+        nll.totals[1] = b.reduce(counts) if len(counts) > 1 else counts[0]
     return nll
 
 
@@ -562,6 +565,7 @@ def shard(graph: Graph, batch: dict[Node, int], devices: Sequence[str],
         b.layout[x] = Whole(inputs[x])
     for x, dim in batch.items():
         b.layout[x] = _split_input(b, inputs[x], dim)
+        b.batch_inputs[x] = inputs[x]
     nll: dict[Node, _NllParts] = {}
     for node in graph.ops:
         b.layout[node] = _rewrite(b, node, nll)
