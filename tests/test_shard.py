@@ -230,3 +230,13 @@ def test_gpu_sharded_graph_run_on_the_cpu_gives_eager_values_and_identical_repli
     updated = dict(zip(step.mutated, got[1:5]))
     for (j, _), replica in zip(s.replica_outputs, got[5:], strict=True):
         assert torch.equal(replica, updated[j])  # all-reduced: the same bits as home's
+
+
+def test_benchmark_simulation_of_w6_goes_through_the_data_parallel_pass():
+    """W6 at full size on the h200x2 preset: the predicted speed-up meets the goal (1.8x)."""
+    from autopar import bench
+    from autopar.workloads import WORKLOADS
+
+    sim, timeline = bench.simulate(WORKLOADS["W6"], "h200x2")
+    assert sim.error is None and sim.speedup >= 1.8
+    assert {"cuda:0/compute", "cuda:1/compute"} <= set(timeline.lanes())

@@ -207,6 +207,13 @@ class _Builder:
     def _make_local(self, src: Node, shard: int) -> Node:
         node = self.layout[src].node
         dev = torch_device(self.devices[shard])
+        if src.is_input:
+            return self._replica(src, self.devices[shard])
+        if not self._localizable(src):
+            return node
+        # the home copy runs on home's device too: the same kernels on the same kind of device
+        # give every copy the same bits (the host's could differ in the last place)
+        self.pins.setdefault(node, self.devices[0])
         parts = self._partials.get(node)
         if parts is not None:  # a reduced sum: add the partials again here (an all-reduce)
             total = self.to_device(parts[0], shard)
@@ -214,10 +221,6 @@ class _Builder:
                 total = self.call(aten.add.Tensor, (total, self.to_device(p, shard)),
                                   shard=shard)
             return total
-        if src.is_input:
-            return self._replica(src, self.devices[shard])
-        if not self._localizable(src):
-            return node
         args, kwargs = tree_map(lambda x: self.local(x, shard) if isinstance(x, Node) else x,
                                 (src.args, src.kwargs))
         if isinstance(kwargs.get("device"), torch.device):
