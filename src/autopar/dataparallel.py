@@ -186,16 +186,8 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
     each k, and keep the one predicted fastest; ``shards`` forces k (1: don't split)."""
     from .place import place
 
-    devices = list(devices)
-    home = cost.machine.home(next(iter(batch)).device).name
-    if home not in devices:
-        devices.insert(0, home)
-    same_kind = [home] + [d for d in devices if d != home and d.split(":")[0] ==
-                          home.split(":")[0]]
+    devices, same_kind = _shard_devices(batch, cost, devices, shards)
     ks = range(1, len(same_kind) + 1) if shards is None else [shards]
-    if shards is not None and not 1 <= shards <= len(same_kind):
-        raise ValueError(f"shards={shards}: between 1 and {len(same_kind)} devices of the "
-                         f"home's kind ({', '.join(same_kind)}) can take a shard")
     best: Choice | None = None
     predicted: dict[str, float] = {}
     for k in ks:
@@ -218,6 +210,22 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
             best = Choice(placed, sharded, predicted)
     assert best is not None
     return best
+
+
+def _shard_devices(batch: dict[Node, int], cost: Any, devices: Sequence[str],
+                   shards: int | None) -> tuple[list[str], list[str]]:
+    """The devices to place on (home added) and those that may take a shard (home first, then
+    the others of its kind), checking ``shards`` against them."""
+    devices = list(devices)
+    home = cost.machine.home(next(iter(batch)).device).name
+    if home not in devices:
+        devices.insert(0, home)
+    kind = home.split(":")[0]
+    same_kind = [home] + [d for d in devices if d != home and d.split(":")[0] == kind]
+    if shards is not None and not 1 <= shards <= len(same_kind):
+        raise ValueError(f"shards={shards}: between 1 and {len(same_kind)} devices of the "
+                         f"home's kind ({', '.join(same_kind)}) can take a shard")
+    return devices, same_kind
 
 
 @dataclass
@@ -277,9 +285,16 @@ class DataParallelStep:
 
         step = capture_step(self.fn, args)
         cost = self.runner.cost_model()
-        choice = choose(step, self._batch(step, args), cost, self.options.devices,
-                        policy=self.options.policy, shards=self.shards)
-        run = Executor(make_plan(choice.placement, cost), trace=bool(self.options.trace))
+        batch = self._batch(step, args)
+        _shard_devices(batch, cost, self.options.devices, self.shards)  # the user's mistakes
+        try:
+            choice = choose(step, batch, cost, self.options.devices,
+                            policy=self.options.policy, shards=self.shards)
+            run = Executor(make_plan(choice.placement, cost), trace=bool(self.options.trace))
+        except (Unsupported, NotShardable):
+            raise
+        except Exception as e:  # planning failed: eager, as for any graph (see autopar.api)
+            raise Unsupported(f"planning failed: {type(e).__name__}: {e}") from e
         log.info("autopar: %s: predicted %s; running %s", step.graph.name, choice.predicted,
                  "unsplit" if choice.sharded is None else ",".join(choice.sharded.devices))
         return _Compiled(step, run, choice)
