@@ -23,9 +23,10 @@ Policy and invariants
 - After each call, the user's tensors hold what eager would have given (up to the summation
   order of reduced gradients), on the devices eager would have used; the outputs are eager's
   values, detached.
-- k and devices: the graph is placed unsplit and split over the first k devices of
-  ``devices`` (home first) for every k; the one with the least predicted time runs, "don't
-  split" included (see :mod:`autopar.shard` for the pass, :mod:`autopar.place` for the timing).
+- k and devices: the graph is placed unsplit, and split over the home device (where the batch
+  lives) and the next k-1 devices of its kind in ``devices``, for every k; the one with the
+  least predicted time runs, "don't split" included (see :mod:`autopar.shard` for the pass,
+  :mod:`autopar.place` for the timing). The host may still run whole, unsplit ops.
 - Replicas: a parameter's copy on another device is kept between calls and made again only
   when the parameter changed outside the step (its ``_version`` or storage differ from what
   the step itself left). The graph computes each replica's next value on its own device (the

@@ -103,11 +103,6 @@ class Sharded:
     replica_outputs: list[tuple[int, str]] = field(default_factory=list)
     unsplit: dict[str, str] = field(default_factory=dict)
 
-    @property
-    def split_ops(self) -> int:
-        """Ops pinned to a shard (every shard counted)."""
-        return len(self.pins)
-
 
 def even_sizes(n: int, k: int) -> tuple[int, ...]:
     """``k`` shard sizes summing to ``n``, as even as possible (the first ones larger)."""
@@ -302,20 +297,20 @@ def _map_args(b: _Builder, node: Node, shard: int,
     return args, tree_map(one, node.kwargs)
 
 
-def _per_shard(b: _Builder, node: Node, dim: int, replace: Callable[[int], dict] | None = None,
-               op: Any = None) -> Split:
+def _per_shard(b: _Builder, node: Node, dim: int,
+               replace: Callable[[int], dict] | None = None) -> Split:
+    """``node`` once per shard on its part of each Split input (``replace(i)``: arguments to
+    change for shard i, by position); the result is Split along ``dim``."""
     parts = []
     for i in range(len(b.devices)):
         args, kwargs = _map_args(b, node, i, replace(i) if replace else None)
-        parts.append(b.call(op or node.op, args, kwargs, shard=i, like=node))
+        parts.append(b.call(node.op, args, kwargs, shard=i, like=node))
     return Split(dim, tuple(parts))
 
 
-def _reduced(b: _Builder, node: Node, op: Any = None) -> Whole:
+def _reduced(b: _Builder, node: Node) -> Whole:
     """Per-shard partial results of ``node``, summed on home."""
-    split = _per_shard(b, node, 0, op=op)
-    total = b.reduce(split.parts)
-    return Whole(total)
+    return Whole(b.reduce(_per_shard(b, node, 0).parts))
 
 
 def _elementwise(b: _Builder, node: Node) -> Layout | None:
