@@ -165,3 +165,27 @@ def test_mean_cross_entropy_with_ignored_targets_and_class_weights_equals_eager(
         torch.testing.assert_close(step(*mine), step_fn(*ref), rtol=1e-5, atol=1e-6)
     assert step.last.sharded.unsplit == {}
     assert_same(mine, ref)
+
+
+def test_a_modules_own_parameters_are_refused_and_the_step_runs_eagerly(caplog):
+    torch.manual_seed(0)
+    lin, ref = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    ref.load_state_dict(lin.state_dict())
+
+    def step_of(model):
+        def step(x):
+            loss = model(x).sum()
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+            return loss.detach()
+        return step
+
+    x = torch.randn(4, 3)
+    step = autopar.data_parallel(step_of(lin), devices=CPUS, batch_argnums=(0,))
+    with caplog.at_level(logging.WARNING, logger="autopar"):
+        torch.testing.assert_close(step(x), step_of(ref)(x))
+    assert "running step eagerly" in caplog.text and step.last is None
+    assert_same(list(lin.parameters()), list(ref.parameters()))
