@@ -46,16 +46,21 @@ def predicted(machine: str, out: Path | None) -> dict:
             "chosen": "unsplit" if choice.sharded is None else list(choice.sharded.devices)}
 
 
-def measured(size: str, repeat: int, out: Path | None, sim: dict) -> dict:
+def autopar_devices(devices: tuple[str, str]) -> str:
+    """Every GPU and the host when the workload runs on GPUs, else two CPU workers."""
+    return "auto" if devices[0].startswith("cuda") else "cpu:0,cpu:1"
+
+
+def measured(size: str, repeat: int, out: Path | None, sim: dict,
+             devices: tuple[str, str] = ("cuda:0", "cuda:1")) -> dict:
     w = WORKLOADS["W6"]
-    devices = ["cuda:0", "cuda:1"]
     base = w.make_inputs(devices, size)
 
     def fresh() -> tuple:
         return tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in base)
 
     ref, mine = fresh(), fresh()
-    step = autopar.data_parallel(w6_train_step, devices="auto")
+    step = autopar.data_parallel(w6_train_step, devices=autopar_devices(devices))
     for _ in range(20):  # correctness first: 20 steps against eager
         w.check(step(*mine), w6_train_step(*ref))
     w.check(list(mine[:4]), list(ref[:4]))
@@ -70,7 +75,8 @@ def measured(size: str, repeat: int, out: Path | None, sim: dict) -> dict:
           + f"; autopar ran {'unsplit' if chosen is None else ','.join(chosen.devices)}, "
           f"{times['eager'] / times['autopar']:.2f}x eager")
     if out is not None:  # the timeline from a traced run of its own (events cost time)
-        traced = autopar.data_parallel(w6_train_step, devices="auto", trace=True)
+        traced = autopar.data_parallel(w6_train_step, devices=autopar_devices(devices),
+                                       trace=True)
         args = fresh()
         for _ in range(3):
             traced(*args)
