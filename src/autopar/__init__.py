@@ -10,12 +10,13 @@ import torch
 
 from .api import Options, compile, parse_devices
 from .capture import autopar_backend
+from .dataparallel import data_parallel
 from .doctor import DoctorReport, Finding, doctor
 from .explain import ExplainReport, explain
 from .graph import Graph, Node, TensorMeta
 
 __all__ = ["DoctorReport", "ExplainReport", "Finding", "Graph", "Node", "Options", "TensorMeta",
-           "compile", "doctor", "explain", "parse_devices"]
+           "compile", "data_parallel", "doctor", "explain", "parse_devices"]
 __version__ = "0.1.0"
 
 

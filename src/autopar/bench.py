@@ -482,6 +482,8 @@ def _torch_compile(w: Workload, ctx: Context, inputs: tuple) -> Prepared:
 def _autopar(w: Workload, ctx: Context, inputs: tuple) -> Prepared:
     import autopar
 
+    if w.whole_step:
+        return autopar.data_parallel(w.eager, devices=list(ctx.devices)), inputs
     return autopar.compile(w.eager, devices=list(ctx.devices)), inputs
 
 
@@ -604,6 +606,8 @@ def simulate(w: Workload, machine: str) -> tuple[Simulated, Any]:
     """Predicted eager and autopar times of ``w`` (full size) on ``machine``, and autopar's
     simulated Timeline (None when it could not be explained). Never raises."""
     label = "this host" if machine == "auto" else machine
+    if w.whole_step:
+        return _simulate_step(w, machine, label)
     if w.explain_inputs_on is None:
         return Simulated(label, error=w.explain_note or "not explainable"), None
     try:
@@ -617,6 +621,19 @@ def simulate(w: Workload, machine: str) -> tuple[Simulated, Any]:
         return Simulated(label, error=_short(e)), None
     return (Simulated(label, report.predicted_s, report.eager_predicted_s),
             getattr(report, "timeline", None))
+
+
+def _simulate_step(w: Workload, machine: str, label: str) -> tuple[Simulated, Any]:
+    """A whole training step, as :func:`autopar.data_parallel` would run it."""
+    try:
+        from .dataparallel import predict_step
+
+        got = predict_step(w.eager, w.make_inputs(("cpu",), "full"),
+                           None if machine == "auto" else machine,
+                           inputs_on=w.explain_inputs_on)
+    except Exception as e:
+        return Simulated(label, error=_short(e)), None
+    return Simulated(label, got.predicted_s, got.eager_s), got.timeline
 
 
 def save_timeline_png(timeline: Any, path: Path, title: str) -> Path | None:

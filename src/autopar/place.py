@@ -22,11 +22,12 @@ Policy ``heft`` (the default)
 3. Constraints. Graph inputs stay on their eager device; views and ``getitem`` run with their
    base, an op that writes a tensor in place runs where that tensor lives, a host scalar
    (:func:`autopar.routing.host_scalars`: a Python number, or a 0-dim tensor made from host
-   values or from a value the host reads anyway) runs on the first CPU device allowed, and a
-   device move (``x.cpu()``) runs on its target; other ops only where ``cost.can_run`` allows
-   (random ops are pinned this way). No memory pool ends up over its limit (see Memory); if
-   no device has room for an op, a warning is logged on ``logging.getLogger("autopar")`` and
-   the placement falls back to ``single``.
+   values or from a value the host reads anyway) runs on the first CPU device allowed, a
+   device move (``x.cpu()``) runs on its target, and an op the caller pins (``pins``: a graph
+   transform's decision, e.g. a data-parallel shard, see :mod:`autopar.shard`) runs there;
+   other ops only where ``cost.can_run`` allows (random ops are pinned this way). No memory
+   pool ends up over its limit (see Memory); if no device has room for an op, a warning is
+   logged on ``logging.getLogger("autopar")`` and the placement falls back to ``single``.
 4. Guard. When eager placement (``single``) is predicted to finish sooner, uses only allowed
    devices and fits in memory, it is kept, with a note saying so: HEFT is greedy, and never
    planning slower than eager matters more than purity. (Skipped when HEFT already beats a
@@ -75,7 +76,7 @@ import heapq
 import logging
 import math
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any, NamedTuple
@@ -331,8 +332,10 @@ class _Schedule:
     """
 
     def __init__(self, graph: Graph, cost: Any, devices: Sequence[str], insertion: bool,
-                 limits: dict[str, int | None], index: GraphIndex | None = None) -> None:
+                 limits: dict[str, int | None], index: GraphIndex | None = None,
+                 pins: Mapping[Node, str] | None = None) -> None:
         self.graph = graph
+        self.pins: Mapping[Node, str] = pins or {}
         self.cost = cost
         self.machine = cost.machine
         self.handoff = handoff_time(cost)
@@ -413,6 +416,9 @@ class _Schedule:
             home = self.eager[node]
             assert home is not None
             return home, f"device move to {home}"
+        pin = self.pins.get(node)
+        if pin is not None:
+            return pin, f"pinned to {pin} by the caller"
         home = self.shared_outputs.get(node)
         if home is not None:
             return home, f"outputs share its storage: produced on their device {home}"
@@ -746,7 +752,7 @@ def _room(over: list[tuple[str, int]]) -> str:
 
 def _choose_single(sched: _Schedule, node: Node) -> tuple[_Trial, str]:
     forced = sched.forced(node)
-    if forced is not None and alias_base(node) is not None:
+    if forced is not None and (alias_base(node) is not None or node in sched.pins):
         return sched.trial(node, forced[0]), f"pinned: {forced[1]}"
     device = sched.eager[node]
     if device is None:
@@ -813,9 +819,10 @@ def _eager_floor(sched: _Schedule) -> float:
 
 
 def _run(graph: Graph, cost: Any, policy: str, devices: Sequence[str],
-         limits: dict[str, int | None], index: GraphIndex) -> _Schedule:
+         limits: dict[str, int | None], index: GraphIndex,
+         pins: Mapping[Node, str] | None = None) -> _Schedule:
     p = _POLICIES[policy]
-    sched = _Schedule(graph, cost, devices, p.insertion, limits, index)
+    sched = _Schedule(graph, cost, devices, p.insertion, limits, index, pins)
     for node in p.order(sched):
         trial, note = p.choose(sched, node)
         sched.commit(node, trial, note)
@@ -823,11 +830,13 @@ def _run(graph: Graph, cost: Any, policy: str, devices: Sequence[str],
 
 
 def place(graph: Graph, cost: Any, policy: str = "heft", devices: Sequence[str] | None = None,
-          memory: dict[str, int] | None = None) -> Placement:
+          memory: dict[str, int] | None = None,
+          pins: Mapping[Node, str] | None = None) -> Placement:
     """Place every op of ``graph`` on a device of ``cost.machine`` (see the module docstring).
 
     ``devices`` restricts the devices ops may be placed on (inputs stay where they are);
-    ``memory`` overrides each pool's limit in bytes (keys ``"cpu"``, ``"cuda:N"``).
+    ``memory`` overrides each pool's limit in bytes (keys ``"cpu"``, ``"cuda:N"``); ``pins``
+    fixes the device of some ops (every policy obeys it).
     """
     if policy not in _POLICIES:
         raise ValueError(f"unknown placement policy {policy!r}; valid policies: "
@@ -838,23 +847,27 @@ def place(graph: Graph, cost: Any, policy: str = "heft", devices: Sequence[str] 
     if unknown or not chosen:
         raise ValueError(f"devices {chosen} must be a non-empty subset of machine "
                          f"{cost.machine.name!r}'s devices {names}")
+    stray = sorted({d for d in (pins or {}).values() if d not in names})
+    if stray:
+        raise ValueError(f"pins name devices {stray} that machine {cost.machine.name!r} "
+                         f"does not have (devices: {names})")
     with gc_paused():
-        return _place(graph, cost, policy, chosen, _limits(cost, memory))
+        return _place(graph, cost, policy, chosen, _limits(cost, memory), pins)
 
 
 def _place(graph: Graph, cost: Any, policy: str, chosen: list[str],
-           limits: dict[str, int | None]) -> Placement:
+           limits: dict[str, int | None], pins: Mapping[Node, str] | None = None) -> Placement:
     index = GraphIndex.of(graph)
     if policy != "heft":
-        return _run(graph, cost, policy, chosen, limits, index).placement(policy)
+        return _run(graph, cost, policy, chosen, limits, index, pins).placement(policy)
     try:
-        heft = _run(graph, cost, "heft", chosen, limits, index)
+        heft = _run(graph, cost, "heft", chosen, limits, index, pins)
     except _NoRoom as e:
         log.warning("autopar: %s; falling back to the 'single' policy (eager placement)", e)
-        return _run(graph, cost, "single", chosen, limits, index).placement("single")
+        return _run(graph, cost, "single", chosen, limits, index, pins).placement("single")
     if heft.makespan() <= _eager_floor(heft):
         return heft.placement("heft")  # eager cannot finish sooner: no need to schedule it
-    eager = _run(graph, cost, "single", chosen, limits, index)
+    eager = _run(graph, cost, "single", chosen, limits, index, pins)
     if eager.makespan() < heft.makespan() and eager.allowed(chosen) and eager.fits():
         kept = eager.placement("heft")
         why = (f"eager placement kept: predicted {fmt_seconds(eager.makespan())} vs HEFT's "

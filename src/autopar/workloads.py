@@ -20,6 +20,9 @@ Policy
 - ``check(out, ref)`` compares an output with eager's (on the output's device, with the
   workload's tolerance: results may come from another device kind) and raises AssertionError
   saying what differs. Stateful workloads set ``calls=2``: the second call sees the first update.
+- ``whole_step``: the eager form is a whole training step (forward, ``backward()``, update);
+  autopar runs it through :func:`autopar.data_parallel` (one graph, batch split across devices)
+  instead of ``autopar.compile`` (separate forward, backward and update graphs).
 
 Glossary: *home* the device eager code uses; *case* one W3 (size, data placement) pair, a
 workload of its own named ``W3/<m>x<k>x<n>/<mode>``; *group* the part of a name before ``/``.
@@ -69,6 +72,7 @@ class Workload:
     explain_inputs_on: str | None = "cuda:0"  # where explain takes CPU-built inputs to live
     explain_note: str = ""  # why it isn't explained, when explain_inputs_on is None
     hand_goal: bool = False  # autopar should match the hand-tuned form (W1-W6)
+    whole_step: bool = False  # a training step: autopar runs it with autopar.data_parallel
 
     @property
     def group(self) -> str:
@@ -551,7 +555,7 @@ def _registry() -> list[Workload]:
                  prepare_hand=_w5_prepare, hand_gpus=1, hand_cuda_only=True, hand_goal=True),
         Workload("W6", "2-layer MLP train step (forward, backward, SGD)", "training",
                  _w6_inputs, w6_train_step, hand=w6_data_parallel, prepare_hand=_w6_prepare,
-                 hand_gpus=2, calls=2, hand_goal=True),
+                 hand_gpus=2, calls=2, hand_goal=True, whole_step=True),
         Workload("ensemble4", "four different models on one batch, averaged", "users",
                  _ensemble_inputs, ensemble4, hand=ensemble4_two_gpus,
                  prepare_hand=_ensemble_prepare, hand_gpus=2),

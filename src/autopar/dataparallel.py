@@ -1,0 +1,407 @@
+"""Whole-step data parallelism: ``autopar.data_parallel(step)`` runs a training step written for
+one device on several, splitting the batch when the cost model says it pays.
+
+Capture (why not ``torch.compile``): dynamo breaks a training step at ``loss.backward()`` and
+the optimizer update into separate forward, backward and update graphs; sharding across those
+boundaries would need the saved activations to stay sharded between graphs. Instead the whole
+step is traced into one graph: ``make_fx`` runs the step on fake tensors, and the autograd
+engine's backward ops and the in-place update are recorded as ATen ops like the forward ones;
+a second trace through ``torch.func.functionalize`` turns the in-place updates into functional
+ops plus trailing ``copy_`` into inputs. Those ``copy_`` are taken out of the graph: their
+values become outputs, written back into the user's tensors after the graph ran.
+
+Policy and invariants
+- The step takes its parameters as arguments (tensors that require grad and are leaves) and
+  updates them itself: a ``torch.optim`` optimizer (which holds its own references to the
+  parameters) or a module's own parameters are refused at capture, and the step runs eagerly.
+  Their ``.grad`` must be ``None`` on entry (zeroed by ``zero_grad()`` or set to None, as the
+  step does), else the call runs eagerly: accumulating into an existing ``.grad`` is not
+  captured. A ``.grad`` the step leaves set is set to the same values after the call.
+- Batch inputs: ``batch_argnums`` (positions of tensor arguments, batch dim 0), else every
+  tensor argument that doesn't require grad and whose dim 0 equals the first such one's. A step
+  with no parameters (inference) must name them.
+- After each call, the user's tensors hold what eager would have given (up to the summation
+  order of reduced gradients), on the devices eager would have used; the outputs are eager's
+  values, detached.
+- k and devices: the graph is placed unsplit, and split over the home device (where the batch
+  lives) and the next k-1 devices of its kind in ``devices``, for every k; the one with the
+  least predicted time runs, "don't split" included (see :mod:`autopar.shard` for the pass,
+  :mod:`autopar.place` for the timing). The host may still run whole, unsplit ops.
+- Replicas: a parameter's copy on another device is kept between calls and made again only
+  when the parameter changed outside the step (its ``_version`` or storage differ from what
+  the step itself left). The graph computes each replica's next value on its own device (the
+  update repeated there on all-reduced gradients, see :mod:`autopar.shard`), so replicas stay
+  resident and current with no broadcast.
+- One compiled graph per argument signature (shapes, dtypes, devices, requires_grad, the
+  non-tensor arguments). Anything that can't be captured or sharded runs eagerly, with one
+  warning on the ``autopar`` logger. Never a wrong result.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .capture import Unsupported, from_fx
+from .graph import Graph, Node
+from .shard import NotShardable, Sharded, shard, torch_device
+
+__all__ = ["Choice", "DataParallelStep", "StepGraph", "StepPrediction", "capture_step", "choose",
+           "data_parallel", "predict_step"]
+
+log = logging.getLogger("autopar")
+
+_COPY_ = torch.ops.aten.copy_.default
+
+
+@dataclass
+class StepGraph:
+    """One traced step: a functional graph over the step's tensor arguments.
+
+    ``graph.outputs`` are, in order: the step's own outputs (``n_outputs`` of them, flattened),
+    the ``.grad`` of each index in ``grads``, and the new value of each index in ``mutated``.
+    """
+
+    graph: Graph
+    n_outputs: int
+    out_spec: Any
+    grads: list[int]
+    mutated: list[int]
+    params: list[int]
+
+    @property
+    def updates(self) -> dict[Node, Node]:
+        """Each mutated input and the node of its new value."""
+        first = self.n_outputs + len(self.grads)
+        inputs = self.graph.inputs
+        return {inputs[j]: self.graph.outputs[first + k] for k, j in enumerate(self.mutated)}
+
+
+def _signature(leaves: Sequence[Any], spec: Any) -> tuple:
+    def one(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return ("T", tuple(x.shape), x.dtype, str(x.device), x.requires_grad)
+        return ("C", type(x).__name__, x if isinstance(x, int | float | bool | str | None)
+                else id(x))
+    return (str(spec), tuple(one(x) for x in leaves))
+
+
+def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None) -> StepGraph:
+    """Trace ``fn(*args)`` (forward, backward, update) into one functional :class:`StepGraph`.
+
+    Nothing is computed and nothing of ``args`` changes: the trace runs on fake tensors.
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    leaves, spec = tree_flatten(tuple(args))
+    tensor_at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    tensors = [leaves[i] for i in tensor_at]
+    params = [j for j, t in enumerate(tensors) if t.requires_grad and t.is_leaf]
+    held = [j for j in params if tensors[j].grad is not None]
+    if held:
+        raise Unsupported(f"argument tensor {held[0]} has a .grad already: the step would add "
+                          "into it; set it to None (optimizer.zero_grad()) before the step")
+    found: dict[str, Any] = {}
+
+    def flat(*ts: torch.Tensor) -> list[torch.Tensor]:
+        full = list(leaves)
+        for i, t in zip(tensor_at, ts):
+            full[i] = t
+        out = fn(*tree_unflatten(full, spec))
+        outs, out_spec = tree_flatten(out)
+        bad = [o for o in outs if not isinstance(o, torch.Tensor)]
+        if bad:
+            raise Unsupported(f"the step returns a {type(bad[0]).__name__}; only tensors are "
+                              "captured")
+        grads = [j for j in params if ts[j].grad is not None]
+        found.update(n=len(outs), spec=out_spec, grads=grads)
+        return [o.detach() for o in outs] + [ts[j].grad for j in grads]
+
+    def refuse_optimizer(opt: Any, *_: Any) -> None:
+        raise Unsupported(f"the step calls {type(opt).__name__}.step(): torch.optim optimizers "
+                          "hold the parameters themselves, which the trace can't follow; write "
+                          "the update on the step's arguments (p -= lr * p.grad)")
+
+    hook = register_optimizer_step_pre_hook(refuse_optimizer)
+    try:
+        gm = make_fx(flat, tracing_mode="fake")(*tensors)
+        plain = [t.detach() for t in tensors]
+        gm = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="fake")(*plain)
+    except Unsupported:
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise Unsupported(f"can't trace the step: {type(e).__name__}: {first}") from e
+    finally:
+        hook.remove()
+    graph, constants = from_fx(gm, name or getattr(fn, "__name__", "step"))
+    if constants:
+        raise Unsupported(f"the step reads {len(constants)} tensor(s) that are not arguments "
+                          "(pass parameters and buffers as arguments)")
+    mutated = _take_input_copies(graph)
+    return StepGraph(graph, found["n"], found["spec"], found["grads"], mutated, params)
+
+
+def _take_input_copies(graph: Graph) -> list[int]:
+    """Remove the trailing ``copy_(input, value)`` nodes; their values become outputs."""
+    inputs = graph.inputs
+    mutated: list[int] = []
+    values: list[Node] = []
+    users = graph.users()
+    while graph.nodes and graph.nodes[-1].op is _COPY_:
+        node = graph.nodes[-1]
+        target, value = node.args[:2]
+        if not target.is_input or users[node] or node in graph.output_nodes:
+            raise Unsupported(f"{node!r} writes a value that is not a step argument")
+        graph.nodes.pop()
+        mutated.insert(0, inputs.index(target))
+        values.insert(0, value)
+    writers = [n for n in graph.ops if n.writes]
+    if writers:
+        raise Unsupported(f"{writers[0]!r} writes in place in the middle of the step")
+    graph.set_outputs([*graph.outputs, *values])
+    graph.verify()
+    return mutated
+
+
+@dataclass
+class Choice:
+    """What :func:`choose` picked: the placement that runs, the sharded graph (None: unsplit)
+    and the predicted seconds of every candidate (key ``"unsplit"`` or the devices joined by
+    commas)."""
+
+    placement: Any
+    sharded: Sharded | None
+    predicted: dict[str, float]
+
+
+def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence[str], *,
+           policy: str = "heft", shards: int | None = None) -> Choice:
+    """Place ``step`` unsplit and split over the first k same-kind devices (home first) for
+    each k, and keep the one predicted fastest; ``shards`` forces k (1: don't split)."""
+    from .place import place
+
+    devices, same_kind = _shard_devices(batch, cost, devices, shards)
+    ks = range(1, len(same_kind) + 1) if shards is None else [shards]
+    best: Choice | None = None
+    predicted: dict[str, float] = {}
+    for k in ks:
+        if k == 1:
+            placed, sharded = place(step.graph, cost, policy=policy, devices=devices), None
+            label = "unsplit"
+        else:
+            try:
+                sharded = shard(step.graph, batch, same_kind[:k], updates=step.updates)
+            except NotShardable as e:
+                if shards is not None:
+                    raise
+                log.info("autopar: %s not split over %d devices: %s", step.graph.name, k, e)
+                continue
+            placed = place(sharded.graph, cost, policy=policy, devices=devices,
+                           pins=sharded.pins)
+            label = ",".join(same_kind[:k])
+        predicted[label] = placed.predicted_s
+        if best is None or placed.predicted_s < best.placement.predicted_s:
+            best = Choice(placed, sharded, predicted)
+    assert best is not None
+    return best
+
+
+def _shard_devices(batch: dict[Node, int], cost: Any, devices: Sequence[str],
+                   shards: int | None) -> tuple[list[str], list[str]]:
+    """The devices to place on (home added) and those that may take a shard (home first, then
+    the others of its kind), checking ``shards`` against them."""
+    devices = list(devices)
+    home = cost.machine.home(next(iter(batch)).device).name
+    if home not in devices:
+        devices.insert(0, home)
+    kind = home.split(":")[0]
+    same_kind = [home] + [d for d in devices if d != home and d.split(":")[0] == kind]
+    if shards is not None and not 1 <= shards <= len(same_kind):
+        raise ValueError(f"shards={shards}: between 1 and {len(same_kind)} devices of the "
+                         f"home's kind ({', '.join(same_kind)}) can take a shard")
+    return devices, same_kind
+
+
+@dataclass
+class _Compiled:
+    """One argument signature's graph, how to call it, and why it was chosen."""
+
+    step: StepGraph
+    run: Callable[[Sequence[Any]], Sequence[Any]]
+    choice: Choice
+
+    @property
+    def sharded(self) -> Sharded | None:
+        return self.choice.sharded
+
+
+class DataParallelStep:
+    """The callable :func:`data_parallel` returns (see the module docstring)."""
+
+    def __init__(self, fn: Callable, options: Any, batch_argnums: Sequence[int] | None,
+                 shards: int | None = None) -> None:
+        from .api import make_runner
+
+        self.fn = fn
+        self.options = options
+        self.batch_argnums = None if batch_argnums is None else tuple(batch_argnums)
+        self.shards = shards
+        self.replica_copies = 0  # replicas made from a parameter (not by the step's broadcast)
+        self.runner = make_runner(options)
+        self._compiled: dict[tuple, _Compiled | None] = {}
+        self._replicas: dict[tuple[int, str], tuple[torch.Tensor, int, int]] = {}
+        self.last: _Compiled | None = None
+
+    # -- compiling --------------------------------------------------------------------------
+    def _batch(self, step: StepGraph, args: Sequence[Any]) -> dict[Node, int]:
+        inputs = step.graph.inputs
+        tensors = [x for x in tree_flatten(tuple(args))[0] if isinstance(x, torch.Tensor)]
+        if self.batch_argnums is not None:
+            picked = []
+            for i in self.batch_argnums:
+                if not 0 <= i < len(args) or not isinstance(args[i], torch.Tensor):
+                    raise TypeError(f"batch_argnums names argument {i}, which is not a tensor "
+                                    f"(the step got {len(args)} arguments)")
+                picked.append(next(j for j, t in enumerate(tensors) if t is args[i]))
+            return {inputs[j]: 0 for j in picked}
+        if not step.params:
+            raise TypeError("the step has no parameters (tensors that require grad): name its "
+                            "batch arguments with batch_argnums=(...)")
+        rest = [j for j, t in enumerate(tensors) if j not in step.params and t.dim() >= 1]
+        if not rest:
+            raise NotShardable("no tensor argument without requires_grad to split")
+        n = tensors[rest[0]].shape[0]
+        return {inputs[j]: 0 for j in rest if tensors[j].shape[0] == n}
+
+    def _compile(self, args: Sequence[Any]) -> _Compiled:
+        from .plan import make_plan
+        from .runtime import Executor
+
+        step = capture_step(self.fn, args)
+        cost = self.runner.cost_model()
+        batch = self._batch(step, args)
+        _shard_devices(batch, cost, self.options.devices, self.shards)  # the user's mistakes
+        try:
+            choice = choose(step, batch, cost, self.options.devices,
+                            policy=self.options.policy, shards=self.shards)
+            run = Executor(make_plan(choice.placement, cost), trace=bool(self.options.trace))
+        except (Unsupported, NotShardable):
+            raise
+        except Exception as e:  # planning failed: eager, as for any graph (see autopar.api)
+            raise Unsupported(f"planning failed: {type(e).__name__}: {e}") from e
+        log.info("autopar: %s: predicted %s; running %s", step.graph.name, choice.predicted,
+                 "unsplit" if choice.sharded is None else ",".join(choice.sharded.devices))
+        return _Compiled(step, run, choice)
+
+    # -- calling ----------------------------------------------------------------------------
+    def __call__(self, *args: Any) -> Any:
+        leaves, spec = tree_flatten(tuple(args))
+        key = _signature(leaves, spec)
+        if key not in self._compiled:
+            try:
+                self._compiled[key] = self._compile(args)
+            except (Unsupported, NotShardable) as e:
+                log.warning("autopar: running %s eagerly: %s",
+                            getattr(self.fn, "__name__", "step"), e)
+                self._compiled[key] = None
+        compiled = self._compiled[key]
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        if compiled is None or any(tensors[j].grad is not None for j in compiled.step.params):
+            self.last = None
+            return self.fn(*args)
+        self.last = compiled
+        return self._run(compiled, tensors)
+
+    def _run(self, c: _Compiled, tensors: list[torch.Tensor]) -> Any:
+        step = c.step
+        replicas = c.sharded.replicas if c.sharded is not None else []
+        call_args = [t.detach() for t in tensors] + [self._replica(tensors, i, d)
+                                                     for i, d in replicas]
+        outs = list(c.run(call_args))
+        n, g, m = step.n_outputs, len(step.grads), len(step.mutated)
+        user, grads, new = outs[:n], outs[n:n + g], outs[n + g:n + g + m]
+        with torch.no_grad():
+            for j, value in zip(step.mutated, new):
+                tensors[j].copy_(value)
+        for j, grad in zip(step.grads, grads):
+            tensors[j].grad = grad
+        nexts = c.sharded.replica_outputs if c.sharded is not None else []
+        for (j, device), fresh in zip(nexts, outs[n + g + m:], strict=True):
+            self._replicas[(j, device)] = (fresh, tensors[j]._version, tensors[j].data_ptr())
+        return tree_unflatten(user, step.out_spec)
+
+    def _replica(self, tensors: list[torch.Tensor], j: int, device: str) -> torch.Tensor:
+        t = tensors[j]
+        got = self._replicas.get((j, device))
+        if got is not None and got[1] == t._version and got[2] == t.data_ptr():
+            return got[0]
+        fresh = t.detach().to(torch_device(device))
+        self.replica_copies += 1
+        self._replicas[(j, device)] = (fresh, t._version, t.data_ptr())
+        return fresh
+
+
+@dataclass
+class StepPrediction:
+    """:func:`predict_step`'s answer: the choice, eager's predicted seconds (every op where
+    eager runs it) and the simulated Timeline of the chosen plan."""
+
+    choice: Choice
+    eager_s: float
+    timeline: Any
+
+    @property
+    def predicted_s(self) -> float:
+        return self.choice.placement.predicted_s
+
+
+def predict_step(fn: Callable, args: Sequence[Any], machine: Any,
+                 inputs_on: str | None = "cuda:0", batch_argnums: Sequence[int] | None = None,
+                 shards: int | None = None) -> StepPrediction:
+    """What :func:`data_parallel` would do with ``fn(*args)`` on ``machine`` (a preset name or a
+    Machine), without running it: tensors built on the CPU are taken to live on ``inputs_on``.
+    """
+    from .api import Options
+    from .cost import CostModel
+    from .machine import load_machine
+    from .place import place
+    from .plan import make_plan
+    from .simulate import simulate
+
+    step = capture_step(fn, args)
+    if inputs_on is not None:
+        from .capture import relabel_devices
+
+        relabel_devices(step.graph, "cpu", inputs_on)
+    cost = CostModel(load_machine(machine))
+    devices = [d.name for d in cost.machine.devices]
+    runner = DataParallelStep(fn, Options(devices=tuple(devices)), batch_argnums, shards)
+    choice = choose(step, runner._batch(step, args), cost, devices, shards=shards)
+    eager = place(step.graph, cost, policy="single", devices=devices)
+    return StepPrediction(choice, eager.predicted_s,
+                          simulate(make_plan(choice.placement, cost), cost))
+
+
+def data_parallel(fn: Callable, *, batch_argnums: Sequence[int] | None = None,
+                  shards: int | None = None, **options: Any) -> DataParallelStep:
+    """Run ``fn`` (a whole training or inference step) with its batch split over devices.
+
+    ``batch_argnums``: positions of the arguments to split along dim 0 (default: see the module
+    docstring). ``shards``: how many devices take a shard (default: the cost model decides; 1
+    never splits). Options are :func:`autopar.compile`'s (``devices``, ``policy``,
+    ``machine``, ``trace``).
+    """
+    if not callable(fn):
+        raise TypeError(f"data_parallel expects a function, got {type(fn).__name__}")
+    if shards is not None and (not isinstance(shards, int) or shards < 1):
+        raise ValueError(f"shards must be a positive int or None, not {shards!r}")
+    from .api import Options
+
+    return DataParallelStep(fn, Options.parse(options), batch_argnums, shards)

@@ -1,0 +1,36 @@
+"""Small training steps written as a user writes them for one device, and their inputs."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def mlp_inputs(batch: int = 7, d_in: int = 6, hidden: int = 5, classes: int = 3,
+               seed: int = 0) -> tuple:
+    """W6's arguments at a small size: (w1, b1, w2, b2) requiring grad, then x and labels t."""
+    g = torch.Generator().manual_seed(seed)
+    params = (torch.randn(hidden, d_in, generator=g), torch.randn(hidden, generator=g),
+              torch.randn(classes, hidden, generator=g), torch.randn(classes, generator=g))
+    x = torch.randn(batch, d_in, generator=g)
+    t = torch.randint(0, classes, (batch,), generator=g)
+    return (*(p.requires_grad_() for p in params), x, t)
+
+
+def bn_step(w, gamma, beta, x):
+    """A linear layer, batch norm over the batch (training mode), SGD on all three."""
+    h = F.batch_norm(x @ w.t(), None, None, gamma, beta, training=True)
+    loss = torch.relu(h).sum()
+    loss.backward()
+    with torch.no_grad():
+        for p in (w, gamma, beta):
+            p -= 0.1 * p.grad
+            p.grad = None
+    return loss.detach()
+
+
+def bn_inputs(batch: int = 7) -> tuple:
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(4, 3, generator=g).requires_grad_(),
+            torch.rand(4, generator=g).add(0.5).requires_grad_(),
+            torch.randn(4, generator=g).requires_grad_(), torch.randn(batch, 3, generator=g))

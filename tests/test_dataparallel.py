@@ -1,0 +1,191 @@
+"""``autopar.data_parallel`` on two logical CPU workers: real runs, compared with eager.
+
+Each test runs a step eagerly on one copy of the tensors and through autopar on another, and
+compares losses, parameters and gradients (reductions are summed in another order: float
+tolerance).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autopar
+from _steps import bn_inputs, bn_step, mlp_inputs
+from autopar.workloads import w6_train_step
+
+CPUS = "cpu:0,cpu:1"
+
+
+def twin(tensors: tuple) -> tuple:
+    return tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in tensors)
+
+
+def assert_same(got, want) -> None:
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.detach(), w.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_twenty_w6_steps_on_a_batch_of_seven_equal_eager():
+    ref = mlp_inputs(batch=7)
+    mine = twin(ref)
+    params = mine[:4]
+    step = autopar.data_parallel(w6_train_step, devices=CPUS, shards=2)
+    for _ in range(20):
+        torch.testing.assert_close(step(*mine), w6_train_step(*ref), rtol=1e-5, atol=1e-6)
+    assert step.last is not None and step.last.sharded.sizes == (4, 3)
+    assert_same(mine, ref)
+    assert all(p is q for p, q in zip(params, mine[:4]))  # updated in place, same tensors
+    assert all(p.grad is None for p in mine[:4])
+
+
+def test_uneven_batches_on_three_workers():
+    ref = mlp_inputs(batch=10, seed=3)
+    mine = twin(ref)
+    step = autopar.data_parallel(w6_train_step, devices="cpu:0,cpu:1,cpu:2", shards=3)
+    for _ in range(3):
+        torch.testing.assert_close(step(*mine), w6_train_step(*ref), rtol=1e-5, atol=1e-6)
+    assert step.last.sharded.sizes == (4, 3, 3)
+    assert_same(mine, ref)
+
+
+def test_batch_norm_steps_equal_eager():
+    ref = bn_inputs()
+    mine = twin(ref)
+    step = autopar.data_parallel(bn_step, devices=CPUS, shards=2)
+    for _ in range(20):
+        torch.testing.assert_close(step(*mine), bn_step(*ref), rtol=1e-5, atol=1e-5)
+    assert any("batch_norm" in name for name in step.last.sharded.unsplit)
+    assert_same(mine, ref)
+
+
+def test_gradients_the_step_leaves_are_set_then_a_held_grad_runs_eagerly():
+    def grads_only(w, x):
+        loss = (x @ w).square().mean()
+        loss.backward()
+        return loss.detach()
+
+    g = torch.Generator().manual_seed(2)
+    ref = (torch.randn(3, 2, generator=g).requires_grad_(), torch.randn(9, 3, generator=g))
+    mine = twin(ref)
+    step = autopar.data_parallel(grads_only, devices=CPUS, shards=2)
+    torch.testing.assert_close(step(*mine), grads_only(*ref))
+    torch.testing.assert_close(mine[0].grad, ref[0].grad)
+    assert step.last is not None
+    step(*mine)  # .grad is set now: accumulating runs eagerly, as written
+    grads_only(*ref)
+    assert step.last is None
+    torch.testing.assert_close(mine[0].grad, ref[0].grad)
+
+
+def test_inference_splits_the_named_batch_arguments():
+    def predict(x, w):
+        return F.softmax(x @ w, dim=1), (x @ w).sum()
+
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(11, 5, generator=g), torch.randn(5, 3, generator=g)
+    step = autopar.data_parallel(predict, devices=CPUS, batch_argnums=(0,), shards=2)
+    probs, total = step(x, w)
+    want = predict(x, w)
+    torch.testing.assert_close(probs, want[0])
+    torch.testing.assert_close(total, want[1])
+    assert probs.shape == (11, 3) and step.last.sharded.sizes == (6, 5)
+    with pytest.raises(TypeError, match="batch_argnums"):
+        autopar.data_parallel(predict, devices=CPUS)(x, w)
+
+
+def test_steps_that_cannot_be_captured_run_eagerly_with_a_warning(caplog):
+    def reads_a_value(w, x):
+        loss = (x @ w).sum() * float((x > 0).sum())  # data-dependent Python number
+        loss.backward()
+        with torch.no_grad():
+            w -= 0.1 * w.grad
+            w.grad = None
+        return loss.detach()
+
+    g = torch.Generator().manual_seed(5)
+    ref = (torch.randn(3, 2, generator=g).requires_grad_(), torch.randn(4, 3, generator=g))
+    mine = twin(ref)
+    step = autopar.data_parallel(reads_a_value, devices=CPUS)
+    with caplog.at_level(logging.WARNING, logger="autopar"):
+        torch.testing.assert_close(step(*mine), reads_a_value(*ref))
+    assert "running reads_a_value eagerly" in caplog.text
+    assert step.last is None
+    assert_same(mine, ref)
+
+
+def test_torch_optim_is_refused_not_silently_skipped(caplog):
+    w = torch.randn(3, 2, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+
+    def with_optimizer(w, x):
+        loss = (x @ w).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    step = autopar.data_parallel(with_optimizer, devices=CPUS)
+    before = w.detach().clone()
+    x = torch.randn(4, 3)
+    with caplog.at_level(logging.WARNING, logger="autopar"):
+        step(w, x)
+    assert "SGD.step()" in caplog.text and step.last is None
+    torch.testing.assert_close(w.detach(), before - 0.1 * x.sum(0)[:, None].expand(3, 2))
+
+
+def test_shards_must_fit_the_devices():
+    with pytest.raises(ValueError, match="shards must be a positive int"):
+        autopar.data_parallel(w6_train_step, devices=CPUS, shards=0)
+    step = autopar.data_parallel(w6_train_step, devices=CPUS, shards=3)
+    with pytest.raises(ValueError, match="shards=3: between 1 and 2"):
+        step(*mlp_inputs())
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_mean_cross_entropy_with_ignored_targets_and_class_weights_equals_eager(weighted):
+    def step_fn(w, x, t, cw):
+        loss = F.cross_entropy(x @ w, t, weight=cw if weighted else None, ignore_index=1)
+        loss.backward()
+        with torch.no_grad():
+            w -= 0.5 * w.grad
+            w.grad = None
+        return loss.detach()
+
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(4, 3, generator=g).requires_grad_()
+    x, t = torch.randn(9, 4, generator=g), torch.tensor([1, 0, 2, 1, 1, 0, 2, 2, 1])
+    cw = torch.tensor([0.2, 1.0, 3.0])
+    ref, mine = (w, x, t, cw), twin((w, x, t, cw))
+    step = autopar.data_parallel(step_fn, devices=CPUS, batch_argnums=(1, 2), shards=2)
+    for _ in range(3):
+        torch.testing.assert_close(step(*mine), step_fn(*ref), rtol=1e-5, atol=1e-6)
+    assert step.last.sharded.unsplit == {}
+    assert_same(mine, ref)
+
+
+def test_a_modules_own_parameters_are_refused_and_the_step_runs_eagerly(caplog):
+    torch.manual_seed(0)
+    lin, ref = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    ref.load_state_dict(lin.state_dict())
+
+    def step_of(model):
+        def step(x):
+            loss = model(x).sum()
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+            return loss.detach()
+        return step
+
+    x = torch.randn(4, 3)
+    step = autopar.data_parallel(step_of(lin), devices=CPUS, batch_argnums=(0,))
+    with caplog.at_level(logging.WARNING, logger="autopar"):
+        torch.testing.assert_close(step(x), step_of(ref)(x))
+    assert "running step eagerly" in caplog.text and step.last is None
+    assert_same(list(lin.parameters()), list(ref.parameters()))

@@ -1,0 +1,86 @@
+"""``autopar.data_parallel`` on two real GPUs: training steps equal eager on one GPU, replicas
+stay resident between steps. Skips cleanly without two CUDA devices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from _steps import bn_inputs, bn_step, mlp_inputs
+from autopar.workloads import w6_train_step
+
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+GPUS = "cuda:0,cuda:1"
+
+
+def on_gpu(tensors: tuple) -> tuple:
+    return tuple(t.detach().to("cuda:0").requires_grad_(t.requires_grad) for t in tensors)
+
+
+def assert_same(got, want, tol: float = 1e-4) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert g.device == w.device
+        torch.testing.assert_close(g.detach(), w.detach(), rtol=tol, atol=tol)
+
+
+def test_twenty_w6_steps_over_two_gpus_equal_eager_on_one():
+    ref = on_gpu(mlp_inputs(batch=301, d_in=64, hidden=128, classes=10))
+    mine = on_gpu(mlp_inputs(batch=301, d_in=64, hidden=128, classes=10))
+    step = autopar.data_parallel(w6_train_step, devices=GPUS, shards=2)
+    for _ in range(20):
+        loss = step(*mine)
+        want = w6_train_step(*ref)
+        assert loss.device == want.device
+        torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-4)
+    assert step.last.sharded.devices == ("cuda:0", "cuda:1")
+    assert step.last.sharded.sizes == (151, 150)
+    assert_same(mine, ref)
+    assert all(p.grad is None for p in mine[:4])
+
+
+def test_replicas_are_made_once_and_again_only_after_an_outside_change():
+    ref = on_gpu(mlp_inputs(batch=64, d_in=32, hidden=64))
+    mine = on_gpu(mlp_inputs(batch=64, d_in=32, hidden=64))
+    step = autopar.data_parallel(w6_train_step, devices=GPUS, shards=2)
+    for _ in range(5):
+        step(*mine)
+        w6_train_step(*ref)
+    assert step.replica_copies == 4  # one per parameter, on the first call only
+    with torch.no_grad():  # the user changes a parameter between steps
+        mine[0].mul_(0.5)
+        ref[0].mul_(0.5)
+    torch.testing.assert_close(step(*mine), w6_train_step(*ref), rtol=1e-4, atol=1e-4)
+    assert step.replica_copies == 5
+    assert_same(mine, ref)
+
+
+def test_batch_norm_step_over_two_gpus_equals_eager():
+    ref, mine = on_gpu(bn_inputs(batch=33)), on_gpu(bn_inputs(batch=33))
+    step = autopar.data_parallel(bn_step, devices=GPUS, shards=2)
+    for _ in range(5):
+        torch.testing.assert_close(step(*mine), bn_step(*ref), rtol=1e-4, atol=1e-4)
+    assert_same(mine, ref)
+
+
+def test_inference_batch_split_over_two_gpus():
+    def predict(x, w1, w2):
+        return torch.relu(x @ w1) @ w2
+
+    g = torch.Generator().manual_seed(0)
+    x, w1, w2 = (torch.randn(*s, generator=g).cuda() for s in ((1001, 64), (64, 256),
+                                                                (256, 8)))
+    step = autopar.data_parallel(predict, devices=GPUS, batch_argnums=(0,), shards=2)
+    out = step(x, w1, w2)
+    assert out.device == torch.device("cuda:0") and out.shape == (1001, 8)
+    torch.testing.assert_close(out, predict(x, w1, w2), rtol=1e-4, atol=1e-4)
+
+
+def test_cost_model_choice_runs_and_equals_eager():
+    ref = on_gpu(mlp_inputs(batch=2048, d_in=512, hidden=1024, classes=10))
+    mine = on_gpu(mlp_inputs(batch=2048, d_in=512, hidden=1024, classes=10))
+    step = autopar.data_parallel(w6_train_step, devices="auto")
+    for _ in range(3):
+        torch.testing.assert_close(step(*mine), w6_train_step(*ref), rtol=1e-4, atol=1e-4)
+    assert "unsplit" in step.last.choice.predicted
+    assert_same(mine, ref)

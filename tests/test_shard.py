@@ -1,0 +1,242 @@
+"""The sharding pass on CPU: exact shard shapes, replicas, reductions, what is left unsplit.
+
+Graphs come from :func:`autopar.dataparallel.capture_step` (a whole training step traced on
+fake tensors); those meant for GPUs are captured on the CPU and relabelled to ``cuda:0``.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+
+from _steps import bn_inputs, bn_step, mlp_inputs
+from autopar.capture import relabel_devices
+from autopar.cost import CostModel
+from autopar.dataparallel import capture_step, choose
+from autopar.graph import Graph, TensorMeta, op_name
+from autopar.place import place
+from autopar.presets import preset
+from autopar.shard import NotShardable, even_sizes, shard
+from autopar.workloads import w6_train_step
+
+aten = torch.ops.aten
+
+
+def batch_of(step) -> dict:
+    """The W6-style step's batch inputs: x and t (arguments 4 and 5), split along dim 0."""
+    return {step.graph.inputs[4]: 0, step.graph.inputs[5]: 0}
+
+
+def ops_named(g: Graph, name: str) -> list:
+    return [n for n in g.ops if op_name(n.op) == name]
+
+
+def test_even_sizes_put_the_remainder_first():
+    assert even_sizes(7, 2) == (4, 3)
+    assert even_sizes(8, 3) == (3, 3, 2)
+    with pytest.raises(NotShardable, match="batch of 2 into 3"):
+        even_sizes(2, 3)
+
+
+def test_batch_of_seven_over_two_cpu_workers_has_exact_shard_shapes():
+    step = capture_step(w6_train_step, mlp_inputs(batch=7))
+    s = shard(step.graph, batch_of(step), ["cpu:0", "cpu:1"])
+    assert s.sizes == (4, 3)
+    slices = ops_named(s.graph, "aten.slice.Tensor")
+    assert [(n.args[0].name, n.args[2:], n.meta.shape) for n in slices] == [
+        ("arg4_1", (0, 4), (4, 6)), ("arg4_1", (4, 7), (3, 6)),
+        ("arg5_1", (0, 4), (4,)), ("arg5_1", (4, 7), (3,))]
+    first_layer = ops_named(s.graph, "aten.addmm")[:2]
+    assert [n.meta.shape for n in first_layer] == [(4, 5), (3, 5)]
+    assert [s.pins[n] for n in first_layer] == ["cpu:0", "cpu:1"]
+    # CPU workers share memory: no replicas, no copies
+    assert s.replicas == []
+    assert [n.kwargs for n in ops_named(s.graph, "aten._to_copy")] == [
+        {"dtype": torch.float32}]  # only the target count's cast
+    assert s.unsplit == {}
+
+
+def test_weight_gradients_are_partial_products_summed_on_home():
+    step = capture_step(w6_train_step, mlp_inputs(batch=8))
+    s = shard(step.graph, batch_of(step), ["cpu:0", "cpu:1"])
+    sums = ops_named(s.graph, "aten.add.Tensor")
+    # loss sum, then dW2, db2, dW1, db1: one add of two partials each
+    shapes = [n.meta.shape for n in sums]
+    assert shapes == [(), (3, 5), (1, 3), (5, 6), (1, 5)]
+    for n in sums:
+        a, b = n.args
+        assert {s.pins[a], s.pins[b]} == {"cpu:0", "cpu:1"}
+        assert op_name(a.op) in ("aten.mm", "aten.sum.dim_IntList", "getitem")
+
+
+def test_mean_loss_is_the_sum_of_shard_sums_over_the_total_weight():
+    step = capture_step(w6_train_step, mlp_inputs(batch=7))
+    s = shard(step.graph, batch_of(step), ["cpu:0", "cpu:1"])
+    nll = ops_named(s.graph, "aten.nll_loss_forward")
+    assert [n.args[3] for n in nll] == [2, 2]  # per shard: reduction=sum
+    (div,) = ops_named(s.graph, "aten.div.Tensor")
+    total, weight = div.args
+    assert [op_name(a.op) for a in total.args] == ["getitem", "getitem"]
+    # the total weight counts the targets not ignored, from the whole targets alone
+    assert op_name(weight.op) == "aten._to_copy" and weight not in s.pins
+    (count,) = weight.args
+    (kept,) = count.args
+    assert op_name(kept.op) == "aten.ne.Scalar" and kept.args == (s.graph.inputs[5], -100)
+    backward = ops_named(s.graph, "aten.nll_loss_backward")
+    assert [n.args[6] for n in backward] == [weight, weight]
+    assert [n.args[4] for n in backward] == [1, 1]  # each shard's rows with the global mean
+
+
+def test_sharded_graph_computes_what_the_original_does():
+    """Run both graphs op by op (one device) and compare every output."""
+    from autopar.runtime import SequentialRunner
+
+    inputs = mlp_inputs(batch=7)
+    step = capture_step(w6_train_step, inputs)
+    s = shard(step.graph, batch_of(step), ["cpu:0", "cpu:1"], sizes=(2, 5))
+    args = [t.detach() for t in inputs]
+    want = SequentialRunner(step.graph)(args)
+    got = SequentialRunner(s.graph)(args)
+    assert len(got) == len(want) == 5
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_on_gpus_parameters_are_replicated_and_gradients_all_reduced():
+    step = capture_step(w6_train_step, mlp_inputs(batch=8))
+    relabel_devices(step.graph, "cpu", "cuda:0")
+    s = shard(step.graph, batch_of(step), ["cuda:0", "cuda:1"], updates=step.updates)
+    assert sorted(s.replicas) == [(0, "cuda:1"), (1, "cuda:1"), (2, "cuda:1"), (3, "cuda:1")]
+    replicas = s.graph.inputs[6:]
+    assert [(n.name, n.device) for n in replicas] == [
+        (f"arg{i}_1@cuda:1", "cuda:1") for i, _ in s.replicas]
+    # to cuda:1 go the batch halves and partial results, never a whole parameter
+    moved = [n.args[0] for n in ops_named(s.graph, "aten._to_copy")
+             if n.kwargs.get("device") == torch.device("cuda:1")]
+    assert [n.name for n in moved[:2]] == ["arg4_1_s1", "arg5_1_s1"]
+    assert all(s.pins.get(n) == "cuda:0" or n.name.endswith("_s1") for n in moved)
+    # every gradient is summed on both GPUs, shard 0's partial first on each
+    for dev in ("cuda:0", "cuda:1"):
+        adds = [n for n in ops_named(s.graph, "aten.add.Tensor") if n.device == dev]
+        assert sorted(n.meta.shape for n in adds if n.meta.shape) == [
+            (1, 3), (1, 5), (3, 5), (5, 6)]
+        for n in adds:
+            first = n.args[0].args[0] if op_name(n.args[0].op) == "aten._to_copy" else n.args[0]
+            assert first.name.endswith("_s0") or s.pins.get(first) == "cuda:0"
+    # the replicas' next values: the update repeated on cuda:1
+    assert sorted(s.replica_outputs) == sorted(s.replicas)
+    nexts = s.graph.outputs[5:]
+    assert [(op_name(n.op), n.device) for n in nexts] == [("aten.sub.Tensor", "cuda:1")] * 4
+    assert [n.args[0] for n in nexts] == [s.graph.inputs[6 + k] for k in range(4)]
+
+
+def test_placement_obeys_the_shard_pins():
+    step = capture_step(w6_train_step, mlp_inputs(batch=8))
+    relabel_devices(step.graph, "cpu", "cuda:0")
+    s = shard(step.graph, batch_of(step), ["cuda:0", "cuda:1"])
+    cost = CostModel(preset("h200x2"))
+    placed = place(s.graph, cost, pins=s.pins)
+    assert {n: placed.device[n] for n in s.pins} == s.pins
+    single = place(s.graph, cost, policy="single", pins=s.pins)
+    assert {n: single.device[n] for n in s.pins} == s.pins
+
+
+def test_place_rejects_pins_to_devices_the_machine_lacks():
+    step = capture_step(w6_train_step, mlp_inputs(batch=8))
+    node = step.graph.ops[0]
+    with pytest.raises(ValueError, match=r"pins name devices \['cuda:7'\]"):
+        place(step.graph, CostModel(preset("h200x2")), pins={node: "cuda:7"})
+
+
+def test_batch_norm_is_left_unsplit_on_the_gathered_batch():
+    step = capture_step(bn_step, bn_inputs())
+    s = shard(step.graph, {step.graph.inputs[3]: 0}, ["cpu:0", "cpu:1"])
+    assert any("batch_norm" in name for name in s.unsplit)
+    (norm,) = [n for n in s.graph.ops if "batch_norm" in op_name(n.op)
+               and "backward" not in op_name(n.op)]
+    assert norm.args[0].meta.shape == (7, 4)  # the whole batch
+    cat = norm.args[0]
+    assert op_name(cat.op) == "aten.cat" and [p.meta.shape for p in cat.args[0]] == [
+        (4, 4), (3, 4)]
+    assert norm not in s.pins
+
+
+def test_non_functional_graphs_and_bad_batches_are_refused():
+    g = Graph("inplace")
+    x = g.input(TensorMeta.make((4, 2)), "x")
+    y = g.input(TensorMeta.make((4, 2)), "y")
+    g.set_outputs([g.call(aten.add_.Tensor, (x, y))])
+    with pytest.raises(NotShardable, match="writes %x in place"):
+        shard(g, {y: 0}, ["cpu:0", "cpu:1"])
+    step = capture_step(w6_train_step, mlp_inputs(batch=8))
+    with pytest.raises(NotShardable, match="disagree on the batch size"):
+        shard(step.graph, {step.graph.inputs[4]: 0, step.graph.inputs[0]: 0},
+              ["cpu:0", "cpu:1"])
+    with pytest.raises(NotShardable, match="sizes"):
+        shard(step.graph, batch_of(step), ["cpu:0", "cpu:1"], sizes=(8, 0))
+
+
+def test_cost_model_splits_w6_over_two_h200s_and_not_a_tiny_batch():
+    """Predictions on the h200x2 preset (deterministic numbers, no timing)."""
+    from autopar.workloads import _w6_inputs
+
+    cost = CostModel(preset("h200x2"))
+    devices = [d.name for d in cost.machine.devices]
+    big = capture_step(w6_train_step, _w6_inputs(["cpu"], "full"))
+    relabel_devices(big.graph, "cpu", "cuda:0")
+    choice = choose(big, batch_of(big), cost, devices)
+    assert choice.sharded is not None and choice.sharded.devices == ("cuda:0", "cuda:1")
+    assert choice.placement.predicted_s < 0.6 * choice.predicted["unsplit"]
+    assert sorted(choice.sharded.replica_outputs) == [(i, "cuda:1") for i in range(4)]
+    tiny = capture_step(w6_train_step, mlp_inputs(batch=8))
+    relabel_devices(tiny.graph, "cpu", "cuda:0")
+    choice = choose(tiny, batch_of(tiny), cost, devices)
+    assert choice.sharded is None and set(choice.predicted) == {"unsplit", "cuda:0,cuda:1"}
+
+
+def test_capture_step_outputs_loss_then_grads_then_updates():
+    def no_update(w, x):
+        loss = (x @ w).square().mean()
+        loss.backward()
+        return loss.detach()
+
+    w = torch.randn(3, 2, requires_grad=True)
+    step = capture_step(no_update, (w, torch.randn(5, 3)))
+    assert (step.n_outputs, step.grads, step.mutated, step.params) == (1, [0], [], [0])
+    assert w.grad is None  # tracing ran on fake tensors
+    step = capture_step(w6_train_step, mlp_inputs())
+    assert (step.n_outputs, step.grads, step.mutated) == (1, [], [0, 1, 2, 3])
+    assert all(op_name(n.op) != "aten.copy_" for n in step.graph.ops)
+    assert [o.op for o in step.graph.outputs[:1]] != [operator.getitem]
+
+
+def test_gpu_sharded_graph_run_on_the_cpu_gives_eager_values_and_identical_replicas():
+    """The two-GPU graph's arithmetic, run op by op with both GPUs relabelled to the host."""
+    from autopar.runtime import SequentialRunner
+
+    inputs = mlp_inputs(batch=9)
+    step = capture_step(w6_train_step, inputs)
+    want = SequentialRunner(step.graph)([t.detach() for t in inputs])
+    relabel_devices(step.graph, "cpu", "cuda:0")
+    s = shard(step.graph, batch_of(step), ["cuda:0", "cuda:1"], updates=step.updates)
+    for dev in ("cuda:0", "cuda:1"):
+        relabel_devices(s.graph, dev, "cpu")
+    args = [t.detach() for t in inputs]
+    got = SequentialRunner(s.graph)(args + [args[j].clone() for j, _ in s.replicas])
+    for g, w in zip(got[:5], want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    updated = dict(zip(step.mutated, got[1:5]))
+    for (j, _), replica in zip(s.replica_outputs, got[5:], strict=True):
+        assert torch.equal(replica, updated[j])  # all-reduced: the same bits as home's
+
+
+def test_benchmark_simulation_of_w6_goes_through_the_data_parallel_pass():
+    """W6 at full size on the h200x2 preset: the predicted speed-up meets the goal (1.8x)."""
+    from autopar import bench
+    from autopar.workloads import WORKLOADS
+
+    sim, timeline = bench.simulate(WORKLOADS["W6"], "h200x2")
+    assert sim.error is None and sim.speedup >= 1.8
+    assert {"cuda:0/compute", "cuda:1/compute"} <= set(timeline.lanes())
