@@ -351,3 +351,40 @@ def test_explain_by_running_w1_places_the_reads_on_the_host_and_says_so():
     assert [s.split(" is read")[0] for s in report.syncs] == [
         "%arg0_1", "%arg1_1", "%arg2_1", "%arg3_1"]
     assert report.transfers == 4
+
+
+def test_capturing_scalars_stops_switching_once_not_needed():
+    from autopar.capture import capturing_scalars
+
+    seen: list[bool] = []
+    need = {"now": True}
+
+    def compiled(x):
+        seen.append(torch._dynamo.config.capture_scalar_outputs)
+        return x + 1
+
+    f = capturing_scalars(compiled, needed=lambda: need["now"])
+    assert f(1) == 2
+    need["now"] = False
+    assert f(1) == 2
+    assert seen == [True, False]
+    assert torch._dynamo.config.capture_scalar_outputs is False
+
+
+def test_a_dynamo_failure_with_scalars_captured_is_traced_again_without(caplog):
+    from autopar.capture import capturing_scalars
+
+    calls: list[bool] = []
+
+    def compiled(x):
+        calls.append(torch._dynamo.config.capture_scalar_outputs)
+        if torch._dynamo.config.capture_scalar_outputs:
+            raise torch._dynamo.exc.InternalTorchDynamoError("PendingUnbackedSymbolNotFound")
+        return x * 2
+
+    f = capturing_scalars(compiled)
+    with caplog.at_level("WARNING", logger="autopar"):
+        assert f(3) == 6
+    assert f(4) == 8
+    assert calls == [True, False, False]
+    assert "tracing it with graph breaks at .item() instead" in caplog.text

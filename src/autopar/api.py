@@ -35,6 +35,7 @@ log = logging.getLogger("autopar")
 POLICIES = ("heft", "single", "round_robin")
 _DEVICE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
 MAX_CPU_WORKERS = 64
+_LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
 
 
 def parse_devices(devices: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -131,6 +132,8 @@ class Runner:
         self.options = options
         self._cost: Any = None
         self.executors: list[Any] = []  # every graph's executor, in the order they were built
+        self.graphs = 0  # graphs handed to this runner
+        self.reads_scalars = False  # whether any of them reads a value to the host (.item())
 
     def cost_model(self) -> Any:
         """The cost model, resolving (and if need be calibrating) the machine on first use."""
@@ -154,6 +157,9 @@ class Runner:
         from .runtime.executor import fusion_devices
 
         options = self.options
+        self.graphs += 1
+        self.reads_scalars = self.reads_scalars or any(
+            n.op is _LOCAL_SCALAR_DENSE for n in graph.ops)
         try:
             cost = self.cost_model()
             placement = place(graph, cost, policy=options.policy, devices=options.devices)
@@ -212,4 +218,5 @@ def compile(fn: Callable, **options: Any) -> Callable:
     opts = Options.parse(options)
     runner = make_runner(opts)
     runner.cost_model()  # resolve (and if need be calibrate) the machine now, not mid-trace
-    return capturing_scalars(torch.compile(fn, backend=make_backend(runner), dynamic=False))
+    return capturing_scalars(torch.compile(fn, backend=make_backend(runner), dynamic=False),
+                             needed=lambda: not runner.graphs or runner.reads_scalars)

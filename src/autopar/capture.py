@@ -274,28 +274,40 @@ def make_backend(build: GraphRunner, name: str = "autopar") -> Callable:
     )
 
 
-def capturing_scalars(compiled: Callable) -> Callable:
+def capturing_scalars(compiled: Callable, needed: Callable[[], bool] | None = None) -> Callable:
     """``compiled`` (a ``torch.compile`` result) traced with ``.item()`` and tensor slice
     bounds kept in the graph (dynamo's ``capture_scalar_outputs``) instead of breaking it.
 
     The setting is dynamo's, read when a frame is traced; it is switched on around each call
     only, so the caller's other compiled code is not affected. Switching costs a few
-    microseconds a call; with ``torch._dynamo.config.capture_scalar_outputs = True`` (or
-    ``TORCHDYNAMO_CAPTURE_SCALAR_OUTPUTS=1``) already set, calls go straight through.
+    microseconds a call, so it stops once ``needed()`` says False (``autopar.compile``: the
+    first call's graphs read no scalar, so the function's code has none to capture); with
+    ``torch._dynamo.config.capture_scalar_outputs = True`` (or
+    ``TORCHDYNAMO_CAPTURE_SCALAR_OUTPUTS=1``) already set, calls go straight through. Where
+    dynamo itself fails to trace with the setting on (an internal error, before anything ran),
+    the call is traced again without it, once, logged, and the setting is not used again.
     """
     config = torch._dynamo.config
+    state = {"off": False}
 
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            if config.capture_scalar_outputs:
+            if state["off"] or config.capture_scalar_outputs or (
+                    needed is not None and not needed()):
                 return fn(*args, **kwargs)
             # set and reset the attribute itself: ``config.patch`` costs ~25 us a call
             config.capture_scalar_outputs = True
             try:
                 return fn(*args, **kwargs)
+            except torch._dynamo.exc.InternalTorchDynamoError as e:
+                state["off"] = True
+                log.warning("autopar: tracing %s with .item() captured failed inside dynamo "
+                            "(%s); tracing it with graph breaks at .item() instead",
+                            getattr(fn, "__name__", "the function"), str(e).splitlines()[0])
             finally:
                 config.capture_scalar_outputs = False
+            return fn(*args, **kwargs)
         return call
 
     if isinstance(compiled, torch.nn.Module):  # an OptimizedModule: its forward is dynamo's

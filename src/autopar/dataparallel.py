@@ -334,6 +334,9 @@ class DataParallelStep:
             tensors[j].grad = grad
         nexts = c.sharded.replica_outputs if c.sharded is not None else []
         for (j, device), fresh in zip(nexts, outs[n + g + m:], strict=True):
+            where = torch.device(torch_device(device))
+            if fresh.device != where:  # the graph delivered it to eager's device: move it back
+                fresh = fresh.to(where)
             self._replicas[(j, device)] = (fresh, tensors[j]._version, tensors[j].data_ptr())
         return tree_unflatten(user, step.out_spec)
 

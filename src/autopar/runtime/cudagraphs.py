@@ -26,7 +26,9 @@ Policy
   output, read by a later Send or Record, or the base of a later view) is cloned after each
   replay; the others are read only by later steps of the same program, on the same stream.
 - A capture failure never breaks the run: the segment stays on streams for good, and the
-  reason is logged once. Peer access between the program's GPUs is enabled before any capture.
+  reason is logged once; the device's RNG generator gets back a copy of its state from before
+  the capture (a failed capture leaves it flagged as capturing). Peer access between the
+  program's GPUs is enabled before any capture.
 
 Glossary: a segment chosen for capture becomes one :class:`~autopar.runtime.codegen.Call`
 step of its program, calling its :class:`GraphSegment`, with ``status`` one of ``"warmup"``,
@@ -197,10 +199,18 @@ class CudaGraphBackend:
                 run(static_in)  # off the graph: lazy initialization happens here
             stream.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
+            # a capture that fails ends before the generator leaves its capturing state, and
+            # every later random op of the process would fail: keep a fresh copy to restore
+            gen = torch.cuda.default_generators[dev.index or 0]
+            fresh = gen.clone_state() if hasattr(gen, "clone_state") else None
             try:
                 with torch.cuda.graph(graph, stream=torch.cuda.Stream(dev),
                                       capture_error_mode="thread_local"):
                     outs = run(static_in)
+            except BaseException:
+                if fresh is not None:
+                    gen.graphsafe_set_state(fresh)
+                raise
             finally:
                 torch.cuda.set_stream(stream)  # a failing capture_end skips the graph's restore
             return graph.replay, outs
