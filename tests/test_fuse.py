@@ -287,3 +287,24 @@ def test_big_matmuls_keep_their_heft_plan_on_two_gpus(h200x2):
     heft = make_plan(place(g, h200x2, devices=devices), h200x2)
     assert placed_on(heft) == {"cuda:0", "cuda:1"}
     assert prefer_fused(heft, g, h200x2, devices, ["cuda:0", "cuda:1"]) is heft
+
+
+def test_regions_with_ops_inductor_decomposes_compile():
+    """``t``, ``flip`` and ``linalg_vector_norm`` have decompositions and no lowering of their
+    own: the region is decomposed with Inductor's table first, as aot_autograd does."""
+    from autopar.api import Options, Runner
+    from autopar.capture import make_backend
+
+    def f(x, y):
+        a = (x.t() + 1.0) * 2.0
+        b = torch.flip(y, [0]).relu() / 3.0
+        n = torch.linalg.vector_norm(a, dim=1, keepdim=True).clamp_min(1e-6)
+        return a / n, b
+
+    runner = Runner(Options.parse({"devices": "cpu:0", "fuse": True}))
+    g = torch.compile(f, backend=make_backend(runner), dynamic=False)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    for got, want in zip(g(x, y), f(x, y), strict=True):
+        torch.testing.assert_close(got, want)
+    (ex,) = runner.executors
+    assert ex.fused and [k.kernel.status for k in ex.fused] == ["compiled"] * len(ex.fused)

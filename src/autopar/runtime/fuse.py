@@ -141,10 +141,20 @@ def _layout(inputs: list) -> tuple:
 def _inductor(gm: torch.fx.GraphModule, inputs: list) -> Callable[[list], Any]:
     """Inductor's compiled function of ``gm`` (a functional ATen graph, as aot_autograd hands
     Inductor): ``fn(list) -> tuple``, a boxed call that empties the list it is given."""
+    from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
 
-    with torch.no_grad():
-        return compile_fx_inner(gm, list(inputs))
+    # Inductor lowers decomposed graphs: aot_autograd applies its table before handing one over
+    # (an op with a decomposition, such as aten.t, has no lowering of its own). Low-precision
+    # intermediates are rounded as eager rounds them, so a fused region keeps eager's numerics.
+    options = ({"emulate_precision_casts": True}
+               if hasattr(inductor_config, "emulate_precision_casts") else {})
+    with torch.no_grad(), inductor_config.patch(options):
+        decomposed = make_fx(gm, decomposition_table=select_decomp_table(),
+                             tracing_mode="fake")(*inputs)
+        return compile_fx_inner(decomposed, list(inputs))
 
 
 @dataclass(frozen=True, eq=False)
