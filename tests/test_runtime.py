@@ -179,3 +179,20 @@ def test_one_program_runs_as_one_function_and_still_names_a_failing_op(cost):
     args = inputs(g2)
     for x, y in zip(Executor(make_plan(by_hand(g2, {}), cost))(args), SequentialRunner(g2)(args)):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def test_a_cpu_worker_thread_uses_its_share_of_the_cores(cost):
+    """The worker thread runs with ``cpu_threads`` intra-op threads; the caller's own setting
+    (the thread that runs cpu:0's program) is left alone."""
+    g = branches()
+    plan = make_plan(place(g, cost, policy="round_robin", devices=CPUS), cost)
+    ex = Executor(plan, cpu_threads=1)
+    caller = torch.get_num_threads()
+    ex(inputs(g))
+    seen: list[int] = []
+    done = threading.Event()
+    executor_module._Worker.of("cpu:1").jobs.put(
+        lambda: (seen.append(torch.get_num_threads()), done.set()))
+    assert done.wait(10)
+    assert seen == [1]
+    assert torch.get_num_threads() == caller

@@ -168,7 +168,8 @@ class Runner:
                 fusing = fusion_devices(options.devices, options.fuse)
                 plan = prefer_fused(plan, graph, cost, options.devices, fusing)
             executor = Executor(plan, trace=bool(options.trace), fuse=options.fuse,
-                                cuda_graphs=options.cuda_graphs)
+                                cuda_graphs=options.cuda_graphs,
+                                cpu_threads=cost.machine.cpu_threads)
         except Exception as e:
             log.warning("autopar: running %s on eager's devices: planning failed: %s: %s",
                         graph.name, type(e).__name__, e)

@@ -281,11 +281,15 @@ class Executor:
     GPU segments as CUDA graphs (see :mod:`autopar.runtime.cudagraphs`); off when tracing,
     which times every op. ``interleaved``: the host's program and one GPU's run on the calling
     thread, interleaved (:mod:`autopar.runtime.interleave`); ``merged`` says which two.
+    ``cpu_threads``: the intra-op threads a CPU worker thread uses (the machine model's share of
+    the cores, ``Machine.cpu_threads``); the calling thread keeps the caller's setting.
     """
 
     def __init__(self, plan: Plan, trace: bool = False, fuse: bool | str = False,
-                 cuda_graphs: bool | str = False, interleaved: bool = True) -> None:
+                 cuda_graphs: bool | str = False, interleaved: bool = True,
+                 cpu_threads: int | None = None) -> None:
         self.plan = plan
+        self.cpu_threads = cpu_threads
         self.cuda_graphs = cuda_graphs
         self.trace = trace
         self.last_timeline: Timeline | None = None
@@ -411,8 +415,12 @@ class Executor:
         return [env[v] if kind == "slot" else v for kind, v in self.output_slots]
 
     def _job(self, device: str, call: _Call, finished: threading.Event):
+        threads = self.cpu_threads if _is_cpu(device) else None
+
         def job() -> None:
             try:
+                if threads and torch.get_num_threads() != threads:
+                    torch.set_num_threads(threads)  # this worker thread's share of the cores
                 self._run(device, call)
             finally:
                 finished.set()
