@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from _fakes import FakeCost, machine, tensor
 from autopar.graph import Graph
 from autopar.place import place
-from autopar.plan import Record, Send, Wait, make_plan
+from autopar.plan import Record, Run, Send, Wait, make_plan
+from autopar.runtime.executor import _planned_times
 from autopar.runtime.interleave import interleave, partner
 from test_place_properties import problems
 
@@ -97,6 +98,53 @@ def test_random_plans_interleave_into_a_valid_order(problem):
     gpu = partner(programs, hosts[0])
     if gpu is None:
         return
-    merged = interleave(programs, hosts[0], gpu)
-    assert merged is not None
-    check_order(programs, hosts[0], gpu, merged)
+    for times in (None, _planned_times(plan.placement.slots)):
+        merged = interleave(programs, hosts[0], gpu, times)
+        assert merged is not None
+        check_order(programs, hosts[0], gpu, merged)
+
+
+def feeds_another_gpu(host_op_s: float) -> tuple:
+    """h@cpu -> s = h * 2 (host only) -> u = relu(s) (cuda:1 only); x@cuda:0 -> a = relu(x)
+    (cuda:0) -> c = neg(a) (host only); d = neg(x) (cuda:0). cuda:1 waits for the host's s."""
+    g = Graph("feeds")
+    x = g.input(tensor((1000,), "cuda:0"), name="x")
+    h = g.input(tensor((1000,), "cpu"), name="h")
+    s = g.call(aten.mul.Tensor, (h, 2.0), name="s")
+    u = g.call(aten.relu.default, (s,), name="u")
+    a = g.call(aten.relu.default, (x,), name="a")
+    c = g.call(aten.neg.default, (a,), name="c")
+    d = g.call(aten.neg.default, (x,), name="d")
+    g.set_outputs([u, c, d])
+    cost = FakeCost(machine(cpus=1, gpus=2), times={("s", "cpu:0"): host_op_s,
+                                                    ("c", "cpu:0"): 1 * us},
+                    default=100 * us, bandwidth=1e12,
+                    only={"s": ["cpu:0"], "c": ["cpu:0"], "u": ["cuda:1"], "a": ["cuda:0"],
+                          "d": ["cuda:0"]})
+    plan = make_plan(place(g, cost))
+    programs = {d: list(steps) for d, steps in plan.programs.items() if steps}
+    assert partner(programs, "cpu:0") == "cuda:0"
+    return plan, programs
+
+
+def first_index(merged, device, name) -> int:
+    return next(i for i, (d, s) in enumerate(merged)
+                if d == device and isinstance(s, Run) and s.node.name == name)
+
+
+def test_a_short_host_op_another_gpu_waits_for_goes_before_the_gpu_launches():
+    plan, programs = feeds_another_gpu(1 * us)
+    times = _planned_times(plan.placement.slots)
+    merged = interleave(programs, "cpu:0", "cuda:0", times)
+    check_order(programs, "cpu:0", "cuda:0", merged)
+    assert first_index(merged, "cpu:0", "s") < first_index(merged, "cuda:0", "a")
+    # without the plan's times, GPU steps first
+    plain = interleave(programs, "cpu:0", "cuda:0")
+    assert first_index(plain, "cuda:0", "a") < first_index(plain, "cpu:0", "s")
+
+
+def test_a_long_host_op_waits_for_the_gpu_launches():
+    plan, programs = feeds_another_gpu(1e-3)
+    merged = interleave(programs, "cpu:0", "cuda:0", _planned_times(plan.placement.slots))
+    check_order(programs, "cpu:0", "cuda:0", merged)
+    assert first_index(merged, "cuda:0", "a") < first_index(merged, "cpu:0", "s")

@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..graph import Node, op_name
-from ..plan import Plan, Run
+from ..plan import Plan, Run, Send
 from ..routing import GraphIndex, moved_by_copy, route
 from ..timeline import Span, Timeline
 from .codegen import Call, Program, SlotTable, build_program
@@ -245,6 +245,27 @@ class _Worker(_PerDevice):
             fn()
 
 
+def _planned_times(slots: dict[Any, Any]) -> Any:
+    """``times(step)`` for :func:`~autopar.runtime.interleave.interleave`: the planned
+    ``(start, end)`` of a Run, a Send or a fused region, from the placement's slots (None for a
+    hand-made placement, which has none)."""
+    if not slots:
+        return None
+
+    def times(step: Any) -> tuple[float, float] | None:
+        if isinstance(step, Run):
+            found = [slots.get(step.node)]
+        elif isinstance(step, Send):
+            found = [slots.get((step.value, step.dst))]
+        elif isinstance(step, Fused):
+            found = [slots.get(n) for n in step.nodes]
+        else:
+            return None
+        found = [s for s in found if s is not None]
+        return (min(s.start for s in found), max(s.end for s in found)) if found else None
+    return times
+
+
 def fusion_devices(devices: Sequence[str], fuse: bool | str) -> list[str]:
     """The devices whose programs get their regions compiled by Inductor.
 
@@ -330,7 +351,8 @@ class Executor:
         # the host's program and its busiest GPU partner share the calling thread
         host = min((d for d in final if _is_cpu(d)), default=None)
         gpu = partner(final, host) if host is not None and interleaved else None
-        merged = interleave(final, host, gpu) if gpu is not None else None
+        merged = (interleave(final, host, gpu, _planned_times(placement.slots))
+                  if gpu is not None else None)
         self.merged = (host, gpu) if merged is not None else None
         for device, steps in final.items():
             if merged is not None and device in (host, gpu):

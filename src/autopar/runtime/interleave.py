@@ -14,7 +14,12 @@ Policy
   cycle that the separate threads would not have had.
 - Among the two, a GPU step goes first whenever its Waits are satisfied: launches return at once,
   so the thread issues all the GPU work it can before it computes on the host or blocks on a
-  copy to the host. Host steps fill in where the GPU's next step waits for them.
+  copy to the host. Host steps fill in where the GPU's next step waits for them. Exception, given
+  the plan's predicted times (``times``): a host step that never blocks and is short (a Send,
+  Record or Free, or an op predicted to take at most ``SHORT_S``) goes first when it is
+  predicted to start no later than the GPU's next step: another program may be waiting for it
+  (a value the host computes for another GPU at the start of a step), and the GPU loses
+  little.
 - No order exists only for a plan whose programs deadlock anyway; :func:`interleave` then
   returns None and the programs stay on their own threads.
 """
@@ -22,11 +27,16 @@ Policy
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..plan import Record, Send, Wait
+from ..plan import Free, Record, Run, Send, Wait
 from ..routing import pool
+
+SHORT_S = 50e-6
+"""A host op predicted to take at most this long may go before the GPU's next launch."""
+
+Times = Callable[[Any], "tuple[float, float] | None"]
 
 
 def partner(programs: Mapping[str, Sequence[Any]], host: str) -> str | None:
@@ -45,10 +55,11 @@ def partner(programs: Mapping[str, Sequence[Any]], host: str) -> str | None:
     return min(d for d, n in counts.items() if n == top)
 
 
-def interleave(programs: Mapping[str, Sequence[Any]], host: str,
-               gpu: str) -> list[tuple[str, Any]] | None:
+def interleave(programs: Mapping[str, Sequence[Any]], host: str, gpu: str,
+               times: Times | None = None) -> list[tuple[str, Any]] | None:
     """``host``'s and ``gpu``'s steps as one list of ``(device, step)``, or None if no order
-    keeps every Wait after its event (see the module docstring)."""
+    keeps every Wait after its event (see the module docstring). ``times(step)``: the plan's
+    predicted ``(start, end)`` of a Run or Send, None where it has none."""
     issued: set[int] = set()
     pos = dict.fromkeys(programs, 0)
     others = [d for d in programs if d not in (host, gpu)]
@@ -68,18 +79,29 @@ def interleave(programs: Mapping[str, Sequence[Any]], host: str,
             moved = True
         return moved
 
+    def host_first(h: Any, g: Any) -> bool:
+        if times is None or isinstance(h, Wait):
+            return False
+        th, tg = times(h), times(g)
+        if tg is None:
+            return False
+        if isinstance(h, Run):
+            return th is not None and th[0] <= tg[0] and th[1] - th[0] <= SHORT_S
+        return isinstance(h, Send | Record | Free) and (th is None or th[0] <= tg[0])
+
     merged: list[tuple[str, Any]] = []
     while True:
         moved = any([advance(d) for d in others])
-        for device in (gpu, host):
-            steps = programs[device]
-            if pos[device] < len(steps) and ready(steps[pos[device]]):
-                step = steps[pos[device]]
-                issue(step)
-                pos[device] += 1
-                merged.append((device, step))
-                moved = True
-                break
+        nxt = {d: programs[d][pos[d]] for d in (gpu, host)
+               if pos[d] < len(programs[d]) and ready(programs[d][pos[d]])}
+        if nxt:
+            device = gpu if gpu in nxt else host
+            if device == gpu and host in nxt and host_first(nxt[host], nxt[gpu]):
+                device = host
+            issue(nxt[device])
+            pos[device] += 1
+            merged.append((device, nxt[device]))
+            moved = True
         if all(pos[d] == len(programs[d]) for d in (gpu, host)):
             return merged
         if not moved:
