@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="full", choices=("full", "small"))
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--out", type=Path, help="write the pictures and a JSON result here")
+    p.add_argument("--json", type=Path, help="also write the JSON result to this file")
     args = p.parse_args(argv)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -108,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         path = args.out / "data_parallel-W6.json"
         path.write_text(json.dumps(result, indent=1))
         print(f"wrote {path}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1))
     return 0
 
 

@@ -4,9 +4,10 @@
     python benchmarks/run_all.py --readme benchmarks/README.md   # also refresh its table
 
 Families are the scripts beside this one listed in ``FAMILIES`` (``workloads.py``,
-``cost_model.py``, ``planning_time.py``, ``overhead.py``, ``scale.py``, and ``parallel.py`` on GPU
-hosts), each when present. ``--size`` is passed to ``workloads.py``, and to ``scale.py`` unless
-it is ``auto`` (scale's own default: full-size predictions, measured where there are GPUs).
+``cost_model.py``, ``planning_time.py``, ``overhead.py``, ``scale.py``, ``data_parallel.py``, and
+``parallel.py`` and ``launch.py`` on GPU hosts), each when present. ``--size`` is passed to
+``workloads.py``, and to ``scale.py`` unless it is ``auto`` (scale's own default: full-size
+predictions, measured where there are GPUs).
 Each runs in its own process with ``--json``: it prints one JSON document on stdout, or writes
 it to the path given after ``--json`` (``json_to_file``). A family that fails
 is recorded with its error and the others go on. The markdown holds the workloads table, and
@@ -57,6 +58,8 @@ FAMILIES: dict[str, Family] = {
     "parallel": Family("parallel.py", json_to_file=True, needs_gpu=True),
     # without GPUs it still predicts every GPU count on the presets
     "scale": Family("scale.py", json_to_file=True),
+    "data_parallel": Family("data_parallel.py", json_to_file=True),  # predicted without GPUs
+    "launch": Family("launch.py", json_to_file=True, needs_gpu=True),
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -303,3 +304,14 @@ def test_run_all_reads_both_json_conventions(tmp_path, monkeypatch):
     assert written["result"] == [2]
     assert run_all.run_family("f", run_all.Family(str(failing)), [], 60)["error"].startswith(
         "exit status 3")
+
+
+def test_every_family_of_run_all_takes_json_as_run_all_passes_it(monkeypatch):
+    """run_all passes ``--json PATH`` to file-writing families and a bare ``--json`` to the
+    others: each script must declare that option (as ``--json PATH`` where it writes a file)."""
+    run_all = _load_run_all(monkeypatch)
+    for name, family in run_all.FAMILIES.items():
+        source = (run_all.HERE / family.script).read_text()
+        assert '"--json"' in source, f"{family.script} has no --json option"
+        takes_path = re.search(r'"--json",[^)]*type=Path', source) is not None
+        assert takes_path == family.json_to_file, f"{name}: --json PATH or a flag, not both"
