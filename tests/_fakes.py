@@ -13,6 +13,7 @@ import torch
 
 from autopar.graph import Graph, Node, TensorMeta
 from autopar.machine import Device, Machine
+from autopar.place import Placement
 
 aten = torch.ops.aten
 MM = aten.mm.default
@@ -81,6 +82,16 @@ def op(g: Graph, name: str, inputs: list[Node], nbytes: int, device: str | None 
 
 def by_name(g: Graph) -> dict[str, Node]:
     return {n.name: n for n in g.nodes}
+
+
+def by_hand(graph: Graph, devices: dict[str, str]) -> Placement:
+    """Op ``name`` on ``devices[name]`` (cpu:0 otherwise), in graph order."""
+    device = {n: devices.get(n.name, "cpu:0") for n in graph.nodes}
+    order: dict[str, list[Node]] = {}
+    for n in graph.ops:
+        order.setdefault(device[n], []).append(n)
+    return Placement(graph=graph, device=device, order=order, policy="by_hand", notes={},
+                     predicted_s=0.0)
 
 
 def devices_of(placement: Any) -> dict[str, str]:

@@ -13,10 +13,10 @@ import os
 import pytest
 import torch
 
+from _fakes import by_hand
 from autopar.cost import CostModel
-from autopar.graph import Graph, Node, TensorMeta
+from autopar.graph import Graph, TensorMeta
 from autopar.machine import preset
-from autopar.place import Placement
 from autopar.plan import Free, Run, Wait, make_plan
 from autopar.runtime import Executor, SequentialRunner
 from autopar.runtime import executor as executor_module
@@ -54,15 +54,6 @@ class StandInGraphs:
             for out, fresh in zip(outs, run(static_in)):
                 out.copy_(fresh)
         return replay, outs
-
-
-def by_hand(graph: Graph, devices: dict[str, str]) -> Placement:
-    device = {n: devices.get(n.name, "cpu:0") for n in graph.nodes}
-    order: dict[str, list[Node]] = {}
-    for n in graph.ops:
-        order.setdefault(device[n], []).append(n)
-    return Placement(graph=graph, device=device, order=order, policy="by_hand", notes={},
-                     predicted_s=0.0)
 
 
 def split_chain() -> Graph:

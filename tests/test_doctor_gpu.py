@@ -5,7 +5,6 @@ Skipped without CUDA. Costs are estimated with the h200x2 preset (no calibration
 
 from __future__ import annotations
 
-import inspect
 import json
 from pathlib import Path
 
@@ -16,23 +15,11 @@ from typer.testing import CliRunner
 
 from autopar.commands.doctor import doctor as doctor_command
 from autopar.doctor import DoctorReport, Finding, doctor
+from test_doctor import line_in, line_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "w1_w2_user_code.py"
-
-
-def line_of(fn, marker: str) -> int:
-    lines, start = inspect.getsourcelines(fn)
-    hits = [start + i for i, text in enumerate(lines) if marker in text]
-    assert len(hits) == 1
-    return hits[0]
-
-
-def line_in(path: Path, text: str) -> int:
-    hits = [i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line]
-    assert len(hits) == 1
-    return hits[0]
 
 
 def real(fn, *args, repeat: int = 2) -> DoctorReport:

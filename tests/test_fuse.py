@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import autopar
-from _fakes import w4
+from _fakes import by_hand, w4
 from autopar.cost import CostModel
 from autopar.fusion import fused_regions, prefer_fused
 from autopar.graph import Graph, Node, TensorMeta
@@ -56,16 +56,6 @@ def mixed() -> Graph:
     out = g.call(aten.neg.default, (f,), name="g")
     g.set_outputs([v, out])
     return g
-
-
-def by_hand(graph: Graph, devices: dict[str, str]) -> Placement:
-    """Op ``name`` on ``devices[name]`` (cpu:0 otherwise), in graph order."""
-    device = {n: devices.get(n.name, "cpu:0") for n in graph.nodes}
-    order: dict[str, list[Node]] = {}
-    for n in graph.ops:
-        order.setdefault(device[n], []).append(n)
-    return Placement(graph=graph, device=device, order=order, policy="by_hand", notes={},
-                     predicted_s=0.0)
 
 
 def names(groups: list[list[Node]]) -> list[list[str]]:

@@ -21,6 +21,7 @@ from autopar.machine import Machine, preset
 from autopar.place import place
 from autopar.routing import GraphIndex
 from autopar.runtime import SequentialRunner
+from corpus import narrow_at_item, w2_scalar_made_inside
 
 aten = torch.ops.aten
 READ = aten._local_scalar_dense.default
@@ -208,16 +209,6 @@ def w2(a1, A):
     return a1 * A + a1**2
 
 
-def w2_made_inside(A):
-    a1 = torch.tensor(10.0, device=A.device)
-    return a1 * A + a1**2
-
-
-def narrow_at_item(x, n):
-    k = n.item()
-    return x.narrow(0, k, 2) * k
-
-
 def rand(*shape: int) -> torch.Tensor:
     return torch.rand(*shape, generator=torch.Generator().manual_seed(0))
 
@@ -232,7 +223,7 @@ CASES = {
     "w1_made_inside": (w1_made_inside, lambda: w1_inputs()[:2]),
     "bound_reused_and_item": (bound_reused_and_item, lambda: (*w1_inputs()[:2], torch.tensor(3))),
     "w2": (w2, lambda: (torch.tensor(10.0), rand(6, 6))),
-    "w2_made_inside": (w2_made_inside, lambda: (rand(6, 6),)),
+    "w2_made_inside": (w2_scalar_made_inside, lambda: (rand(6, 6),)),
     "narrow_at_item": (narrow_at_item, lambda: (rand(8, 3), torch.tensor(5))),
 }
 

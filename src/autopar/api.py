@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .graph import Graph
+from .graph import LOCAL_SCALAR_DENSE, Graph
 from .machine import default_cpu_workers
 
 __all__ = ["Options", "compile", "parse_devices"]
@@ -35,7 +35,6 @@ log = logging.getLogger("autopar")
 POLICIES = ("heft", "single", "round_robin")
 _DEVICE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
 MAX_CPU_WORKERS = 64
-_LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
 
 
 def parse_devices(devices: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -159,7 +158,7 @@ class Runner:
         options = self.options
         self.graphs += 1
         self.reads_scalars = self.reads_scalars or any(
-            n.op is _LOCAL_SCALAR_DENSE for n in graph.ops)
+            n.op is LOCAL_SCALAR_DENSE for n in graph.ops)
         try:
             cost = self.cost_model()
             placement = place(graph, cost, policy=options.policy, devices=options.devices)

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from .graph import Graph, Node, ScalarMeta, TensorMeta
+from .graph import LOCAL_SCALAR_DENSE, Graph, Node, ScalarMeta, TensorMeta
 
 log = logging.getLogger("autopar")
 
@@ -89,7 +89,6 @@ def _check_constant(x: Any, what: str) -> Any:
 
 _aten = torch.ops.aten
 _TO_COPY = _aten._to_copy.default
-LOCAL_SCALAR_DENSE = _aten._local_scalar_dense.default
 _SCALAR_OPS = frozenset({LOCAL_SCALAR_DENSE, _aten._assert_scalar.default,
                          _aten.sym_constrain_range.default,
                          _aten.sym_constrain_range_for_size.default})

@@ -38,6 +38,7 @@ from torch.utils.flop_counter import flop_registry
 
 __all__ = [
     "INPUT",
+    "LOCAL_SCALAR_DENSE",
     "Graph",
     "GraphError",
     "GraphTotals",
@@ -50,6 +51,9 @@ __all__ = [
 
 INPUT = "input"
 """The ``op`` of a graph-input node."""
+
+LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
+"""The op that reads a tensor's value to the host (``.item()``, a tensor slice bound)."""
 
 
 class GraphError(ValueError):

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .graph import Graph, Node, ScalarMeta, TensorMeta, op_kind
+from .graph import LOCAL_SCALAR_DENSE, Graph, Node, ScalarMeta, TensorMeta, op_kind
 
 StorageKey = tuple[Any, ...]
 
@@ -186,7 +186,6 @@ class GraphIndex:
                           frozenset(n for n, ms in metas.items() if not ms), scalars, host)
 
 
-_LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
 
 
 def _is_zero_dim(node: Node) -> bool:
@@ -214,7 +213,7 @@ def host_scalars(graph: Graph, ins: dict[Node, tuple[Node, ...]],
     read: set[Node] = set()
     for n in reversed(graph.nodes):
         if _is_zero_dim(n) and users[n] and all(
-                u.op is _LOCAL_SCALAR_DENSE or (u in read and _scalar_op(u)) for u in users[n]):
+                u.op is LOCAL_SCALAR_DENSE or (u in read and _scalar_op(u)) for u in users[n]):
             read.add(n)
     host: set[Node] = set()
 

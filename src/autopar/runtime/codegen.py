@@ -119,6 +119,17 @@ class _Emitter:
         if step is not None:
             self.steps_by_line[len(self.lines) + 1] = step  # +1: the def line
 
+    def timed(self, line: str, step: Step, timing: tuple[str, str, str, int] | bool) -> None:
+        """``line``, between ``rt.begin`` and ``rt.end`` when ``timing`` is
+        ``(device, lane, name, node id)`` (a traced program)."""
+        if not timing:
+            self.emit(line, step)
+            return
+        device, lane, name, node_id = timing
+        self.emit(f"mark = rt.begin({device!r})")
+        self.emit(line, step)
+        self.emit(f"rt.end(mark, {lane!r}, {name!r}, {node_id})")
+
 
 def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTable,
                   source_of: Callable[[Node, str], str], moved_by_send: set[Node],
@@ -162,19 +173,13 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
             args = ", ".join([em.expr(a) for a in node.args]
                              + [f"{k}={em.expr(v)}" for k, v in kwargs.items()])
             note = f"  # {op_name(node.op)}" + (f" {node.source}" if node.source else "")
-            if traced:
-                em.emit(f"mark = rt.begin({device!r})")
-            em.emit(f"env[{out}] = {op}({args}){note}", step)
-            if traced:
-                em.emit(f"rt.end(mark, {lane!r}, {op_name(node.op)!r}, {node.id})")
+            em.timed(f"env[{out}] = {op}({args}){note}", step, traced and (
+                device, lane, op_name(node.op), node.id))
         elif isinstance(step, Fused):
             ins = ", ".join(em.expr(v) for v in step.inputs)
             outs = "".join(f"env[{slots(n, device)}], " for n in step.outputs)
-            if traced:
-                em.emit(f"mark = rt.begin({device!r})")
-            em.emit(f"{outs}= {em.const(step.kernel)}([{ins}])  # {step.kernel.label}", step)
-            if traced:
-                em.emit(f"rt.end(mark, {lane!r}, {step.kernel.label!r}, {step.node.id})")
+            em.timed(f"{outs}= {em.const(step.kernel)}([{ins}])  # {step.kernel.label}", step,
+                     traced and (device, lane, step.kernel.label, step.node.id))
         elif isinstance(step, Call):
             em.emit(f"{em.const(step.fn)}(env, rt)  # {step.label}", step)
         elif isinstance(step, Send):
