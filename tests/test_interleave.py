@@ -148,3 +148,32 @@ def test_a_long_host_op_waits_for_the_gpu_launches():
     merged = interleave(programs, "cpu:0", "cuda:0", _planned_times(plan.placement.slots))
     check_order(programs, "cpu:0", "cuda:0", merged)
     assert first_index(merged, "cuda:0", "a") < first_index(merged, "cpu:0", "s")
+
+
+def host_reads_a_gpu_value_for_another_gpu() -> tuple:
+    """x@cuda:0 -> s = neg(x) on the host (a copy to the host first) -> u = relu(s) on cuda:1;
+    on cuda:0, a = relu(x) then b = relu(a), long: the host's copy of x lands before b starts."""
+    g = Graph("labels_like")
+    x = g.input(tensor((1000,), "cuda:0"), name="x")
+    s = g.call(aten.neg.default, (x,), name="s")
+    u = g.call(aten.relu.default, (s,), name="u")
+    a = g.call(aten.relu.default, (x,), name="a")
+    b = g.call(aten.relu.default, (a,), name="b")
+    g.set_outputs([u, b])
+    cost = FakeCost(machine(cpus=1, gpus=2), times={("s", "cpu:0"): 1 * us, ("a", "cuda:0"): 1e-3,
+                                                    ("b", "cuda:0"): 1e-3},
+                    default=10 * us, bandwidth=1e12,
+                    only={"s": ["cpu:0"], "u": ["cuda:1"], "a": ["cuda:0"], "b": ["cuda:0"]})
+    plan = make_plan(place(g, cost))
+    programs = {d: list(steps) for d, steps in plan.programs.items() if steps}
+    return plan, programs
+
+
+def test_a_host_wait_for_a_copy_that_lands_early_goes_before_later_gpu_launches():
+    plan, programs = host_reads_a_gpu_value_for_another_gpu()
+    merged = interleave(programs, "cpu:0", "cuda:0", _planned_times(plan.placement.slots))
+    check_order(programs, "cpu:0", "cuda:0", merged)
+    # the host waits for x, computes s and sends it to cuda:1 before cuda:0 launches b
+    assert first_index(merged, "cpu:0", "s") < first_index(merged, "cuda:0", "b")
+    plain = interleave(programs, "cpu:0", "cuda:0")  # without times: every launch first
+    assert first_index(plain, "cuda:0", "b") < first_index(plain, "cpu:0", "s")

@@ -19,7 +19,10 @@ Policy
   Record or Free, or an op predicted to take at most ``SHORT_S``) goes first when it is
   predicted to start no later than the GPU's next step: another program may be waiting for it
   (a value the host computes for another GPU at the start of a step), and the GPU loses
-  little.
+  little. Likewise a host Wait for a copy goes first when the copy is predicted to land no
+  later than the GPU's next step starts: the thread blocks only for a copy the plan has done
+  by then, and the host steps behind it (often short, often feeding another GPU) are not held
+  back behind every launch the GPU has left.
 - No order exists only for a plan whose programs deadlock anyway; :func:`interleave` then
   returns None and the programs stay on their own threads.
 """
@@ -59,7 +62,8 @@ def interleave(programs: Mapping[str, Sequence[Any]], host: str, gpu: str,
                times: Times | None = None) -> list[tuple[str, Any]] | None:
     """``host``'s and ``gpu``'s steps as one list of ``(device, step)``, or None if no order
     keeps every Wait after its event (see the module docstring). ``times(step)``: the plan's
-    predicted ``(start, end)`` of a Run or Send, None where it has none."""
+    predicted ``(start, end)`` of a Run or Send, of the copy a Wait waits for, None where it
+    has none."""
     issued: set[int] = set()
     pos = dict.fromkeys(programs, 0)
     others = [d for d in programs if d not in (host, gpu)]
@@ -80,11 +84,14 @@ def interleave(programs: Mapping[str, Sequence[Any]], host: str, gpu: str,
         return moved
 
     def host_first(h: Any, g: Any) -> bool:
-        if times is None or isinstance(h, Wait):
+        if times is None:
             return False
-        th, tg = times(h), times(g)
+        th = times(h)
+        tg = None if isinstance(g, Wait) else times(g)  # times of a Wait are the host's
         if tg is None:
             return False
+        if isinstance(h, Wait):  # th: the planned copy the host waits for
+            return th is not None and th[1] <= tg[0]
         if isinstance(h, Run):
             return th is not None and th[0] <= tg[0] and th[1] - th[0] <= SHORT_S
         return isinstance(h, Send | Record | Free) and (th is None or th[0] <= tg[0])
