@@ -24,7 +24,7 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import autopar
 
-from autopar.bench import measure
+from autopar.bench import in_process_compiles, measure
 from autopar.dataparallel import predict_step
 from autopar.graphviz import render
 from autopar.trace import save_chrome_trace, save_gantt
@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="write the pictures and a JSON result here")
     p.add_argument("--json", type=Path, help="also write the JSON result to this file")
     args = p.parse_args(argv)
+    in_process_compiles()
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
     result = {"predicted": predicted(args.simulate, args.out)}

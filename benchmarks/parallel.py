@@ -26,7 +26,7 @@ import torch
 
 import autopar
 from autopar.api import Options, Runner
-from autopar.bench import measure
+from autopar.bench import in_process_compiles, measure
 from autopar.capture import make_backend
 from autopar.simulate import simulate
 from autopar.timeline import Timeline
@@ -86,6 +86,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--trace-dir", type=Path, default=None)
     args = ap.parse_args()
+    in_process_compiles()
     if not torch.cuda.is_available():
         raise SystemExit("parallel.py measures GPUs: no CUDA device here")
     torch.backends.cuda.matmul.allow_tf32 = False

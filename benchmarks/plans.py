@@ -28,7 +28,7 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from autopar.api import Options, Runner
-from autopar.bench import resolve_size, sync_all
+from autopar.bench import in_process_compiles, resolve_size, sync_all
 from autopar.capture import make_backend
 from autopar.simulate import simulate
 from autopar.workloads import home_of, select
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    in_process_compiles()
     n_gpus = torch.cuda.device_count()
     size = resolve_size(args.size, n_gpus)
     devices = list(Options.parse({"devices": args.devices}).devices)

@@ -54,7 +54,7 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from autopar.api import Options, Runner
-from autopar.bench import fingerprint, machine_label, measure
+from autopar.bench import fingerprint, in_process_compiles, machine_label, measure
 from autopar.units import fmt_seconds
 from autopar.workloads import WORKLOADS
 
@@ -459,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="where to write the JSON (default benchmarks/results/"
                         "scale-<machine>-<date>.json)")
     args = p.parse_args(argv)
+    in_process_compiles()
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = [n for n in names if n not in CASES]
     counts = sorted({int(c) for c in args.gpus.split(",") if c.strip()})

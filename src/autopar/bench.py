@@ -116,6 +116,18 @@ def measure(fn: Callable[..., Any], *args: Any, warmup: int = 3, repeat: int = 1
     return result
 
 
+def in_process_compiles() -> None:
+    """Have Inductor compile in this process (``compile_threads = 1``) from now on.
+
+    Its default pool of compile worker processes starts after the first compile and keeps
+    every core busy for seconds: host code measured then runs up to ~300x slower (2xH200 host:
+    a 4 MB host copy 23 us -> 8 ms), whichever variant is being timed. Benchmarks call this
+    before they compile anything, so ``torch.compile`` and autopar are timed on a quiet host."""
+    from torch._inductor import config
+
+    config.compile_threads = 1
+
+
 def measure_side_by_side(prepared: dict[str, Prepared], *, warmup: int = 3, repeat: int = 10,
                          sync_devices: Sequence[int] | None = None, inner: int | None = None,
                          min_sample_s: float = 1e-3, budget_s: float | None = None,
@@ -587,6 +599,7 @@ def run_suite(workloads: Sequence[Workload], variants: Sequence[str] = tuple(VAR
     if torch.cuda.is_available():  # fp32 means fp32, as in MEASURED.md
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
+    in_process_compiles()
     ctx = Context(parse_devices(devices), size)
     timing = {"warmup": warmup, "repeat": repeat, "budget_s": budget_s}
     return [run_workload(w, ctx, variants, timing, progress) for w in workloads]

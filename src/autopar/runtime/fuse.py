@@ -19,9 +19,11 @@ Policy
   ``torch._inductor.compile_fx.compile_fx_inner`` on the real inputs (outside any tracing, on
   the device's worker thread, one compile at a time), logs the seconds it took, and keeps the
   result in a process-wide cache keyed by the region's code and input layouts (Inductor's own
-  on-disk cache serves later processes). A failed compile, or inputs whose layout changed,
-  runs the region's ops one by one from then on, with the reason logged once: never a wrong
-  result.
+  on-disk cache serves later processes). Inductor compiles in this process
+  (``compile_threads=1``): its pool of compile worker processes would take every core for
+  seconds after the first call, beside the user's program. A failed compile, or inputs whose
+  layout changed, runs the region's ops one by one from then on, with the reason logged once:
+  never a wrong result.
 
 Glossary: :class:`Fused` the step that replaces a region in a program; :class:`FusedKernel`
 its callable (``kernel(inputs) -> outputs``, inputs as a list), with ``status`` one of
@@ -87,6 +89,11 @@ class FusedKernel:
         self._fn: Callable[[list], Any] | None = None
         self._layout: tuple | None = None
 
+    @property
+    def compiled(self) -> Callable[[list], Any] | None:
+        """Inductor's function once the region compiled (None before, or after a fallback)."""
+        return self._fn if self.status == "compiled" else None
+
     def __call__(self, inputs: list) -> Sequence[Any]:
         fn = self._fn
         if fn is None:
@@ -149,8 +156,12 @@ def _inductor(gm: torch.fx.GraphModule, inputs: list) -> Callable[[list], Any]:
     # Inductor lowers decomposed graphs: aot_autograd applies its table before handing one over
     # (an op with a decomposition, such as aten.t, has no lowering of its own). Low-precision
     # intermediates are rounded as eager rounds them, so a fused region keeps eager's numerics.
-    options = ({"emulate_precision_casts": True}
-               if hasattr(inductor_config, "emulate_precision_casts") else {})
+    # compile_threads=1: Inductor compiles in this process. Its pool of compile workers would
+    # start beside the user's program and take every core for seconds (2xH200 host: a 4 MB
+    # host copy went from 23 us to 8 ms until the pool settled: benchmarks/NOTES.md)
+    options: dict[str, Any] = {"compile_threads": 1}
+    if hasattr(inductor_config, "emulate_precision_casts"):
+        options["emulate_precision_casts"] = True
     with torch.no_grad(), inductor_config.patch(options):
         decomposed = make_fx(gm, decomposition_table=select_decomp_table(),
                              tracing_mode="fake")(*inputs)
