@@ -98,7 +98,12 @@ def test_w1_bounds_made_inside_equal_eager_with_no_sync():
     assert syncs == 0
 
 
-def test_a_zero_dim_cuda_constant_is_captured_on_the_host():
+def exp_a1_inside(A):
+    a1 = torch.tensor(10.0, device=A.device)
+    return torch.exp(a1 / 4) * A
+
+
+def captured_graphs(fn, *args):
     from autopar.capture import make_backend
     from autopar.runtime import SequentialRunner
 
@@ -108,9 +113,25 @@ def test_a_zero_dim_cuda_constant_is_captured_on_the_host():
         graphs.append(graph)
         return SequentialRunner(graph)
 
-    A = torch.rand(6, 6, device="cuda")
-    out = torch.compile(w2_a1_inside, backend=make_backend(build), dynamic=False)(A)
-    torch.testing.assert_close(out, w2_a1_inside(A))
-    (g,) = graphs
-    zero_dim = [n for n in g.ops if n.tensor_metas and n.tensor_metas[0].shape == ()]
+    out = torch.compile(fn, backend=make_backend(build), dynamic=False)(*args)
+    torch.testing.assert_close(out, fn(*args), rtol=0, atol=0)
+    return graphs
+
+
+def zero_dim_ops(g):
+    return [n for n in g.ops if n.tensor_metas and n.tensor_metas[0].shape == ()]
+
+
+def test_a_zero_dim_cuda_constant_folds_into_the_kernels_arguments():
+    (g,) = captured_graphs(w2_a1_inside, torch.rand(6, 6, device="cuda"))
+    assert zero_dim_ops(g) == []
+    assert [(str(n.op), n.args[1]) for n in g.ops] == [("aten.mul.Tensor", 10.0),
+                                                        ("aten.add.Tensor", 100.0)]
+
+
+def test_a_zero_dim_cuda_constant_that_does_not_fold_is_captured_on_the_host():
+    """``exp`` may round differently on the host: not folded, the constant stays a host
+    scalar as before."""
+    (g,) = captured_graphs(exp_a1_inside, torch.rand(6, 6, device="cuda"))
+    zero_dim = zero_dim_ops(g)
     assert zero_dim and set(zero_dim) <= GraphIndex.of(g).host

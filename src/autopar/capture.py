@@ -14,13 +14,20 @@ Policy
   (``operator.add``, ``torch.sym_max``...) and runtime asserts on them are nodes too, and the
   tensor ops that take them as arguments refer to them. ``aten.sym_size`` and friends whose
   value is a known int become that int.
-- A 0-dim tensor constant on a GPU (``torch.tensor(10.0, device="cuda")`` in the function) is
-  kept on the host and moved where eager has it by an ``aten._to_copy`` node: placement may run
-  that move, and the arithmetic after it, on the host (see :func:`autopar.routing.host_scalars`).
+- Tensor constants made inside the function (``torch.tensor(10.0, device=A.device)``) are
+  folded first (:func:`autopar.fold.fold_constants`): arithmetic on them is computed at capture
+  time, ``a1 * A`` takes a Python number, ``.item()`` of one is that number; only where the
+  result stays bit for bit eager's.
+- A 0-dim tensor constant on a GPU that is left after folding is kept on the host and moved
+  where eager has it by an ``aten._to_copy`` node: placement may run that move, and the
+  arithmetic after it, on the host (see :func:`autopar.routing.host_scalars`).
 - Anything the Graph can't represent exactly (symbolic shapes, as when a slice bound read from
   a tensor decides an output's shape; dynamic-shape inputs; other non-ATen callables; other ops
   on non-tensor values; missing metadata) raises :class:`Unsupported`; the backend then runs
   that fx graph eagerly and logs one reason on the ``autopar`` logger. Never a wrong result.
+  A graph dynamo made dynamic (new shapes at a later call, or ``mark_dynamic``) is the
+  exception: it gets one static graph per concrete signature at call time
+  (:class:`autopar.shapes.PerShape`).
 - Capture decides nothing about devices: :mod:`autopar.api` hands the Graph to the stages
   after it (place, plan, run).
 """
@@ -40,6 +47,7 @@ import torch
 import torch.fx
 
 from .graph import LOCAL_SCALAR_DENSE, Graph, Node, ScalarMeta, TensorMeta
+from .shapes import PerShape, is_symbolic
 
 log = logging.getLogger("autopar")
 
@@ -131,8 +139,12 @@ def from_fx(gm: torch.fx.GraphModule, name: str = "graph") -> tuple[Graph, list[
     """Convert an aot_autograd GraphModule into a Graph.
 
     Returns the graph and the constant tensors (``get_attr``) to append to the call's arguments:
-    the graph's inputs are the placeholders followed by those constants.
+    the graph's inputs are the placeholders followed by those constants. Constants made inside
+    the function are folded first (:func:`autopar.fold.fold_constants`; ``gm`` is not changed).
     """
+    from .fold import fold_constants
+
+    gm = fold_constants(gm)
     graph = Graph(name)
     env: dict[torch.fx.Node, Node] = {}
     constants: list[torch.Tensor] = []
@@ -255,14 +267,19 @@ def make_backend(build: GraphRunner, name: str = "autopar") -> Callable:
             try:
                 graph, constants = from_fx(gm, label)
             except Unsupported as e:
+                if is_symbolic(example_inputs):  # one static graph per signature, when called
+                    return PerShape(gm, label, lambda static, lbl: runner(*from_fx(static, lbl)))
                 log.warning("autopar: running %s eagerly: %s", label, e)
                 return _eager(gm)
+            return runner(graph, constants)
+
+        def runner(graph: Graph, constants: list[torch.Tensor]) -> Callable[[list], Any]:
             run = build(graph, phase)
+            if not constants:
+                return _boxed(run)
 
             def call(args: list) -> Any:
-                if constants:
-                    args = [*args, *constants]
-                return run(args)
+                return run([*args, *constants])
             return _boxed(call)
         return compile_graph
 
@@ -292,8 +309,8 @@ def capturing_scalars(compiled: Callable, needed: Callable[[], bool] | None = No
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            if state["off"] or config.capture_scalar_outputs or (
-                    needed is not None and not needed()):
+            if state["off"] or (needed is not None and not needed()) or \
+                    config.capture_scalar_outputs:  # a dynamo config read costs ~1 us: last
                 return fn(*args, **kwargs)
             # set and reset the attribute itself: ``config.patch`` costs ~25 us a call
             config.capture_scalar_outputs = True

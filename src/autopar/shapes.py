@@ -1,0 +1,112 @@
+"""Graphs with dynamic shapes: one static graph per concrete signature, made at its first call.
+
+autopar places graphs whose shapes are known (placement prices every op from its shapes).
+Dynamo hands a backend a graph with symbolic sizes when a compiled function is called with new
+shapes (its "automatic dynamic" recompile) or when the user marked a dimension dynamic.
+
+Policy
+- :class:`PerShape` stands in for such a graph. At each call it keys the arguments by their
+  signature (each tensor's shape, strides, dtype and device; each other argument's value); the
+  first call of a signature traces the graph again on fake tensors of those shapes
+  (``make_fx``), every size now a number, and hands that static graph to the builder, as dynamo
+  would have handed it a static graph. Later calls of the signature look it up: one dict
+  lookup per call.
+- A signature whose graph can't be made static (a size decided by a value the graph reads, as
+  ``x[:n.item()]``) or placed runs the dynamic graph eagerly, with the reason logged once per
+  signature: never a wrong result.
+- At most ``MAX_SIGNATURES`` static graphs are kept per dynamic graph; beyond that new
+  signatures run eagerly (logged once), so a function called with ever new shapes doesn't
+  compile without end.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+log = logging.getLogger("autopar")
+
+__all__ = ["MAX_SIGNATURES", "PerShape", "is_symbolic"]
+
+MAX_SIGNATURES = 16
+
+Run = Callable[[list], Any]
+
+
+def is_symbolic(example_inputs: Sequence[Any]) -> bool:
+    """Whether dynamo made any of a graph's inputs symbolic (a size, or a tensor's shape)."""
+    sym = (torch.SymInt, torch.SymFloat, torch.SymBool)
+    for x in example_inputs:
+        if isinstance(x, sym):
+            return True
+        if isinstance(x, torch.Tensor) and any(isinstance(s, torch.SymInt)
+                                               for s in (*x.shape, *x.stride())):
+            return True
+    return False
+
+
+def _signature(args: Sequence[Any]) -> tuple:
+    return tuple((tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor)
+                 else (type(a), a) for a in args)
+
+
+class PerShape:
+    """``run(args)`` for a dynamic-shape aot_autograd graph ``gm`` (see the module docstring).
+
+    ``specialize(static_gm, label)`` turns a static graph of tensor inputs into its runner
+    (``run(tensor_args) -> outputs``), raising to refuse it."""
+
+    _boxed_call = True
+
+    def __init__(self, gm: torch.fx.GraphModule, label: str,
+                 specialize: Callable[[torch.fx.GraphModule, str], Run]) -> None:
+        self.gm = gm
+        self.label = label
+        self.specialize = specialize
+        self.runs: dict[tuple, tuple[list[int], Run | None]] = {}
+
+    def __call__(self, args: list) -> Any:
+        args = list(args)
+        key = _signature(args)
+        found = self.runs.get(key)
+        if found is None:
+            found = self._build(args, key)
+        tensors, run = found
+        if run is None:
+            return self.gm(*args)
+        return run([args[i] for i in tensors])
+
+    def _build(self, args: list, key: tuple) -> tuple[list[int], Run | None]:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        label = f"{self.label}#{len(self.runs) + 1}"
+        shapes = ", ".join(str(list(args[i].shape)) for i in tensors)
+        if len(self.runs) >= MAX_SIGNATURES:
+            if len(self.runs) == MAX_SIGNATURES:
+                log.warning("autopar: %s has met %d signatures: new ones run eagerly",
+                            self.label, MAX_SIGNATURES)
+            self.runs[key] = (tensors, None)
+            return self.runs[key]
+
+        def static(*tensor_args: torch.Tensor) -> Any:
+            full = list(args)
+            for i, t in zip(tensors, tensor_args):
+                full[i] = t
+            return self.gm(*full)
+
+        run: Run | None
+        try:
+            with torch.no_grad():
+                traced = make_fx(static, tracing_mode="fake")(*[args[i] for i in tensors])
+            run = self.specialize(traced, label)
+            log.info("autopar: %s placed for shapes %s", label, shapes)
+        except Exception as e:  # any failure: this signature runs eagerly
+            log.warning("autopar: %s runs eagerly for shapes %s: %s: %s", self.label, shapes,
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            run = None
+        self.runs[key] = (tensors, run)
+        return self.runs[key]
