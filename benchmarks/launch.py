@@ -11,6 +11,10 @@ Workloads (WORKLOADS.md, issue "small work on the GPU"):
   Goal: autopar no slower than the better of eager with a Python scalar and torch.compile default.
 - W2 a1 passed in: ``a1`` a 0-dim device tensor the caller passes (shown, no goal).
 
+Besides eager, ``torch.compile`` default and ``reduce-overhead``, each workload shows "dynamo
+only" (``torch.compile(backend="eager")``): the graph captured and run as eager ops, which is
+the per-call floor of anything built on ``torch.compile``, autopar included.
+
 Every variant's result is checked against eager before timing (``identical``: bit for bit;
 otherwise the largest difference). Timings are medians of interleaved rounds
 (:func:`autopar.bench.measure_side_by_side`), every GPU synchronized after each sample.
@@ -34,7 +38,7 @@ from typing import Any
 import torch
 
 import autopar
-from autopar.bench import Stats, measure_side_by_side
+from autopar.bench import Stats, in_process_compiles, measure_side_by_side
 
 US = 1e6
 
@@ -72,10 +76,10 @@ def w2_scalar(a1, A):
 
 # -- variants ----------------------------------------------------------------------------------
 def compiled_variants(fn: Callable, args: tuple, devices: str | None) -> dict[str, tuple]:
-    """eager, torch.compile default and reduce-overhead, autopar: each (callable, args).
+    """eager, dynamo only, torch.compile default and reduce-overhead, autopar: (callable, args).
 
     Each compiled variant compiles its own copy of ``fn``'s code: dynamo caches per code
-    object, and four backends on one would count as recompiles."""
+    object, and five backends on one would count as recompiles."""
     def copy_of(f: Callable) -> Callable:
         g = type(f)(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__,
                     f.__closure__)
@@ -84,6 +88,7 @@ def compiled_variants(fn: Callable, args: tuple, devices: str | None) -> dict[st
     options = {"devices": devices} if devices else {}
     return {
         "eager": (fn, args),
+        "dynamo only": (torch.compile(copy_of(fn), backend="eager"), args),
         "torch.compile": (torch.compile(copy_of(fn)), args),
         "reduce-overhead": (torch.compile(copy_of(fn), mode="reduce-overhead"), args),
         "autopar": (autopar.compile(copy_of(fn), **options), args),
@@ -149,6 +154,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    in_process_compiles()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("launch.py measures small work on a GPU and this host has no CUDA "
                          "device; run it with --device cpu to check the script on the host")

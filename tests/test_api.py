@@ -12,6 +12,7 @@ import torch
 import autopar
 from autopar.api import Options, parse_devices
 from autopar.capture import from_fx, make_backend
+from autopar.graph import Graph, TensorMeta
 from autopar.runtime import SequentialRunner
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -100,8 +101,9 @@ def test_compile_runs_module_forward_and_backward():
         torch.testing.assert_close(p.grad, q.grad)
 
 
-def test_unsupported_graph_runs_eagerly_with_one_logged_reason(caplog):
-    """Symbolic shapes can't be represented: that graph falls back to eager, still correct."""
+def test_a_dynamic_graph_is_placed_once_per_shape(caplog):
+    """Dynamo's dynamic graph (symbolic sizes) can't be placed as it is: each concrete signature
+    gets a static graph at its first call, and later calls of it reuse that."""
     built = []
 
     def build(graph, phase):
@@ -109,16 +111,45 @@ def test_unsupported_graph_runs_eagerly_with_one_logged_reason(caplog):
         return SequentialRunner(graph)
 
     def f(x):
-        return x.sin() * 2
+        return x.sin() * 2 + x.shape[0]
 
     compiled = torch.compile(f, backend=make_backend(build), dynamic=True)
     with caplog.at_level(logging.INFO, logger="autopar"):
-        for n in (3, 5):
+        for n in (3, 5, 3, 5, 5):
             x = torch.randn(n)
             torch.testing.assert_close(compiled(x), f(x))
-    assert built == []
+    assert [tuple(g.inputs[0].meta.shape) for g in built] == [(3,), (5,)]
+    placed = [r.getMessage() for r in caplog.records if "placed for shapes" in r.getMessage()]
+    assert len(placed) == 2 and "[5]" in placed[1]
+
+
+def test_a_shape_decided_by_a_value_runs_eagerly_with_one_logged_reason(caplog):
+    """``x[:n]`` with ``n`` read from a tensor: no static graph exists; that graph runs eagerly
+    (never a wrong result) and says why."""
+    def build(graph, phase):
+        return SequentialRunner(graph)
+
+    def f(x, n):
+        return x[: n.item()] * 2
+
+    with torch._dynamo.config.patch(capture_scalar_outputs=True), \
+            caplog.at_level(logging.WARNING, logger="autopar"):
+        compiled = torch.compile(f, backend=make_backend(build))
+        for k in (2, 4):
+            x, n = torch.randn(6), torch.tensor(k)
+            torch.testing.assert_close(compiled(x, n), f(x, n))
     reasons = [r.getMessage() for r in caplog.records if r.name == "autopar"]
-    assert reasons and all("eagerly" in r and "symbolic shape" in r for r in reasons)
+    assert reasons and all("eagerly" in r for r in reasons)
+
+
+def test_autopar_compile_places_a_new_shape_too(caplog):
+    compiled = autopar.compile(lambda x: (x @ x).relu() + 1, devices="cpu:0")
+    with caplog.at_level(logging.INFO, logger="autopar"):
+        for n in (4, 6, 8, 6):
+            x = torch.randn(n, n)
+            torch.testing.assert_close(compiled(x), (x @ x).relu() + 1)
+    placed = [r.getMessage() for r in caplog.records if "placed for shapes" in r.getMessage()]
+    assert [m.split("shapes ")[1] for m in placed] == ["[6, 6]", "[8, 8]"]
 
 
 def test_from_fx_records_source_lines_and_constants():
@@ -137,3 +168,68 @@ def test_from_fx_records_source_lines_and_constants():
     graph = seen["graph"]
     assert any(n.source and n.source.startswith("test_api.py:") for n in graph.ops)
     assert len(graph.inputs) == 1 + len(seen["consts"])
+
+
+def _host_matmul_via_gpu() -> Graph:
+    """x, y on the host -> to cuda:0 -> mm -> back to the host: W3's host case."""
+
+    aten = torch.ops.aten
+    g = Graph("w3_host")
+    x = g.input(TensorMeta.make((256, 256), device="cpu"), "x")
+    y = g.input(TensorMeta.make((256, 256), device="cpu"), "y")
+    moved = [g.call(aten._to_copy.default, (v,), {"device": torch.device("cuda:0")},
+                    meta=TensorMeta.make((256, 256), device="cuda:0"), name=f"{v.name}_gpu")
+             for v in (x, y)]
+    m = g.call(aten.mm.default, tuple(moved), name="m")
+    back = g.call(aten._to_copy.default, (m,), {"device": torch.device("cpu")},
+                  meta=TensorMeta.make((256, 256), device="cpu"), name="back")
+    g.set_outputs([back])
+    return g
+
+
+def _two_chains(on: str) -> Graph:
+    """Two matmul chains written for ``on``: HEFT gives the second to another GPU."""
+
+    aten = torch.ops.aten
+    g = Graph("two_chains")
+    outs = []
+    for v in [g.input(TensorMeta.make((4000, 4000), device=on), f"x{i}") for i in range(2)]:
+        for _ in range(5):
+            v = g.call(aten.mm.default, (v, v))
+        outs.append(v)
+    g.set_outputs(outs)
+    return g
+
+
+def test_a_plan_that_is_eagers_chain_runs_as_eager_does():
+    from autopar.api import runs_as_eager
+    from autopar.cost import CostModel
+    from autopar.machine import preset
+    from autopar.place import place
+    from autopar.plan import make_plan
+
+    cost = CostModel(preset("h200x2"))
+    devices = ("cpu:0", "cuda:0", "cuda:1")
+    chain = _host_matmul_via_gpu()
+    assert runs_as_eager(make_plan(place(chain, cost, devices=devices), cost), cost, devices)
+    split = _two_chains("cuda:0")  # HEFT's placement is not eager's
+    assert not runs_as_eager(make_plan(place(split, cost, devices=devices), cost), cost, devices)
+    # eager's own placement of two independent chains on one GPU overlaps nothing: eager's way
+    one = _two_chains("cuda:0")
+    plan = make_plan(place(one, cost, policy="single", devices=devices), cost)
+    assert runs_as_eager(plan, cost, devices)
+
+
+def test_compiled_graphs_that_gain_nothing_run_as_sequential_runners():
+    from autopar.api import Options, Runner
+    from autopar.capture import make_backend
+
+    runner = Runner(Options.parse({"devices": "cpu:0"}))
+    compiled = torch.compile(lambda x: (x @ x).relu(), backend=make_backend(runner))
+    x = torch.randn(8, 8)
+    torch.testing.assert_close(compiled(x), (x @ x).relu())
+    (ex,) = runner.executors
+    assert ex.runs_as == "eager's sequence"
+    traced = Runner(Options.parse({"devices": "cpu:0", "trace": True}))  # traced: the executor
+    torch.compile(lambda x: (x @ x).relu() + 1, backend=make_backend(traced))(x)
+    assert traced.executors[0].runs_as == "executor"

@@ -298,3 +298,56 @@ def test_regions_with_ops_inductor_decomposes_compile():
         torch.testing.assert_close(got, want)
     (ex,) = runner.executors
     assert ex.fused and [k.kernel.status for k in ex.fused] == ["compiled"] * len(ex.fused)
+
+
+def whole_chain(x):
+    for _ in range(10):
+        x = x * 1.01 + 0.5
+    return x
+
+
+@needs_cxx
+@pytest.mark.parametrize("with_random", [False, True])
+def test_a_graph_that_is_one_region_calls_inductors_function_directly(with_random):
+    """One device, one region taking the inputs in order and giving the outputs: the executor
+    hands the call to Inductor's function (what ``torch.compile`` runs). A graph with an op
+    outside the region (a random op is never fused) needs the program."""
+    from autopar.api import Options, Runner
+    from autopar.capture import make_backend
+
+    def f(x, z):
+        y = whole_chain(x) + z
+        return y + torch.rand_like(y) * 0 if with_random else y
+
+    runner = Runner(Options.parse({"devices": "cpu:0", "fuse": True}))
+    g = torch.compile(f, backend=make_backend(runner), dynamic=False)
+    x, z = torch.randn(16), torch.randn(16)
+    first, second = g(x, z), g(x, z)
+    (ex,) = runner.executors
+    assert {k.kernel.status for k in ex.fused} == {"compiled"}
+    assert (ex._whole is None) == with_random
+    for got in (first, second):
+        torch.testing.assert_close(got, f(x, z))
+
+
+@needs_cxx
+def test_the_direct_call_falls_back_to_the_program_when_inductors_function_raises(monkeypatch):
+    from autopar.api import Options, Runner
+    from autopar.capture import make_backend
+
+    runner = Runner(Options.parse({"devices": "cpu:0", "fuse": True}))
+    g = torch.compile(whole_chain, backend=make_backend(runner), dynamic=False)
+    x = torch.randn(16)
+    g(x)
+    (ex,) = runner.executors
+    assert ex._whole is not None
+    calls = []
+
+    def boom(args):
+        calls.append(len(args))
+        raise RuntimeError("kernel refused")
+
+    monkeypatch.setattr(ex._whole, "_fn", boom)
+    with pytest.raises(RuntimeError, match="kernel refused"):  # the program's call raises too
+        g(x)
+    assert calls == [1, 1]  # tried directly, then through the program

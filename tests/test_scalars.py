@@ -306,7 +306,7 @@ def test_autopar_compile_keeps_scalar_reads_in_one_graph_placed_on_the_host():
     class Recording(Runner):
         def __call__(self, graph, phase):
             run = super().__call__(graph, phase)
-            placements.append(run.plan.placement)
+            placements.append(self.executors[-1].plan.placement)
             return run
 
     runner = Recording(Options.parse({"devices": "cpu:0,cpu:1"}))

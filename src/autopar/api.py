@@ -7,9 +7,14 @@ Policy
 - ``devices="auto"`` means every GPU of this machine plus the host; a CPU-only machine gets two
   logical CPU workers (``cpu:0``, ``cpu:1``) from four cores up
   (:func:`autopar.machine.default_cpu_workers` says why not below).
-- The compiled callable is ``torch.compile(fn, backend=<autopar>, dynamic=False)``: every graph
-  dynamo captures goes through :func:`make_runner` (place, plan, run); anything autopar can't
-  represent runs eagerly for that graph (see :mod:`autopar.capture`). It is traced with
+- The compiled callable is ``torch.compile(fn, backend=<autopar>)``: every graph dynamo
+  captures goes through :func:`make_runner` (place, plan, run); anything autopar can't
+  represent runs eagerly for that graph (see :mod:`autopar.capture`). Shapes: the first call's
+  are static; when a later call brings new ones and dynamo makes the graph dynamic, each
+  concrete signature gets its own static graph at its first call (:mod:`autopar.shapes`).
+  (``dynamic=False`` would do the same through dynamo, at ~4 us a call: it patches dynamo's
+  config around every call, while a static graph costs autopar nothing after capture.) It is
+  traced with
   ``.item()`` and tensor slice bounds kept in the graph (dynamo's ``capture_scalar_outputs``,
   switched on around each call), so that they are placed instead of breaking the graph.
 """
@@ -124,7 +129,10 @@ class Runner:
 
     Each graph is placed (policy over ``options.devices``), planned and handed to the
     executor. If any of that fails, the graph runs sequentially on eager's devices and the
-    reason is logged once: never a wrong result. One machine and cost model serve every graph.
+    reason is logged once: never a wrong result. A plan that is eager's own placement with
+    nothing to overlap runs as eager's sequence of ops too (:func:`runs_as_eager`); its
+    executor stays in ``executors`` with ``runs_as`` saying so. One machine and cost model
+    serve every graph.
     """
 
     def __init__(self, options: Options) -> None:
@@ -169,15 +177,46 @@ class Runner:
             executor = Executor(plan, trace=bool(options.trace), fuse=options.fuse,
                                 cuda_graphs=options.cuda_graphs,
                                 cpu_threads=cost.machine.cpu_threads)
+            as_eager = not (options.trace or executor.fused or executor.segments) and \
+                runs_as_eager(plan, cost, options.devices)
         except Exception as e:
             log.warning("autopar: running %s on eager's devices: planning failed: %s: %s",
                         graph.name, type(e).__name__, e)
             return SequentialRunner(graph)
         log.debug("autopar: %s\n%s", graph.name, plan)
         self.executors.append(executor)
+        if as_eager:
+            log.debug("autopar: %s runs as eager does: the plan is eager's placement with "
+                      "nothing to overlap", graph.name)
+            executor.runs_as = "eager's sequence"
+            return SequentialRunner(graph)
         if isinstance(options.trace, str):
             return _tracing(executor, options.trace)
         return executor
+
+
+EAGER_OVERLAP_GAIN = 0.05
+"""A plan of eager's placement runs as its own program (side-stream copies, events) only when
+the model predicts overlap to save at least this share of the serial time."""
+
+
+def runs_as_eager(plan: Any, cost: Any, devices: Sequence[str]) -> bool:
+    """Whether a plan (with nothing fused or replayed as a CUDA graph) gains nothing from the
+    executor, so that its graph should run as eager's sequence of ops
+    (:class:`~autopar.runtime.SequentialRunner`): every op is placed where eager runs it, and
+    the simulated plan overlaps less than ``EAGER_OVERLAP_GAIN`` of its serial time (a chain
+    such as copy in, matmul, copy out). The executor's streams, events and staging would cost
+    more than they save."""
+    from .place import place
+    from .simulate import simulate
+
+    graph = plan.graph
+    eager = place(graph, cost, policy="single", devices=devices).device
+    if any(plan.placement.device[n] != eager[n] for n in graph.ops):
+        return False
+    timeline = simulate(plan, cost)
+    serial = sum(s.duration for s in timeline.spans)
+    return timeline.makespan >= (1 - EAGER_OVERLAP_GAIN) * serial
 
 
 def make_runner(options: Options) -> Runner:
@@ -218,5 +257,5 @@ def compile(fn: Callable, **options: Any) -> Callable:
     opts = Options.parse(options)
     runner = make_runner(opts)
     runner.cost_model()  # resolve (and if need be calibrate) the machine now, not mid-trace
-    return capturing_scalars(torch.compile(fn, backend=make_backend(runner), dynamic=False),
+    return capturing_scalars(torch.compile(fn, backend=make_backend(runner)),
                              needed=lambda: not runner.graphs or runner.reads_scalars)

@@ -8,7 +8,10 @@ Policy
   need no cross-stream bookkeeping with the user's own code. Copies run on per-device side
   streams: ``h2d`` and ``d2h`` on the GPU that owns the transfer, ``peer`` on the source GPU and
   ``peer_in`` on the destination (both of a cross-GPU copy's current streams are dedicated, so
-  the copy never queues behind unrelated compute: see ``copy_``'s two-way barrier).
+  the copy never queues behind unrelated compute: see ``copy_``'s two-way barrier). Copies
+  between the host and a GPU of at most ``SMALL_COPY_BYTES`` go on the GPU's compute stream
+  instead, in program order (untraced calls). CUDA events are made once per executor and
+  re-recorded each call (:class:`_EventPool`).
 - Every cross-program dependency is an event: a ``threading.Event`` says "the producer has issued
   it", and for GPU data a ``torch.cuda.Event`` orders the consuming stream (``wait_event``: no
   host sync). The host blocks only where a CPU worker consumes GPU data, on that copy's event.
@@ -17,7 +20,9 @@ Policy
   output a copy delivered to a GPU is ordered before the caller's later work the same way
   (``wait_event`` on the caller's stream, no host sync).
   Host-bound copies land in pinned memory from PyTorch's caching host allocator (bounded reuse,
-  guarded by the events it records), and are synchronized before the call returns.
+  guarded by the events it records), and are synchronized before the call returns. GPU-bound
+  copies of host values from ``STAGE_MIN_BYTES`` up are staged in pinned memory first (the
+  thread goes on while the DMA runs); smaller ones go to the driver as they are.
 - Failures: the first exception in any worker stops the run: every waiter is woken and cancelled,
   and the original error is re-raised, annotated with the op and the user's source line. Waits are
   bounded (``AUTOPAR_WAIT_TIMEOUT`` seconds, default 600) and say what they waited for.
@@ -40,8 +45,8 @@ from typing import Any, ClassVar
 import torch
 
 from ..graph import Node, op_name
-from ..plan import Plan, Run, Send
-from ..routing import GraphIndex, moved_by_copy, route
+from ..plan import Free, Plan, Run, Send, Wait
+from ..routing import GraphIndex, moved_by_copy, pool, route
 from ..timeline import Span, Timeline
 from .codegen import Call, Program, SlotTable, build_program
 from .cudagraphs import CudaGraphBackend, GraphSegment, capture_segments
@@ -53,6 +58,19 @@ __all__ = ["Executor", "WorkerError", "fusion_devices", "graph_devices"]
 log = logging.getLogger("autopar")
 
 _TIMEOUT = float(os.environ.get("AUTOPAR_WAIT_TIMEOUT", "600"))
+
+SMALL_COPY_BYTES = 64 << 10
+"""Copies between the host and a GPU up to this size go on the GPU's compute stream, in program
+order, instead of a side stream: they take microseconds on the GPU, so there is nothing to
+overlap, while the side stream's events and stream switches cost the host 30-60 us a copy
+(2xH200 host). A host value for a GPU is staged in pinned memory and needs no CUDA event: its
+consumers come after it on the same stream."""
+
+STAGE_MIN_BYTES = 1 << 20
+"""Host values at least this large are staged in pinned memory before going to a GPU, so the
+DMA runs while the thread goes on; smaller ones are handed to the driver as they are (it stages
+pageable memory itself, and a pinned buffer, its fill and ``is_pinned()`` cost more than that
+for a few kilobytes)."""
 
 
 class WorkerError(RuntimeError):
@@ -95,11 +113,13 @@ class _Call:
     """The state of one call; also the ``rt`` object the generated programs call into."""
 
     def __init__(self, n_slots: int, n_events: int, compute: dict[str, Any],
-                 trace: bool = False) -> None:
+                 trace: bool = False, events: _EventPool | None = None) -> None:
         self.env: list[Any] = [None] * n_slots
         self.ready = [threading.Event() for _ in range(n_events)]
         self.cuda_events: list[Any] = [None] * n_events
         self.compute = compute  # GPU name -> its compute stream for this call
+        self.events = events if events is not None else _EventPool(n_events)
+        self.caller = threading.get_ident()  # its current streams are ``compute``
         self.failed: BaseException | None = None
         self.pending_host: list[Any] = []
         self.lock = threading.Lock()
@@ -173,34 +193,50 @@ class _Call:
                 value.record_stream(stream)  # allocated on a copy stream, used on compute
 
     # -- copies -----------------------------------------------------------------------------
-    def _to_host(self, t: torch.Tensor, src: str, event: int, node: int) -> torch.Tensor:
-        side = _Streams.of(src).d2h
-        side.wait_stream(self.compute[src])
-        out = _pinned_like(t)
+    def _small(self, t: torch.Tensor) -> bool:
+        """A copy small enough to go on the compute stream itself (see ``SMALL_COPY_BYTES``);
+        traced calls time every copy on its side stream."""
+        return not self.trace and t.numel() * t.element_size() <= SMALL_COPY_BYTES
 
-        def issue() -> Any:
-            with torch.cuda.stream(side):
-                return out.copy_(t, non_blocking=True)
-        self._traced_copy(side, f"{src}/d2h", t, src, "cpu", node, issue)
-        t.record_stream(side)
-        ev = torch.cuda.Event()
-        ev.record(side)
+    def _to_host(self, t: torch.Tensor, src: str, event: int, node: int) -> torch.Tensor:
+        out = _pinned_like(t)
+        ev = self.events.done(event)
+        if self._small(t):  # on the compute stream, right after its producer
+            out.copy_(t, non_blocking=True)
+            ev.record(self.compute[src])
+        else:
+            side = _Streams.of(src).d2h
+            side.wait_event(self.events.barrier(src, self.compute[src]))
+
+            def issue() -> Any:
+                with torch.cuda.stream(side):
+                    return out.copy_(t, non_blocking=True)
+            self._traced_copy(side, f"{src}/d2h", t, src, "cpu", node, issue)
+            t.record_stream(side)
+            ev.record(side)
         self.cuda_events[event] = ev
         with self.lock:
             self.pending_host.append(ev)
         return out
 
     def _to_gpu(self, t: torch.Tensor, dst: str, event: int, node: int) -> torch.Tensor:
+        if self._small(t):  # staged, then queued on dst's compute stream: no event needed
+            staged = _pinned_like(t).copy_(t)
+            if threading.get_ident() == self.caller:
+                return staged.to(dst, non_blocking=True)
+            with torch.cuda.stream(self.compute[dst]):  # a CPU worker's thread
+                return staged.to(dst, non_blocking=True)
         side = _Streams.of(dst).h2d
-        if not t.is_pinned():
+        if t.numel() * t.element_size() >= STAGE_MIN_BYTES and not t.is_pinned():
             staged = _pinned_like(t)
             staged.copy_(t)
             t = staged
+
         def issue() -> Any:
             with torch.cuda.stream(side):
                 return t.to(dst, non_blocking=True)
         out = self._traced_copy(side, f"{dst}/h2d", t, "cpu", dst, node, issue)
-        ev = torch.cuda.Event()
+        ev = self.events.done(event)
         ev.record(side)
         self.cuda_events[event] = ev
         return out
@@ -208,17 +244,47 @@ class _Call:
     def _peer(self, t: torch.Tensor, src: str, dst: str, event: int, node: int) -> torch.Tensor:
         out_side = _Streams.of(src).peer
         in_side = _Streams.of(dst).peer_in
-        out_side.wait_stream(self.compute[src])
+        out_side.wait_event(self.events.barrier(src, self.compute[src]))
 
         def issue() -> Any:
             with torch.cuda.stream(in_side), torch.cuda.stream(out_side):
                 return t.to(dst, non_blocking=True)
         out = self._traced_copy(out_side, f"{src}/peer", t, src, dst, node, issue)
         t.record_stream(out_side)
-        ev = torch.cuda.Event()
+        ev = self.events.done(event)
         ev.record(out_side)
         self.cuda_events[event] = ev
         return out
+
+
+class _EventPool:
+    """CUDA events one executor records in every call, made once (``cudaEventCreate`` costs
+    microseconds a call otherwise). Re-recording an event is safe once every wait on its
+    earlier record has been enqueued, which a finished call guarantees; a call that overlaps
+    another of the same executor gets a pool of its own."""
+
+    def __init__(self, n_events: int) -> None:
+        self._done: list[Any] = [None] * n_events
+        self._barriers: dict[str, Any] = {}
+        self.lock = threading.Lock()  # held by the call using this pool
+
+    def done(self, event: int) -> Any:
+        """The event that marks plan event ``event``'s copy as landed."""
+        ev = self._done[event]
+        if ev is None:
+            ev = self._done[event] = torch.cuda.Event()
+        return ev
+
+    def barrier(self, device: str, stream: Any) -> Any:
+        """An event recorded now on ``stream`` (``device``'s compute stream): a copy stream
+        that waits on it starts after everything issued there so far. One per device: only
+        the thread that runs ``device``'s program records it, and each wait is enqueued
+        before the next record."""
+        ev = self._barriers.get(device)
+        if ev is None:
+            ev = self._barriers[device] = torch.cuda.Event()
+        ev.record(stream)
+        return ev
 
 
 def _pinned_like(t: torch.Tensor) -> torch.Tensor:
@@ -247,16 +313,22 @@ class _Worker(_PerDevice):
 
 def _planned_times(slots: dict[Any, Any]) -> Any:
     """``times(step)`` for :func:`~autopar.runtime.interleave.interleave`: the planned
-    ``(start, end)`` of a Run, a Send or a fused region, from the placement's slots (None for a
-    hand-made placement, which has none)."""
+    ``(start, end)`` of a Run, a Send, the copy a Wait waits for, or a fused region, from the
+    placement's slots (None for a hand-made placement, which has none)."""
     if not slots:
         return None
+    arrivals: dict[tuple[Any, str], Any] = {}  # (value, memory pool) -> its copy's slot
+    for key, slot in slots.items():
+        if isinstance(key, tuple):
+            arrivals[(key[0], pool(key[1]))] = slot
 
     def times(step: Any) -> tuple[float, float] | None:
         if isinstance(step, Run):
             found = [slots.get(step.node)]
         elif isinstance(step, Send):
             found = [slots.get((step.value, step.dst))]
+        elif isinstance(step, Wait):
+            found = [arrivals.get((step.value, "cpu"))]
         elif isinstance(step, Fused):
             found = [slots.get(n) for n in step.nodes]
         else:
@@ -310,6 +382,7 @@ class Executor:
                  cuda_graphs: bool | str = False, interleaved: bool = True,
                  cpu_threads: int | None = None) -> None:
         self.plan = plan
+        self.runs_as = "executor"  # or "eager's sequence" (autopar.api.runs_as_eager)
         self.cpu_threads = cpu_threads
         self.cuda_graphs = cuda_graphs
         self.trace = trace
@@ -384,6 +457,7 @@ class Executor:
         self.inline = order[0] if order else None
         self.threaded = order[1:]
         self.n_events = plan.n_events
+        self._events = _EventPool(plan.n_events)
         # one program and nothing to order: run it straight, without per-call machinery
         self.solo = self.inline if (len(self.programs) == 1 and not self.n_events
                                     and not trace) else None
@@ -393,12 +467,19 @@ class Executor:
             self.programs[self.solo] = build_program(
                 self.solo, final[self.solo], self.slots, source_of, moved,
                 entry=(self.input_slots, self.output_slots))
+        self._whole = (_whole_graph_region(final[self.solo], graph.inputs, plan.outputs)
+                       if self.solo is not None else None)
 
     def __call__(self, args: Sequence[Any]) -> list[Any]:
         if len(args) != len(self.inputs):
             raise TypeError(f"graph {self.plan.graph.name} takes {len(self.inputs)} inputs, "
                             f"got {len(args)}")
         if self.solo is not None:  # one program, no events: one generated function, here
+            if self._whole is not None and self._whole.compiled is not None:
+                try:  # one fused region is the whole graph: Inductor's function is the call
+                    return self._whole.compiled(list(args))
+                except Exception:  # the program below runs it again, and reports an error
+                    pass
             program = self.programs[self.solo]
             try:
                 if self._solo_gpu is None or torch.cuda.current_device() == self._solo_gpu:
@@ -409,7 +490,16 @@ class Executor:
                 _annotate(e, program)
                 raise
         compute = {g: torch.cuda.current_stream(torch.device(g)) for g in self.gpus}
-        call = _Call(len(self.slots), self.n_events, compute, trace=self.trace)
+        pool = self._events if self._events.lock.acquire(blocking=False) else None
+        try:
+            return self._call(args, compute, pool)
+        finally:
+            if pool is not None:
+                pool.lock.release()
+
+    def _call(self, args: Sequence[Any], compute: dict[str, Any],
+              events: _EventPool | None) -> list[Any]:
+        call = _Call(len(self.slots), self.n_events, compute, trace=self.trace, events=events)
         if self.trace:
             refs = self._trace_start(compute)
         env = call.env
@@ -429,6 +519,8 @@ class Executor:
         for ev in call.pending_host:
             ev.synchronize()  # host results are valid when returned
         for slot, device, event in self.delivered:
+            if call.cuda_events[event] is None:  # a small copy made on that very stream
+                continue
             stream = compute[device]
             stream.wait_event(call.cuda_events[event])
             env[slot].record_stream(stream)  # allocated by a copy stream, used by the caller
@@ -498,6 +590,22 @@ class Executor:
     def source(self) -> str:
         """The generated code of every program, for inspection."""
         return "\n".join(f"# {d}\n{p.source}" for d, p in self.programs.items())
+
+
+def _whole_graph_region(steps: Sequence[Any], inputs: Sequence[Node],
+                        outputs: Sequence[tuple[Any, str | None]]) -> Any:
+    """The kernel of a program that is one fused region taking the graph's inputs in order and
+    giving its outputs in order (each once), or None. Such a call needs nothing from the
+    executor: autopar then costs what ``torch.compile``'s default does."""
+    body = [s for s in steps if not isinstance(s, Free)]
+    if len(body) != 1 or not isinstance(body[0], Fused):
+        return None
+    region = body[0]
+    outs = [o for o, _ in outputs]
+    if (list(region.inputs) != list(inputs) or list(region.outputs) != outs
+            or len(set(outs)) != len(outs)):
+        return None
+    return region.kernel
 
 
 def _annotate(error: BaseException, program: Program) -> None:
