@@ -351,3 +351,20 @@ def test_the_direct_call_falls_back_to_the_program_when_inductors_function_raise
     with pytest.raises(RuntimeError, match="kernel refused"):  # the program's call raises too
         g(x)
     assert calls == [1, 1]  # tried directly, then through the program
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_low_precision_math_is_never_fused(cost, dtype):
+    """Inductor rounds float16/bfloat16 intermediates where eager's kernels don't: such ops run
+    op by op; a cast up to float32 and the float32 math after it may still be fused."""
+    g = Graph("half")
+    x = g.input(TensorMeta.make((8, 8), dtype=dtype), "x")
+    a = g.call(aten.mul.Tensor, (x, 0.5), name="a")
+    b = g.call(aten.add.Tensor, (a, 1.0), name="b")
+    c = g.call(aten._to_copy.default, (b,), {"dtype": torch.float32},
+               meta=TensorMeta.make((8, 8)), name="c")
+    d = g.call(aten.exp.default, (c,), name="d")
+    e = g.call(aten.mul.Tensor, (d, 2.0), name="e")
+    g.set_outputs([e])
+    want = [["a", "b", "c", "d", "e"]] if dtype == torch.float32 else [["d", "e"]]
+    assert program_regions(g, by_hand(g, {}), "cpu:0", cost) == want

@@ -123,10 +123,12 @@ def test_small_op_between_big_ones_stays_on_their_gpu():
 
         x@cuda:0 -> big1 (mm) -> small (relu) -> big2 (mm) -> out
                      10 ms       20 us | 2 us     10 ms
-        4 MB each way: 0.41 ms, so the host would finish small at 10.41 ms, cuda:0 at 10.02 ms
+        1 MB each way: 0.11 ms, so the host would finish small at 10.1 ms, cuda:0 at 10.02 ms
+        (1 MB, not more: a larger value eager keeps on the GPU never goes to the host, see
+        test_the_host_never_pulls_a_big_gpu_value)
     """
     g = Graph("sandwich")
-    x = g.input(tensor((1000, 1000), "cuda:0"), name="x")
+    x = g.input(tensor((500, 500), "cuda:0"), name="x")
     big1 = g.call(MM, (x, x), name="big1")
     small = g.call(RELU, (big1,), name="small")
     big2 = g.call(MM, (small, small), name="big2")
@@ -137,8 +139,35 @@ def test_small_op_between_big_ones_stays_on_their_gpu():
     }, bandwidth=10e9, latency=10 * us)
     p = place(g, cost)
     assert devices_of(p) == {"big1": "cuda:0", "small": "cuda:0", "big2": "cuda:0"}
-    assert p.notes[by_name(g)["small"]] == "fastest finish: cuda:0 10 ms vs cpu:0 10.4 ms"
+    assert p.notes[by_name(g)["small"]] == "fastest finish: cuda:0 10 ms vs cpu:0 10.1 ms"
     assert p.predicted_s == pytest.approx(20.02 * ms)
+
+
+@pytest.mark.parametrize("side", [1000, 500])
+def test_the_host_never_pulls_a_big_gpu_value(side):
+    """Two GPUs busy with long matmuls; ``t = tanh(a)`` of ``a`` on cuda:0 finishes soonest on
+    the idle host by the timing model. At 4 MB it stays on a GPU anyway (the host's compute
+    would hold the thread that launches GPU work); at 1 MB the host takes it. With one GPU
+    left to choose, the note says why."""
+    g = Graph("gravity")
+    x = g.input(tensor((side, side), "cuda:0"), name="x")
+    a = g.call(MM, (x, x), name="a")
+    busy = [g.call(MM, (x, x), name=f"busy{i}") for i in range(4)]
+    t = g.call(torch.ops.aten.tanh.default, (a,), name="t")
+    g.set_outputs([t, *busy])
+    cost = FakeCost(machine(cpus=1, gpus=2), {
+        ("a", "cuda"): 1 * ms, ("t", "cuda"): 10 * ms, ("t", "cpu"): 50 * us,
+        **{(f"busy{i}", "cuda"): 20 * ms for i in range(4)},
+        **{(f"busy{i}", "cpu"): 10.0 for i in range(4)}, ("a", "cpu"): 10.0,
+    }, bandwidth=1e12, latency=1 * us)
+    p = place(g, cost)
+    if side == 1000:
+        assert devices_of(p)["t"].startswith("cuda")
+        one = place(g, cost, devices=["cpu:0", "cuda:0"])
+        assert one.device[t] == "cuda:0"
+        assert one.notes[t] == "off the host: reads %a (4 MB) from cuda:0"
+    else:
+        assert devices_of(p)["t"] == "cpu:0"
 
 
 def test_tiny_values_prefer_the_host_on_a_tie():

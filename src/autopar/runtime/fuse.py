@@ -8,8 +8,11 @@ Policy
   reduction ops (a lone ``mm`` gains nothing from Inductor).
 - Fusible: an ATen op (or ``getitem`` of one) with tensor outputs that mutates nothing, draws
   no random numbers (Inductor's RNG is not eager's), is no pure device move done by its copy,
-  and reads only values that live in this device's memory pool (a host scalar a GPU kernel
-  takes as an argument stays with the plain ops).
+  reads only values that live in this device's memory pool (a host scalar a GPU kernel takes
+  as an argument stays with the plain ops), and neither reads nor makes float16 or bfloat16
+  values: Inductor computes those in float32 inside a kernel and rounds where eager's kernels
+  don't (a half-precision ``layer_norm`` backward came out 3 ulps off eager on an H200, beyond
+  eager-equality tolerances), so low-precision math runs op by op, as eager's.
 - A region's inputs are the values it reads from outside; its outputs are the values used
   outside it (by any later step of any program, or as graph outputs). Outputs are fresh
   tensors: a view (or tuple) that would escape a region is left out of it and runs as a plain
@@ -58,6 +61,7 @@ MIN_FUSED_OPS = 2
 """A region is compiled when it has at least this many pointwise or reduction ops."""
 
 _PAYING_KINDS = ("pointwise", "reduction")
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
 _COMPILE_LOCK = threading.Lock()
 _CACHE: dict[tuple, Callable[[list], Any]] = {}
 
@@ -203,7 +207,10 @@ def fusible(node: Node, device: str, local: Callable[[Node], bool],
         return False
     if not all(local(v) for v in node.inputs):
         return False
-    return all(isinstance(v.meta, TensorMeta) for v in node.inputs)
+    if not all(isinstance(v.meta, TensorMeta) for v in node.inputs):
+        return False
+    metas = [*node.tensor_metas, *(v.meta for v in node.inputs)]
+    return not any(m.dtype in _LOW_PRECISION for m in metas)
 
 
 def regions(steps: Sequence[Step], can_fuse: Callable[[Node], bool],
