@@ -233,3 +233,62 @@ def test_compiled_graphs_that_gain_nothing_run_as_sequential_runners():
     traced = Runner(Options.parse({"devices": "cpu:0", "trace": True}))  # traced: the executor
     torch.compile(lambda x: (x @ x).relu() + 1, backend=make_backend(traced))(x)
     assert traced.executors[0].runs_as == "executor"
+
+
+def test_a_function_with_nothing_to_gain_runs_as_plain_python_from_its_second_call():
+    """Every graph runs as eager does (one device, nothing to overlap): a signature seen once
+    then calls the function itself, without dynamo; a new shape goes through dynamo again."""
+    traced = []
+
+    def f(x, scale):
+        traced.append(1)  # a Python side effect: runs at each plain call, once per dynamo trace
+        return (x @ x).relu() * scale
+
+    compiled = autopar.compile(f, devices="cpu:0")
+    x = torch.randn(8, 8)
+    for _ in range(3):
+        torch.testing.assert_close(compiled(x, 2.0), f(x, 2.0))
+    assert compiled.autopar_runner.graphs == 1 and compiled.autopar_runner.planned == 0
+    assert len(compiled.plain_signatures) == 1
+    # one trace by dynamo, two plain calls of the compiled function, three eager references
+    assert len(traced) == 1 + 2 + 3
+    y = torch.randn(4, 4)  # a new signature: through dynamo first
+    compiled(y, 2.0)
+    assert len(compiled.plain_signatures) == 2
+    w = torch.randn(8, 8, requires_grad=True)  # autograd would record it: never plain
+    compiled(w, 2.0).sum().backward()
+    compiled(w, 2.0)
+    assert len(compiled.plain_signatures) == 2
+
+
+def test_a_function_autopar_places_keeps_going_through_autopar():
+    compiled = autopar.compile(lambda a, b: (a @ a, b @ b), devices="cpu:0,cpu:1",
+                               policy="round_robin")
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    for _ in range(3):
+        got = compiled(a, b)
+        torch.testing.assert_close(got[0], a @ a)
+    assert compiled.autopar_runner.planned == 1
+    assert not compiled.plain_signatures
+
+
+def test_a_dynamic_training_graph_is_placed_per_shape_forward_and_backward():
+    """aot_autograd calls a backward through wrappers that copy the function's ``__dict__``:
+    the per-shape runner must carry its boxed-call mark there too."""
+    built = []
+
+    def build(graph, phase):
+        built.append(phase)
+        return SequentialRunner(graph)
+
+    def f(x, s):
+        return (x @ x).relu() * s
+
+    compiled = torch.compile(f, backend=make_backend(build), dynamic=True)
+    for n in (8, 6):
+        w = torch.randn(n, n, requires_grad=True)
+        compiled(w, 2.0).sum().backward()
+        v = w.detach().clone().requires_grad_()
+        f(v, 2.0).sum().backward()
+        torch.testing.assert_close(w.grad, v.grad)
+    assert built == ["forward", "backward", "forward", "backward"]

@@ -21,6 +21,7 @@ Policy
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -140,6 +141,7 @@ class Runner:
         self._cost: Any = None
         self.executors: list[Any] = []  # every graph's executor, in the order they were built
         self.graphs = 0  # graphs handed to this runner
+        self.planned = 0  # of those, graphs the executor runs (the rest run as eager does)
         self.reads_scalars = False  # whether any of them reads a value to the host (.item())
 
     def cost_model(self) -> Any:
@@ -185,6 +187,7 @@ class Runner:
             return SequentialRunner(graph)
         log.debug("autopar: %s\n%s", graph.name, plan)
         self.executors.append(executor)
+        self.planned += not as_eager
         if as_eager:
             log.debug("autopar: %s runs as eager does: the plan is eager's placement with "
                       "nothing to overlap", graph.name)
@@ -257,5 +260,56 @@ def compile(fn: Callable, **options: Any) -> Callable:
     opts = Options.parse(options)
     runner = make_runner(opts)
     runner.cost_model()  # resolve (and if need be calibrate) the machine now, not mid-trace
-    return capturing_scalars(torch.compile(fn, backend=make_backend(runner)),
-                             needed=lambda: not runner.graphs or runner.reads_scalars)
+    compiled = capturing_scalars(torch.compile(fn, backend=make_backend(runner)),
+                                 needed=lambda: not runner.graphs or runner.reads_scalars)
+    if isinstance(fn, torch.nn.Module) or opts.trace:
+        return compiled
+    return _plain_when_nothing_to_gain(fn, compiled, runner)
+
+
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _signature(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple | None:
+    """What decides a call's graphs, as far as autopar keys them: each tensor argument's
+    shape, strides, dtype and device, each plain argument's value, and the grad mode. None
+    (no key) for any other argument, or a tensor that autograd would record."""
+    grad = torch.is_grad_enabled()
+    key: list[Any] = [grad]
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            if grad and v.requires_grad:
+                return None
+            key.append((tuple(v.shape), v.stride(), v.dtype, v.device))
+        elif isinstance(v, _PLAIN):
+            key.append((type(v), v))
+        else:
+            return None
+    key.append(tuple(kwargs))
+    return tuple(key)
+
+
+def _plain_when_nothing_to_gain(fn: Callable, compiled: Callable, runner: Runner) -> Callable:
+    """``compiled``, except that a call whose signature (:func:`_signature`) was seen before
+    while every graph autopar had built ran as eager does (:func:`runs_as_eager`, or graphs
+    it can't represent) calls ``fn`` itself: running it through dynamo would only add dynamo's
+    own per-call cost (tens of microseconds on a GPU host, more than a small function's whole
+    eager call) to eager's sequence of ops. Each new signature goes through ``compiled`` once,
+    so a shape that autopar can speed up is placed; the decision is per signature, not per
+    global state the function reads (a closed-over flag that changes the graph is not seen:
+    such a call runs eagerly, correct, unplaced)."""
+    plain: set[tuple] = set()
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        key = _signature(args, kwargs)
+        if key is not None and key in plain:
+            return fn(*args, **kwargs)
+        out = compiled(*args, **kwargs)
+        if key is not None and runner.graphs and not runner.planned:
+            plain.add(key)
+        return out
+
+    call.autopar_runner = runner  # type: ignore[attr-defined]
+    call.plain_signatures = plain  # type: ignore[attr-defined]
+    return call

@@ -59,10 +59,10 @@ class PerShape:
     ``specialize(static_gm, label)`` turns a static graph of tensor inputs into its runner
     (``run(tensor_args) -> outputs``), raising to refuse it."""
 
-    _boxed_call = True
-
     def __init__(self, gm: torch.fx.GraphModule, label: str,
                  specialize: Callable[[torch.fx.GraphModule, str], Run]) -> None:
+        # an instance attribute: wrappers copy __dict__ (functools.wraps), not class attributes
+        self._boxed_call = True  # aot_autograd's calling convention: one list of arguments
         self.gm = gm
         self.label = label
         self.specialize = specialize
