@@ -292,3 +292,13 @@ def test_a_dynamic_training_graph_is_placed_per_shape_forward_and_backward():
         f(v, 2.0).sum().backward()
         torch.testing.assert_close(w.grad, v.grad)
     assert built == ["forward", "backward", "forward", "backward"]
+
+
+def test_arguments_in_tuples_are_keyed_too():
+    compiled = autopar.compile(lambda x, ps: (x @ ps[0]).relu() @ ps[1], devices="cpu:0")
+    x, ps = torch.randn(8, 8), (torch.randn(8, 8), torch.randn(8, 4))
+    for _ in range(2):
+        torch.testing.assert_close(compiled(x, ps), (x @ ps[0]).relu() @ ps[1])
+    assert len(compiled.plain_signatures) == 1
+    compiled(x, (ps[0], torch.randn(8, 6)))  # another shape inside the tuple: another key
+    assert len(compiled.plain_signatures) == 2

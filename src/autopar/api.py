@@ -272,21 +272,30 @@ _PLAIN = (int, float, bool, str, type(None))
 
 def _signature(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple | None:
     """What decides a call's graphs, as far as autopar keys them: each tensor argument's
-    shape, strides, dtype and device, each plain argument's value, and the grad mode. None
-    (no key) for any other argument, or a tensor that autograd would record."""
+    shape, strides, dtype and device (in lists and tuples too), each plain argument's value,
+    and the grad mode. None (no key) for any other argument, or a tensor that autograd would
+    record."""
     grad = torch.is_grad_enabled()
-    key: list[Any] = [grad]
-    for v in (*args, *kwargs.values()):
+
+    def key_of(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
             if grad and v.requires_grad:
-                return None
-            key.append((tuple(v.shape), v.stride(), v.dtype, v.device))
-        elif isinstance(v, _PLAIN):
-            key.append((type(v), v))
-        else:
-            return None
-    key.append(tuple(kwargs))
-    return tuple(key)
+                raise _NoKey
+            return (tuple(v.shape), v.stride(), v.dtype, v.device)
+        if isinstance(v, _PLAIN):
+            return (type(v), v)
+        if isinstance(v, list | tuple):
+            return (type(v), tuple(key_of(x) for x in v))
+        raise _NoKey
+
+    try:
+        return (grad, tuple(kwargs), *(key_of(v) for v in (*args, *kwargs.values())))
+    except _NoKey:
+        return None
+
+
+class _NoKey(Exception):
+    """An argument :func:`_signature` can't key."""
 
 
 def _plain_when_nothing_to_gain(fn: Callable, compiled: Callable, runner: Runner) -> Callable:
