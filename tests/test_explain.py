@@ -52,6 +52,7 @@ def test_two_chains_written_for_one_gpu_are_split_over_two():
     data = json.loads(report.to_json())
     assert {"predicted_s", "eager_predicted_s", "speedup", "rows"} <= set(data)
     assert {"op", "device"} <= set(data["rows"][0])
+    assert data["runs_as_eager"] is False and "runs as eager does" not in report.to_text()
 
 
 def test_a_tiny_matmul_with_host_inputs_stays_on_the_host():
@@ -61,6 +62,8 @@ def test_a_tiny_matmul_with_host_inputs_stays_on_the_host():
     report = autopar.explain(tiny, torch.rand(5, 10), torch.rand(10, 5), machine="h200x2")
     assert [row.device for row in report.rows] == ["cpu:0"]
     assert report.transfers == 0
+    assert report.runs_as_eager  # eager's own placement, nothing to overlap
+    assert "runs as eager does" in report.to_text()
 
 
 def test_explain_rejects_bad_input_clearly():

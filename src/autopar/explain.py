@@ -74,6 +74,7 @@ class ExplainReport:
     critical_nodes: list[Node] = field(repr=False, default_factory=list)
     captured: str = "traced with fake inputs"
     syncs: list[str] = field(default_factory=list)
+    runs_as_eager: bool = False  # autopar.api.runs_as_eager: eager's sequence, not the executor
 
     @property
     def speedup(self) -> float:
@@ -85,7 +86,7 @@ class ExplainReport:
             "predicted_s": self.predicted_s, "eager_predicted_s": self.eager_predicted_s,
             "speedup": self.speedup, "critical_path": self.critical_path,
             "transfers": self.transfers, "transfer_bytes": self.transfer_bytes,
-            "captured": self.captured, "syncs": self.syncs,
+            "captured": self.captured, "syncs": self.syncs, "runs_as_eager": self.runs_as_eager,
             "rows": [asdict(r) for r in self.rows],
         }
 
@@ -118,6 +119,10 @@ class ExplainReport:
             f"{self.transfer_bytes / 1e6:.3g} MB moved")
         for sync in self.syncs:
             console.print(f"host sync: {sync}")
+        if self.runs_as_eager:
+            console.print("runs as eager does: eager's placement with nothing to overlap (unless "
+                          "fused GPU regions pay), so autopar.compile calls the function itself "
+                          "from the second call with the same argument shapes")
         path = " -> ".join(self.critical_path[:12])
         more = " ..." if len(self.critical_path) > 12 else ""
         console.print(f"critical path ({len(self.critical_path)} ops): {path}{more}")
@@ -191,6 +196,8 @@ def explain_graph(graph: Graph, machine: Machine | str | None = None,
 
     ``devices``: the machine's devices ops may be placed on (None: all of them), as
     ``autopar.compile(devices=...)`` restricts them."""
+    from .api import runs_as_eager
+
     machine = load_machine(machine)
     cost = CostModel(machine)
     placement = place(graph, cost, policy=policy, devices=devices)
@@ -215,7 +222,8 @@ def explain_graph(graph: Graph, machine: Machine | str | None = None,
         transfers=len(copies),
         transfer_bytes=sum(m.nbytes for s in copies for m in s.value.tensor_metas),
         timeline=timeline, eager_timeline=eager_timeline, plan=plan, critical_nodes=path,
-        syncs=host_syncs(plan))
+        syncs=host_syncs(plan),
+        runs_as_eager=runs_as_eager(plan, cost, devices or names))
 
 
 def explain(fn: Callable, *args: Any, machine: Machine | str | None = None,
