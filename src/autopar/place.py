@@ -711,7 +711,7 @@ def _gravity(sched: _Schedule, node: Node, cands: list[str]) -> tuple[list[str],
     if not gpus or len(gpus) == len(cands):
         return cands, None
     for v in sched.ins[node]:
-        size = sum(m.nbytes for m in v.tensor_metas) if v.tensor_metas else 0
+        size = sched.nbytes[v]
         if size > HOST_PULL_BYTES and pool(sched.eager[v] or "cpu") != "cpu":
             return gpus, f"off the host: reads {v!r} ({fmt_bytes(size)}) from {sched.eager[v]}"
     return cands, None

@@ -153,7 +153,7 @@ class _Call:
         with torch.cuda.stream(side):
             mark = self.begin(str(side.device))
             out = issue()
-            nbytes = t.numel() * t.element_size()
+            nbytes = t.nbytes
             self.end(mark, lane, f"copy {src}->{dst}", node, "copy", nbytes, src, dst)
         return out
 
@@ -196,7 +196,7 @@ class _Call:
     def _small(self, t: torch.Tensor) -> bool:
         """A copy small enough to go on the compute stream itself (see ``SMALL_COPY_BYTES``);
         traced calls time every copy on its side stream."""
-        return not self.trace and t.numel() * t.element_size() <= SMALL_COPY_BYTES
+        return not self.trace and t.nbytes <= SMALL_COPY_BYTES
 
     def _to_host(self, t: torch.Tensor, src: str, event: int, node: int) -> torch.Tensor:
         out = _pinned_like(t)
@@ -227,7 +227,7 @@ class _Call:
             with torch.cuda.stream(self.compute[dst]):  # a CPU worker's thread
                 return staged.to(dst, non_blocking=True)
         side = _Streams.of(dst).h2d
-        if t.numel() * t.element_size() >= STAGE_MIN_BYTES and not t.is_pinned():
+        if t.nbytes >= STAGE_MIN_BYTES and not t.is_pinned():
             staged = _pinned_like(t)
             staged.copy_(t)
             t = staged
@@ -382,7 +382,7 @@ class Executor:
                  cuda_graphs: bool | str = False, interleaved: bool = True,
                  cpu_threads: int | None = None) -> None:
         self.plan = plan
-        self.runs_as = "executor"  # or "eager's sequence" (autopar.api.runs_as_eager)
+        self.runs_as = "executor"  # or "eager's sequence" (autopar.simulate.runs_as_eager)
         self.cpu_threads = cpu_threads
         self.cuda_graphs = cuda_graphs
         self.trace = trace
