@@ -202,11 +202,11 @@ def _two_chains(on: str) -> Graph:
 
 
 def test_a_plan_that_is_eagers_chain_runs_as_eager_does():
-    from autopar.api import runs_as_eager
     from autopar.cost import CostModel
     from autopar.machine import preset
     from autopar.place import place
     from autopar.plan import make_plan
+    from autopar.simulate import runs_as_eager
 
     cost = CostModel(preset("h200x2"))
     devices = ("cpu:0", "cuda:0", "cuda:1")

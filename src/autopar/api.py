@@ -18,9 +18,9 @@ Policy
   ``.item()`` and tensor slice bounds kept in the graph (dynamo's ``capture_scalar_outputs``,
   switched on around each call), so that they are placed instead of breaking the graph.
 - Nothing to gain, nothing added: while every graph autopar built for a function runs as eager
-  does (:func:`runs_as_eager`: eager's placement, nothing to overlap, nothing fused), a call
-  whose argument signature was seen before calls the function itself, without dynamo
-  (:func:`_plain_when_nothing_to_gain`); dynamo's own per-call cost is more than a small
+  does (:func:`~autopar.simulate.runs_as_eager`: eager's placement, nothing to overlap, nothing
+  fused), a call whose argument signature was seen before calls the function itself, without
+  dynamo (:func:`_plain_when_nothing_to_gain`); dynamo's own per-call cost is more than a small
   function's whole eager call on a GPU host. Modules, traced functions and calls whose tensors
   autograd records always go through dynamo.
 """
@@ -137,8 +137,9 @@ class Runner:
     Each graph is placed (policy over ``options.devices``), planned and handed to the
     executor. If any of that fails, the graph runs sequentially on eager's devices and the
     reason is logged once: never a wrong result. A plan that is eager's own placement with
-    nothing to overlap runs as eager's sequence of ops too (:func:`runs_as_eager`); its
-    executor stays in ``executors`` with ``runs_as`` saying so. One machine and cost model
+    nothing to overlap runs as eager's sequence of ops too
+    (:func:`~autopar.simulate.runs_as_eager`); its executor stays in ``executors`` with
+    ``runs_as`` saying so. One machine and cost model
     serve every graph.
     """
 
@@ -147,8 +148,13 @@ class Runner:
         self._cost: Any = None
         self.executors: list[Any] = []  # every graph's executor, in the order they were built
         self.graphs = 0  # graphs handed to this runner
-        self.planned = 0  # of those, graphs the executor runs (the rest run as eager does)
         self.reads_scalars = False  # whether any of them reads a value to the host (.item())
+
+    @property
+    def planned(self) -> int:
+        """Of the graphs handed to this runner, how many the executor runs (the others run as
+        eager does: :func:`~autopar.simulate.runs_as_eager`, or placement failed)."""
+        return sum(e.runs_as == "executor" for e in self.executors)
 
     def cost_model(self) -> Any:
         """The cost model, resolving (and if need be calibrating) the machine on first use."""
@@ -170,6 +176,7 @@ class Runner:
         from .plan import make_plan
         from .runtime import Executor, SequentialRunner
         from .runtime.executor import fusion_devices
+        from .simulate import runs_as_eager
 
         options = self.options
         self.graphs += 1
@@ -193,7 +200,6 @@ class Runner:
             return SequentialRunner(graph)
         log.debug("autopar: %s\n%s", graph.name, plan)
         self.executors.append(executor)
-        self.planned += not as_eager
         if as_eager:
             log.debug("autopar: %s runs as eager does: the plan is eager's placement with "
                       "nothing to overlap", graph.name)
@@ -202,30 +208,6 @@ class Runner:
         if isinstance(options.trace, str):
             return _tracing(executor, options.trace)
         return executor
-
-
-EAGER_OVERLAP_GAIN = 0.05
-"""A plan of eager's placement runs as its own program (side-stream copies, events) only when
-the model predicts overlap to save at least this share of the serial time."""
-
-
-def runs_as_eager(plan: Any, cost: Any, devices: Sequence[str]) -> bool:
-    """Whether a plan (with nothing fused or replayed as a CUDA graph) gains nothing from the
-    executor, so that its graph should run as eager's sequence of ops
-    (:class:`~autopar.runtime.SequentialRunner`): every op is placed where eager runs it, and
-    the simulated plan overlaps less than ``EAGER_OVERLAP_GAIN`` of its serial time (a chain
-    such as copy in, matmul, copy out). The executor's streams, events and staging would cost
-    more than they save."""
-    from .place import place
-    from .simulate import simulate
-
-    graph = plan.graph
-    eager = place(graph, cost, policy="single", devices=devices).device
-    if any(plan.placement.device[n] != eager[n] for n in graph.ops):
-        return False
-    timeline = simulate(plan, cost)
-    serial = sum(s.duration for s in timeline.spans)
-    return timeline.makespan >= (1 - EAGER_OVERLAP_GAIN) * serial
 
 
 def make_runner(options: Options) -> Runner:
@@ -307,22 +289,28 @@ class _NoKey(Exception):
 
 def _plain_when_nothing_to_gain(fn: Callable, compiled: Callable, runner: Runner) -> Callable:
     """``compiled``, except that a call whose signature (:func:`_signature`) was seen before
-    while every graph autopar had built ran as eager does (:func:`runs_as_eager`, or graphs
-    it can't represent) calls ``fn`` itself: running it through dynamo would only add dynamo's
-    own per-call cost (tens of microseconds on a GPU host, more than a small function's whole
-    eager call) to eager's sequence of ops. Each new signature goes through ``compiled`` once,
+    while every graph autopar had built ran as eager does
+    (:func:`~autopar.simulate.runs_as_eager`, or graphs it can't represent) calls ``fn``
+    itself: running it through dynamo would only add dynamo's own per-call cost (tens of
+    microseconds on a GPU host, more than a small function's whole eager call) to eager's
+    sequence of ops. Each new signature goes through ``compiled`` once,
     so a shape that autopar can speed up is placed; the decision is per signature, not per
     global state the function reads (a closed-over flag that changes the graph is not seen:
     such a call runs eagerly, correct, unplaced)."""
     plain: set[tuple] = set()
+    placed = [False]  # once a graph runs on the executor, no call is plain again: no key needed
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
+        if placed[0]:
+            return compiled(*args, **kwargs)
         key = _signature(args, kwargs)
         if key is not None and key in plain:
             return fn(*args, **kwargs)
         out = compiled(*args, **kwargs)
-        if key is not None and runner.graphs and not runner.planned:
+        if runner.planned:
+            placed[0] = True
+        elif key is not None and runner.graphs:
             plain.add(key)
         return out
 

@@ -34,7 +34,7 @@ from .graph import Graph, Node, op_name
 from .machine import Machine, load_machine
 from .place import Placement, place
 from .plan import Plan, make_plan
-from .simulate import simulate
+from .simulate import runs_as_eager, simulate
 from .timeline import Timeline
 from .units import fmt_seconds
 
@@ -74,7 +74,7 @@ class ExplainReport:
     critical_nodes: list[Node] = field(repr=False, default_factory=list)
     captured: str = "traced with fake inputs"
     syncs: list[str] = field(default_factory=list)
-    runs_as_eager: bool = False  # autopar.api.runs_as_eager: eager's sequence, not the executor
+    runs_as_eager: bool = False  # simulate.runs_as_eager: eager's sequence, not the executor
 
     @property
     def speedup(self) -> float:
@@ -196,8 +196,6 @@ def explain_graph(graph: Graph, machine: Machine | str | None = None,
 
     ``devices``: the machine's devices ops may be placed on (None: all of them), as
     ``autopar.compile(devices=...)`` restricts them."""
-    from .api import runs_as_eager
-
     machine = load_machine(machine)
     cost = CostModel(machine)
     placement = place(graph, cost, policy=policy, devices=devices)

@@ -22,15 +22,18 @@ Glossary of loop state (:class:`_Sim`)
 - ``queue[lane]`` / ``head[lane]``: a copy lane's events in order and the next one to serve;
   ``issued[e]``: Sends issued but not yet served; ``free_at[lane]``: when the lane is free.
 
-:func:`peak_memory` replays the memory model of :mod:`autopar.place` on a simulated Timeline.
+:func:`peak_memory` replays the memory model of :mod:`autopar.place` on a simulated Timeline;
+:func:`runs_as_eager` says from a simulation whether a plan gains anything over eager's sequence.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from typing import Any
 
 from .graph import Node, op_name
+from .place import place
 from .plan import Free, Plan, Record, Run, Send, Wait
 from .routing import (
     GraphIndex,
@@ -49,7 +52,7 @@ from .routing import (
 )
 from .timeline import Span, Timeline
 
-__all__ = ["peak_memory", "simulate"]
+__all__ = ["EAGER_OVERLAP_GAIN", "peak_memory", "runs_as_eager", "simulate"]
 
 
 def simulate(plan: Plan, cost: Any) -> Timeline:
@@ -214,3 +217,24 @@ def peak_memory(plan: Plan, timeline: Timeline) -> dict[str, int]:
             best = max(best, live)
         peaks[where] = best
     return peaks
+
+
+EAGER_OVERLAP_GAIN = 0.05
+"""A plan of eager's placement runs as its own program (side-stream copies, events) only when
+the model predicts overlap to save at least this share of the serial time."""
+
+
+def runs_as_eager(plan: Any, cost: Any, devices: Sequence[str]) -> bool:
+    """Whether a plan (with nothing fused or replayed as a CUDA graph) gains nothing from the
+    executor, so that its graph should run as eager's sequence of ops
+    (:class:`~autopar.runtime.SequentialRunner`): every op is placed where eager runs it, and
+    the simulated plan overlaps less than ``EAGER_OVERLAP_GAIN`` of its serial time (a chain
+    such as copy in, matmul, copy out). The executor's streams, events and staging would cost
+    more than they save."""
+    graph = plan.graph
+    eager = place(graph, cost, policy="single", devices=devices).device
+    if any(plan.placement.device[n] != eager[n] for n in graph.ops):
+        return False
+    timeline = simulate(plan, cost)
+    serial = sum(s.duration for s in timeline.spans)
+    return timeline.makespan >= (1 - EAGER_OVERLAP_GAIN) * serial
