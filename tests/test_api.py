@@ -261,6 +261,30 @@ def test_a_function_with_nothing_to_gain_runs_as_plain_python_from_its_second_ca
     assert len(compiled.plain_signatures) == 2
 
 
+def test_a_function_with_graph_breaks_or_folded_constants_never_runs_plain():
+    """Between graphs dynamo and autopar may change what the function's own code does (on
+    torch 2.11, W1's CUDA bounds come back as host constants: no syncs), and folding computes
+    some ops at capture: calling the function itself would lose both."""
+    def broken(x):
+        y = (x @ x).relu()
+        torch._dynamo.graph_break()
+        return y * 2
+
+    def folds(x):
+        a1 = torch.tensor(10.0)
+        return (x @ x) * a1 + a1 ** 2
+
+    x = torch.randn(8, 8)
+    for f, graphs in ((broken, 2), (folds, 1)):
+        compiled = autopar.compile(f, devices="cpu:0")
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x), f(x))
+        runner = compiled.autopar_runner
+        assert runner.graphs == graphs and runner.planned == 0, f.__name__
+        assert runner.folded == (f is folds)
+        assert not compiled.plain_signatures, f.__name__
+
+
 def test_a_function_autopar_places_keeps_going_through_autopar():
     compiled = autopar.compile(lambda a, b: (a @ a, b @ b), devices="cpu:0,cpu:1",
                                policy="round_robin")

@@ -79,8 +79,9 @@ def test_mean_loss_is_the_sum_of_shard_sums_over_the_total_weight():
     (div,) = ops_named(s.graph, "aten.div.Tensor")
     total, weight = div.args
     assert [op_name(a.op) for a in total.args] == ["getitem", "getitem"]
-    # the total weight counts the targets not ignored, from the whole targets alone
-    assert op_name(weight.op) == "aten._to_copy" and weight not in s.pins
+    # the total weight counts the targets not ignored, from the whole targets alone, where
+    # they are (the home device: never a copy of them to the host on the launching thread)
+    assert op_name(weight.op) == "aten._to_copy" and s.pins[weight] == s.devices[0]
     (count,) = weight.args
     (kept,) = count.args
     assert op_name(kept.op) == "aten.ne.Scalar" and kept.args == (s.graph.inputs[5], -100)

@@ -148,6 +148,7 @@ class Runner:
         self._cost: Any = None
         self.executors: list[Any] = []  # every graph's executor, in the order they were built
         self.graphs = 0  # graphs handed to this runner
+        self.folded = 0  # ...of them, those capture had already computed part of (autopar.fold)
         self.reads_scalars = False  # whether any of them reads a value to the host (.item())
 
     @property
@@ -180,6 +181,7 @@ class Runner:
 
         options = self.options
         self.graphs += 1
+        self.folded += graph.folded
         self.reads_scalars = self.reads_scalars or any(
             n.op is LOCAL_SCALAR_DENSE for n in graph.ops)
         try:
@@ -204,7 +206,7 @@ class Runner:
             log.debug("autopar: %s runs as eager does: the plan is eager's placement with "
                       "nothing to overlap", graph.name)
             executor.runs_as = "eager's sequence"
-            return SequentialRunner(graph)
+            return SequentialRunner(graph, plan)
         if isinstance(options.trace, str):
             return _tracing(executor, options.trace)
         return executor
@@ -289,14 +291,16 @@ class _NoKey(Exception):
 
 def _plain_when_nothing_to_gain(fn: Callable, compiled: Callable, runner: Runner) -> Callable:
     """``compiled``, except that a call whose signature (:func:`_signature`) was seen before
-    while every graph autopar had built ran as eager does
-    (:func:`~autopar.simulate.runs_as_eager`, or graphs it can't represent) calls ``fn``
-    itself: running it through dynamo would only add dynamo's own per-call cost (tens of
-    microseconds on a GPU host, more than a small function's whole eager call) to eager's
-    sequence of ops. Each new signature goes through ``compiled`` once,
-    so a shape that autopar can speed up is placed; the decision is per signature, not per
-    global state the function reads (a closed-over flag that changes the graph is not seen:
-    such a call runs eagerly, correct, unplaced)."""
+    calls ``fn`` itself when that signature's first call gave exactly one graph, which ran as
+    eager does (:func:`~autopar.simulate.runs_as_eager`, or a graph autopar can't represent)
+    and which capture did not fold (:mod:`autopar.fold`): running it through dynamo would only
+    add dynamo's own per-call cost (tens of microseconds on a GPU host, more than a small
+    function's whole eager call) to eager's sequence of ops. A call with graph breaks keeps
+    going through dynamo: between its graphs, dynamo and autopar may have changed what the
+    function's own code does (constants folded, scalars read on the host). Each new signature
+    goes through ``compiled`` once, so a shape that autopar can speed up is placed; the
+    decision is per signature, not per global state the function reads (a closed-over flag
+    that changes the graph is not seen: such a call runs eagerly, correct, unplaced)."""
     plain: set[tuple] = set()
     placed = [False]  # once a graph runs on the executor, no call is plain again: no key needed
 
@@ -307,10 +311,11 @@ def _plain_when_nothing_to_gain(fn: Callable, compiled: Callable, runner: Runner
         key = _signature(args, kwargs)
         if key is not None and key in plain:
             return fn(*args, **kwargs)
+        graphs, folded = runner.graphs, runner.folded
         out = compiled(*args, **kwargs)
         if runner.planned:
             placed[0] = True
-        elif key is not None and runner.graphs:
+        elif key is not None and runner.graphs == graphs + 1 and runner.folded == folded:
             plain.add(key)
         return out
 

@@ -144,8 +144,9 @@ def from_fx(gm: torch.fx.GraphModule, name: str = "graph") -> tuple[Graph, list[
     """
     from .fold import fold_constants
 
-    gm = fold_constants(gm)
+    folded = fold_constants(gm)
     graph = Graph(name)
+    graph.folded, gm = folded is not gm, folded
     env: dict[torch.fx.Node, Node] = {}
     constants: list[torch.Tensor] = []
 

@@ -291,7 +291,8 @@ class DataParallelStep:
         try:
             choice = choose(step, batch, cost, self.options.devices,
                             policy=self.options.policy, shards=self.shards)
-            run = Executor(make_plan(choice.placement, cost), trace=bool(self.options.trace))
+            run = Executor(make_plan(choice.placement, cost), trace=bool(self.options.trace),
+                           fuse=self.options.fuse, cpu_threads=cost.machine.cpu_threads)
         except (Unsupported, NotShardable):
             raise
         except Exception as e:  # planning failed: eager, as for any graph (see autopar.api)

@@ -353,6 +353,7 @@ class Graph:
         self.name = name
         self.nodes: list[Node] = []
         self.outputs: tuple[Any, ...] = ()
+        self.folded = False  # capture computed some of the function's ops already (autopar.fold)
 
     # -- building ---------------------------------------------------------------------------
     def input(self, meta: Meta, name: str = "") -> Node:

@@ -205,6 +205,11 @@ def host_scalars(graph: Graph, ins: dict[Node, tuple[Node, ...]],
     host scalar, a 0-dim host input, or *read* (below), and with no view wider than one
     element (``s.expand(n, m)`` stays with ``s``: the host would copy the whole extent).
 
+    A 0-dim op without inputs (a fill) qualifies only when a consumer reads it, is a 0-dim op
+    or takes it as a scalar argument: a fill only GPU kernels read otherwise (the seed gradient
+    of backward, read by ``nll_loss_backward``) is made where it is used, not made on the host
+    and copied over (pinned staging and a copy on the launching thread, for a 2 us fill kernel).
+
     A 0-dim value is *read* when every consumer is ``aten._local_scalar_dense`` or a read
     0-dim op: the host needs its value anyway, so copying it there once, early, costs the
     one sync the first read would have, and every later read and the arithmetic on it (a
@@ -223,9 +228,14 @@ def host_scalars(graph: Graph, ins: dict[Node, tuple[Node, ...]],
     def widened(n: Node) -> bool:  # a view of it wider than one element: it stays with n
         return any(kind_of(u.op) == "view" and not is_tiny(u) for u in users[n])
 
+    def wanted(n: Node) -> bool:  # a fill (no inputs) is made on the host only for a use there
+        return bool(ins[n]) or any(
+            u in read or u.op is LOCAL_SCALAR_DENSE or _scalar_op(u) or takes_host_scalar(u.op)
+            for u in users[n])
+
     for n in graph.ops:
         if isinstance(n.meta, ScalarMeta) or (
-                _scalar_op(n) and all(map(on_host, ins[n])) and not widened(n)):
+                _scalar_op(n) and all(map(on_host, ins[n])) and not widened(n) and wanted(n)):
             host.add(n)
     return frozenset(host)
 

@@ -216,6 +216,9 @@ class _Builder:
                 total = self.call(aten.add.Tensor, (total, self.to_device(p, shard)),
                                   shard=shard)
             return total
+        if _is_fill(node):  # the value is known without its source's inputs
+            return self.call(node.op, node.args, {**node.kwargs, "device": torch.device(dev)},
+                             shard=shard, like=src)
         args, kwargs = tree_map(lambda x: self.local(x, shard) if isinstance(x, Node) else x,
                                 (src.args, src.kwargs))
         if isinstance(kwargs.get("device"), torch.device):
@@ -232,7 +235,8 @@ class _Builder:
             lay = self.layout.get(src)
             if not isinstance(lay, Whole) or lay.node is None:
                 got = False
-            elif lay.node in self._partials or (src.is_input and src.device == self.home):
+            elif lay.node in self._partials or (src.is_input and src.device == self.home) \
+                    or _is_fill(lay.node):  # _fill's ones_like: made on each device
                 got = True
             else:
                 kind = op_kind(src.op)
@@ -459,15 +463,16 @@ def _nll_forward(b: _Builder, node: Node) -> Any:
     nll = _NllParts(split.parts, reduction)
     if weight is None:
         # the total weight is the count of targets not ignored: known from the targets alone,
-        # so backward need not wait for every shard's forward
-        # (from the whole targets when they are a graph input, ready at once; unpinned: tiny
-        # work the placer puts wherever it is done soonest)
+        # so backward need not wait for every shard's forward (from the whole targets when
+        # they are a graph input, ready at once). Pinned where the targets are: counted on the
+        # host, it needs a blocking copy of them on the thread that launches the GPUs' work
+        # (2xH200, W6: both first GEMMs ~1 ms later)
         whole = b.batch_inputs.get(target)
         counts = []
-        for t in st.parts if whole is None else [whole]:
-            kept = b.call(aten.ne.Scalar, (t, ignore_index))
-            n = b.call(aten.sum.default, (kept,))
-            counts.append(b.call(aten._to_copy.default, (n,), {"dtype": x.meta.dtype}))
+        for i, t in enumerate(st.parts) if whole is None else [(0, whole)]:
+            kept = b.call(aten.ne.Scalar, (t, ignore_index), shard=i)
+            n = b.call(aten.sum.default, (kept,), shard=i)
+            counts.append(b.call(aten._to_copy.default, (n,), {"dtype": x.meta.dtype}, shard=i))
         nll.totals[1] = b.reduce(counts) if len(counts) > 1 else counts[0]
     return nll
 
@@ -609,6 +614,10 @@ def _split_input(b: _Builder, x: Node, dim: int) -> Split:
 
 
 _FILLS = {aten.ones_like.default: 1, aten.zeros_like.default: 0}
+
+
+def _is_fill(node: Node) -> bool:
+    return node.op is aten.full.default and not node.inputs
 
 
 def _fill(b: _Builder, node: Node) -> Node | None:

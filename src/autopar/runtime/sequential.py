@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..graph import Graph, Node
-from ..plan import Free, Run, Step
+from ..plan import Free, Plan, Run, Step
 from .codegen import SlotTable, build_program
 
 _SPACE = "cpu:0"  # one slot space: values stay wherever eager put them
@@ -20,8 +20,9 @@ _SPACE = "cpu:0"  # one slot space: values stay wherever eager put them
 class SequentialRunner:
     """Runs one graph: ``runner(args) -> outputs`` (a list, in the graph's output order)."""
 
-    def __init__(self, graph: Graph) -> None:
+    def __init__(self, graph: Graph, plan: Plan | None = None) -> None:
         self.graph = graph
+        self.plan = plan  # the plan this runs instead of, when one was made (it changed nothing)
         outputs = set(graph.output_nodes)
         free_after: dict[Node, list[Node]] = {}
         for value, user in graph.last_uses().items():
