@@ -1,5 +1,5 @@
-"""The host's program and one GPU's interleaved onto one thread (autopar.runtime.interleave):
-exact order on a small plan, and on random plans (hypothesis) an order that keeps each
+"""The host's program and the GPUs' interleaved onto one thread (autopar.runtime.interleave):
+exact order on small plans, and on random plans (hypothesis) an order that keeps each
 program's order, puts every Wait after its event and lets the other threads finish."""
 
 from __future__ import annotations
@@ -12,20 +12,22 @@ from autopar.graph import Graph
 from autopar.place import place
 from autopar.plan import Record, Run, Send, Wait, make_plan
 from autopar.runtime.executor import _planned_times
-from autopar.runtime.interleave import interleave, partner
+from autopar.runtime.interleave import interleave
 from test_place_properties import problems
 
 aten = torch.ops.aten
 us = 1e-6
 
 
-def check_order(programs, host, gpu, merged) -> None:
+def check_order(programs, host, gpus, merged) -> None:
     """Each program's order kept; every Wait after its event, by a simulation in which the
     programs left on their own threads advance as far as they can."""
-    assert [s for d, s in merged if d == host] == list(programs[host])
-    assert [s for d, s in merged if d == gpu] == list(programs[gpu])
+    lanes = ([gpus] if isinstance(gpus, str) else list(gpus)) + ([host] if host else [])
+    for lane in lanes:
+        assert [s for d, s in merged if d == lane] == list(programs[lane])
+    assert {d for d, _ in merged} <= set(lanes)
     issued: set[int] = set()
-    pos = {d: 0 for d in programs if d not in (host, gpu)}
+    pos = {d: 0 for d in programs if d not in lanes}
 
     def run_others() -> None:
         moved = True
@@ -70,7 +72,6 @@ def test_gpu_steps_go_first_and_the_host_fills_in():
                     default=100 * us, bandwidth=1e12, only={"s": ["cpu:0"], "t": ["cpu:0"]})
     plan = make_plan(place(g, cost))
     programs = {d: list(steps) for d, steps in plan.programs.items() if steps}
-    assert partner(programs, "cpu:0") == "cuda:0"
     merged = interleave(programs, "cpu:0", "cuda:0")
     assert merged is not None
     check_order(programs, "cpu:0", "cuda:0", merged)
@@ -82,26 +83,21 @@ def test_gpu_steps_go_first_and_the_host_fills_in():
     assert isinstance(cuda[3], Wait) and cuda[3].src == "cpu:0"
 
 
-def test_no_partner_without_crossings():
-    assert partner({"cpu:0": [], "cuda:0": []}, "cpu:0") is None
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_random_plans_interleave_into_a_valid_order(problem):
     g, cost, limits = problem
     plan = make_plan(place(g, cost, "heft", memory=limits))
     programs = {d: list(steps) for d, steps in plan.programs.items() if steps}
-    hosts = sorted(d for d in programs if d.startswith("cpu"))
-    if not hosts:
+    host = min((d for d in programs if d.startswith("cpu")), default=None)
+    gpus = sorted(d for d in programs if not d.startswith("cpu"))
+    if not gpus:
         return
-    gpu = partner(programs, hosts[0])
-    if gpu is None:
-        return
-    for times in (None, _planned_times(plan.placement.slots)):
-        merged = interleave(programs, hosts[0], gpu, times)
-        assert merged is not None
-        check_order(programs, hosts[0], gpu, merged)
+    for lanes in ([gpus[0]], gpus):  # the host with one GPU, with every GPU
+        for times in (None, _planned_times(plan.placement.slots)):
+            merged = interleave(programs, host, lanes, times)
+            assert merged is not None
+            check_order(programs, host, lanes, merged)
 
 
 def feeds_another_gpu(host_op_s: float) -> tuple:
@@ -123,7 +119,6 @@ def feeds_another_gpu(host_op_s: float) -> tuple:
                           "d": ["cuda:0"]})
     plan = make_plan(place(g, cost))
     programs = {d: list(steps) for d, steps in plan.programs.items() if steps}
-    assert partner(programs, "cpu:0") == "cuda:0"
     return plan, programs
 
 
@@ -177,3 +172,27 @@ def test_a_host_wait_for_a_copy_that_lands_early_goes_before_later_gpu_launches(
     assert first_index(merged, "cpu:0", "s") < first_index(merged, "cuda:0", "b")
     plain = interleave(programs, "cpu:0", "cuda:0")  # without times: every launch first
     assert first_index(plain, "cuda:0", "b") < first_index(plain, "cpu:0", "s")
+
+
+def test_every_gpu_gets_its_steps_in_the_order_the_plan_starts_them():
+    """Two GPUs on one thread: cuda:1's first op waits for a copy of x; cuda:0's long op a1
+    starts at once. The copy and a1 go first, then cuda:1's op (planned to start when the copy
+    lands, long before a1 ends), then cuda:0's a2; every launch in planned-start order."""
+    g = Graph("two_gpus")
+    x = g.input(tensor((1000,), "cuda:0"), name="x")
+    a1 = g.call(aten.relu.default, (x,), name="a1")
+    a2 = g.call(aten.neg.default, (a1,), name="a2")
+    b1 = g.call(aten.relu.default, (x,), name="b1")
+    g.set_outputs([a2, b1])
+    cost = FakeCost(machine(cpus=1, gpus=2), times={("a1", "cuda:0"): 1e-3, ("b1", "cuda:1"): 1e-3},
+                    default=10 * us, bandwidth=1e12,
+                    only={"a1": ["cuda:0"], "a2": ["cuda:0"], "b1": ["cuda:1"]})
+    plan = make_plan(place(g, cost))
+    programs = {d: list(steps) for d, steps in plan.programs.items() if steps}
+    merged = interleave(programs, None, ["cuda:0", "cuda:1"],
+                        _planned_times(plan.placement.slots))
+    check_order(programs, None, ["cuda:0", "cuda:1"], merged)
+    runs = [s.node.name for _, s in merged if isinstance(s, Run)]
+    assert runs == ["a1", "b1", "a2"]
+    send = next(i for i, (_, s) in enumerate(merged) if isinstance(s, Send))
+    assert send < first_index(merged, "cuda:1", "b1")

@@ -1,9 +1,9 @@
 """The executor: runs a Plan's per-device programs at once, ordered only by events.
 
 Policy
-- One worker per device of the plan. The calling thread runs one program itself (the host's, if
-  any, merged with that of the GPU it exchanges most with: :mod:`autopar.runtime.interleave`);
-  the others go to persistent daemon threads, one per device, kept across calls.
+- The calling thread runs the host's program and every GPU's, merged into one
+  (:mod:`autopar.runtime.interleave`); other CPU workers' programs (and every program, where
+  no merged order exists) go to persistent daemon threads, one per device, kept across calls.
 - A GPU's compute stream is the caller's current stream on that device, so inputs and outputs
   need no cross-stream bookkeeping with the user's own code. Copies run on per-device side
   streams: ``h2d`` and ``d2h`` on the GPU that owns the transfer, ``peer`` on the source GPU and
@@ -51,7 +51,7 @@ from ..timeline import Span, Timeline
 from .codegen import Call, Program, SlotTable, build_program
 from .cudagraphs import CudaGraphBackend, GraphSegment, capture_segments
 from .fuse import Fused, cpu_fusion_unavailable, fuse_program, same_pool
-from .interleave import interleave, partner
+from .interleave import interleave
 
 __all__ = ["Executor", "WorkerError", "fusion_devices", "graph_devices"]
 
@@ -372,8 +372,8 @@ class Executor:
     :func:`fusion_devices` and :mod:`autopar.runtime.fuse`); off by default here, the
     :func:`autopar.compile` option decides for compiled functions. ``cuda_graphs``: replay
     GPU segments as CUDA graphs (see :mod:`autopar.runtime.cudagraphs`); off when tracing,
-    which times every op. ``interleaved``: the host's program and one GPU's run on the calling
-    thread, interleaved (:mod:`autopar.runtime.interleave`); ``merged`` says which two.
+    which times every op. ``interleaved``: the host's program and every GPU's run on the
+    calling thread, interleaved (:mod:`autopar.runtime.interleave`); ``merged`` names them.
     ``cpu_threads``: the intra-op threads a CPU worker thread uses (the machine model's share of
     the cores, ``Machine.cpu_threads``); the calling thread keeps the caller's setting.
     """
@@ -421,20 +421,21 @@ class Executor:
                                          label=f"{graph.name}/")
                 self.segments += [s.fn for s in steps if isinstance(s, Call)]
             final[device] = steps
-        # the host's program and its busiest GPU partner share the calling thread
+        # the host's program and every GPU's share the calling thread
         host = min((d for d in final if _is_cpu(d)), default=None)
-        gpu = partner(final, host) if host is not None and interleaved else None
-        merged = (interleave(final, host, gpu, _planned_times(placement.slots))
-                  if gpu is not None else None)
-        self.merged = (host, gpu) if merged is not None else None
+        gpus = sorted(d for d in final if not _is_cpu(d)) if interleaved else []
+        lanes = gpus + ([host] if host is not None else [])
+        merged = (interleave(final, host, gpus, _planned_times(placement.slots))
+                  if gpus and len(lanes) > 1 else None)
+        self.merged = tuple(lanes) if merged is not None else None  # the first names it
         for device, steps in final.items():
-            if merged is not None and device in (host, gpu):
+            if merged is not None and device in lanes:
                 continue
             self.programs[device] = build_program(device, steps, self.slots, source_of, moved,
                                                   traced=trace)
         if merged is not None:
-            self.programs[gpu] = build_program(
-                gpu, [s for _, s in merged], self.slots, source_of, moved, traced=trace,
+            self.programs[gpus[0]] = build_program(
+                gpus[0], [s for _, s in merged], self.slots, source_of, moved, traced=trace,
                 step_devices=[d for d, _ in merged])
         self.output_slots = [
             ("slot", self.slots(o, dev)) if isinstance(o, Node) else ("const", o)
@@ -450,10 +451,10 @@ class Executor:
                            | {d for s in copies for d in (s.src, s.dst) if not _is_cpu(d)})
         for segment in self.segments:
             segment.peers = tuple(self.gpus)
-        # the caller runs the host's program (merged with its GPU partner's, or alone; else the
-        # first one); the rest go to workers
+        # the caller runs the merged program (else the host's alone, else the first one); the
+        # rest go to workers
         order = sorted(self.programs, key=lambda d: (
-            not (self.merged is not None and d == self.merged[1]), not _is_cpu(d), d))
+            not (self.merged is not None and d == self.merged[0]), not _is_cpu(d), d))
         self.inline = order[0] if order else None
         self.threaded = order[1:]
         self.n_events = plan.n_events

@@ -1,20 +1,24 @@
-"""One thread for the host's program and one GPU's: their steps interleaved once, at build time.
+"""One thread for the host's program and every GPU's: their steps interleaved once, at build time.
 
 Policy
-- GPU work is asynchronous: the thread that launches a GPU's ops can also run the host's ops, as
-  eager PyTorch does. A value crossing between the two then costs its copy and a CUDA event,
-  with no thread hand-off. (Between threads, each crossing cost the executor 100-160 µs on the
-  2xH200 host, against ~20 µs for the copy and event alone: ``benchmarks/NOTES.md``.)
-- Partner: the GPU whose program exchanges the most values with the host's (Sends either way);
-  none when no GPU program exchanges any. Other programs keep their own threads.
-- Order: a merge of the two step lists that keeps each list's order, in which every Wait comes
+- GPU work is asynchronous: the thread that launches a GPU's ops can also launch another GPU's
+  and run the host's ops, as eager PyTorch (and a hand-written data-parallel step) does. A
+  value crossing between them then costs its copy and a CUDA event, with no thread hand-off.
+  (Between threads, each crossing cost the executor 100-160 µs on the 2xH200 host, against
+  ~20 µs for the copy and event alone: ``benchmarks/NOTES.md``; a GPU's worker thread, woken
+  by a copy, also waits for the GIL behind the thread launching the other GPU's work.)
+- Lanes: the host's program (the first CPU worker's; there may be none) and every GPU's. Other
+  CPU workers keep their own threads: their ops compute, they don't just launch.
+- Order: a merge of the lanes' step lists that keeps each list's order, in which every Wait comes
   after the Send or Record that issues its event, whichever program issues it. Programs that
   keep their threads are advanced in step as far as their own Waits allow, so a Wait on their
   events is placed only where their thread is sure to have issued it: the merge never creates a
   cycle that the separate threads would not have had.
-- Among the two, a GPU step goes first whenever its Waits are satisfied: launches return at once,
+- A GPU step goes before the host's whenever its Waits are satisfied: launches return at once,
   so the thread issues all the GPU work it can before it computes on the host or blocks on a
-  copy to the host. Host steps fill in where the GPU's next step waits for them. Exception, given
+  copy to the host. Among the GPUs, the step the plan starts first goes first (a stream wait,
+  Record or Free at once), so each GPU gets its work in the order the plan runs it. Host steps
+  fill in where the GPUs' next steps wait for them. Exception, given
   the plan's predicted times (``times``): a host step that never blocks and is short (a Send,
   Record or Free, or an op predicted to take at most ``SHORT_S``) goes first when it is
   predicted to start no later than the GPU's next step: another program may be waiting for it
@@ -29,12 +33,11 @@ Policy
 
 from __future__ import annotations
 
-from collections import Counter
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..plan import Free, Record, Run, Send, Wait
-from ..routing import pool
 
 SHORT_S = 50e-6
 """A host op predicted to take at most this long may go before the GPU's next launch."""
@@ -42,31 +45,18 @@ SHORT_S = 50e-6
 Times = Callable[[Any], "tuple[float, float] | None"]
 
 
-def partner(programs: Mapping[str, Sequence[Any]], host: str) -> str | None:
-    """The GPU whose program exchanges the most values with ``host``'s (None if none does)."""
-    counts: Counter[str] = Counter()
-    for device, steps in programs.items():
-        for step in steps:
-            if isinstance(step, Send):
-                if device == host and pool(step.dst) != "cpu":
-                    counts[step.dst] += 1
-                elif pool(device) != "cpu" and step.src == device and pool(step.dst) == "cpu":
-                    counts[device] += 1
-    if not counts:
-        return None
-    top = max(counts.values())
-    return min(d for d, n in counts.items() if n == top)
-
-
-def interleave(programs: Mapping[str, Sequence[Any]], host: str, gpu: str,
-               times: Times | None = None) -> list[tuple[str, Any]] | None:
-    """``host``'s and ``gpu``'s steps as one list of ``(device, step)``, or None if no order
-    keeps every Wait after its event (see the module docstring). ``times(step)``: the plan's
-    predicted ``(start, end)`` of a Run or Send, of the copy a Wait waits for, None where it
-    has none."""
+def interleave(programs: Mapping[str, Sequence[Any]], host: str | None,
+               gpus: str | Sequence[str], times: Times | None = None
+               ) -> list[tuple[str, Any]] | None:
+    """The steps of ``host`` (None: no host program) and of ``gpus`` as one list of
+    ``(device, step)``, or None if no order keeps every Wait after its event (see the module
+    docstring). ``times(step)``: the plan's predicted ``(start, end)`` of a Run or Send, of
+    the copy a Wait waits for, None where it has none."""
+    gpus = [gpus] if isinstance(gpus, str) else list(gpus)
+    lanes = gpus + ([host] if host is not None else [])
     issued: set[int] = set()
     pos = dict.fromkeys(programs, 0)
-    others = [d for d in programs if d not in (host, gpu)]
+    others = [d for d in programs if d not in lanes]
 
     def ready(step: Any) -> bool:
         return not isinstance(step, Wait) or step.event in issued
@@ -82,6 +72,10 @@ def interleave(programs: Mapping[str, Sequence[Any]], host: str, gpu: str,
             pos[device] += 1
             moved = True
         return moved
+
+    def start(step: Any) -> float:  # a GPU step's planned start; -inf: only enqueues, goes now
+        t = times(step) if times is not None and isinstance(step, Run | Send) else None
+        return -math.inf if t is None else t[0]
 
     def host_first(h: Any, g: Any) -> bool:
         if times is None:
@@ -99,17 +93,20 @@ def interleave(programs: Mapping[str, Sequence[Any]], host: str, gpu: str,
     merged: list[tuple[str, Any]] = []
     while True:
         moved = any([advance(d) for d in others])
-        nxt = {d: programs[d][pos[d]] for d in (gpu, host)
+        nxt = {d: programs[d][pos[d]] for d in lanes
                if pos[d] < len(programs[d]) and ready(programs[d][pos[d]])}
         if nxt:
-            device = gpu if gpu in nxt else host
-            if device == gpu and host in nxt and host_first(nxt[host], nxt[gpu]):
+            waiting = [d for d in gpus if d in nxt]
+            device = min(waiting, key=lambda d: (start(nxt[d]), gpus.index(d))) \
+                if waiting else host
+            if device != host and host in nxt and host_first(nxt[host], nxt[device]):
                 device = host
+            assert device is not None
             issue(nxt[device])
             pos[device] += 1
             merged.append((device, nxt[device]))
             moved = True
-        if all(pos[d] == len(programs[d]) for d in (gpu, host)):
+        if all(pos[d] == len(programs[d]) for d in lanes):
             return merged
         if not moved:
             return None
