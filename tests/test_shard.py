@@ -241,3 +241,58 @@ def test_benchmark_simulation_of_w6_goes_through_the_data_parallel_pass():
     sim, timeline = bench.simulate(WORKLOADS["W6"], "h200x2")
     assert sim.error is None and sim.speedup >= 1.8
     assert {"cuda:0/compute", "cuda:1/compute"} <= set(timeline.lanes())
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Partial sums over 48 bytes reduced in row chunks of about 48 bytes, at most 2 (as
+    W6's 128 MB dW1 is at full size): dW1 (5 x 6 floats, 120 bytes) in 2, dW2 (3 x 5) too."""
+    import autopar.shard as mod
+
+    monkeypatch.setattr(mod, "REDUCE_CHUNK_BYTES", 48)
+    monkeypatch.setattr(mod, "MAX_REDUCE_CHUNKS", 2)
+
+
+def test_big_partial_sums_are_made_and_all_reduced_in_row_chunks(small_chunks):
+    """dW1 becomes per shard 2 mm of row slices (3 and 2 rows), each chunk's partials summed
+    on both GPUs, shard 0's first, and one cat of the sums per GPU; the arithmetic gives
+    eager's values and the replicas the same bits as home."""
+    from autopar.runtime import SequentialRunner
+
+    inputs = mlp_inputs(batch=9)
+    step = capture_step(w6_train_step, inputs)
+    want = SequentialRunner(step.graph)([t.detach() for t in inputs])
+    relabel_devices(step.graph, "cpu", "cuda:0")
+    s = shard(step.graph, batch_of(step), ["cuda:0", "cuda:1"], updates=step.updates)
+    chunks = [n for n in ops_named(s.graph, "aten.mm") if n.name.startswith("mm_2_c")]
+    assert sorted((n.name, n.meta.shape, n.device) for n in chunks) == sorted(
+        (f"mm_2_c{c}_s{i}", (rows, 6), f"cuda:{i}") for c, rows in enumerate((3, 2))
+        for i in (0, 1))
+    for n in chunks:  # each a row slice of the shard's activation-gradient^T
+        (rows_of, _) = n.args
+        assert op_name(rows_of.op) == "aten.slice.Tensor" and rows_of.device == n.device
+    for dev in ("cuda:0", "cuda:1"):
+        cats = [n for n in ops_named(s.graph, "aten.cat") if n.device == dev]
+        assert sorted(n.meta.shape for n in cats) == [(3, 5), (5, 6)]  # dW2, dW1
+        (cat,) = [n for n in cats if n.meta.shape == (5, 6)]
+        parts, dim = cat.args
+        assert dim == 0 and [p.meta.shape for p in parts] == [(3, 6), (2, 6)]
+        for p in parts:  # shard 0's chunk + shard 1's, added on this GPU
+            assert op_name(p.op) == "aten.add.Tensor" and p.device == dev
+            first = p.args[0].args[0] if op_name(p.args[0].op) == "aten._to_copy" else p.args[0]
+            assert first.name.endswith("_s0")
+    for dev in ("cuda:0", "cuda:1"):
+        relabel_devices(s.graph, dev, "cpu")
+    args = [t.detach() for t in inputs]
+    got = SequentialRunner(s.graph)(args + [args[j].clone() for j, _ in s.replicas])
+    for g, w in zip(got[:5], want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    updated = dict(zip(step.mutated, got[1:5]))
+    for (j, _), replica in zip(s.replica_outputs, got[5:], strict=True):
+        assert torch.equal(replica, updated[j])
+
+
+def test_small_partial_sums_are_reduced_at_once():
+    step = capture_step(w6_train_step, mlp_inputs(batch=9))
+    s = shard(step.graph, batch_of(step), ["cpu:0", "cpu:1"])
+    assert not ops_named(s.graph, "aten.cat") and not ops_named(s.graph, "aten.slice.Tensor")[4:]

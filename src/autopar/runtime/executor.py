@@ -129,20 +129,24 @@ class _Call:
         self.marks: list[tuple] = []
 
     # -- tracing (only called by traced programs and traced copies) --------------------------
-    def begin(self, device: str) -> Any:
+    def begin(self, device: str, stream: Any = None) -> Any:
+        """A start mark: the host clock, or an event on ``stream`` (default: ``device``'s
+        compute stream; one thread may launch several GPUs' steps)."""
         if _is_cpu(device):
             return time.perf_counter()
+        stream = self.compute[device] if stream is None else stream
         ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return ev
+        ev.record(stream)
+        return ev, stream
 
     def end(self, mark: Any, lane: str, name: str, node: int, kind: str = "op",
             nbytes: int = 0, src: str | None = None, dst: str | None = None) -> None:
         if isinstance(mark, float):
             stop: Any = time.perf_counter()
         else:
+            mark, stream = mark
             stop = torch.cuda.Event(enable_timing=True)
-            stop.record()
+            stop.record(stream)
         self.marks.append((lane, name, kind, mark, stop, node, nbytes, src, dst))
 
     def _traced_copy(self, side: Any, lane: str, t: torch.Tensor, src: str, dst: str,
@@ -151,7 +155,7 @@ class _Call:
         if not self.trace:
             return issue()
         with torch.cuda.stream(side):
-            mark = self.begin(str(side.device))
+            mark = self.begin(str(side.device), side)
             out = issue()
             nbytes = t.nbytes
             self.end(mark, lane, f"copy {src}->{dst}", node, "copy", nbytes, src, dst)
