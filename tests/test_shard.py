@@ -190,6 +190,12 @@ def test_cost_model_splits_w6_over_two_h200s_and_not_a_tiny_batch():
     choice = choose(big, batch_of(big), cost, devices)
     assert choice.sharded is not None and choice.sharded.devices == ("cuda:0", "cuda:1")
     assert choice.placement.predicted_s < 0.6 * choice.predicted["unsplit"]
+    # dW1's 128 MB partial sum reduced in row chunks, or at once: the faster predicted runs
+    assert set(choice.predicted) == {"unsplit", "cuda:0,cuda:1", "cuda:0,cuda:1 at once"}
+    assert choice.placement.predicted_s == min(choice.predicted.values())
+    chunked = bool([n for n in choice.sharded.graph.ops if op_name(n.op) == "aten.cat.default"])
+    p = choice.predicted
+    assert chunked == (p["cuda:0,cuda:1"] < p["cuda:0,cuda:1 at once"])
     assert sorted(choice.sharded.replica_outputs) == [(i, "cuda:1") for i in range(4)]
     tiny = capture_step(w6_train_step, mlp_inputs(batch=8))
     relabel_devices(tiny.graph, "cpu", "cuda:0")

@@ -184,7 +184,9 @@ class Choice:
 def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence[str], *,
            policy: str = "heft", shards: int | None = None) -> Choice:
     """Place ``step`` unsplit and split over the first k same-kind devices (home first) for
-    each k, and keep the one predicted fastest; ``shards`` forces k (1: don't split)."""
+    each k, and keep the one predicted fastest; ``shards`` forces k (1: don't split). A split
+    whose big partial sums are reduced in chunks (:mod:`autopar.shard`) is also placed with
+    every sum reduced at once (key ``"<devices> at once"``): the model picks."""
     from .place import place
 
     devices, same_kind = _shard_devices(batch, cost, devices, shards)
@@ -195,20 +197,26 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
         if k == 1:
             placed, sharded = place(step.graph, cost, policy=policy, devices=devices), None
             label = "unsplit"
+            candidates = [(label, placed, sharded)]
         else:
             try:
-                sharded = shard(step.graph, batch, same_kind[:k], updates=step.updates)
+                chunked = shard(step.graph, batch, same_kind[:k], updates=step.updates)
+                at_once = shard(step.graph, batch, same_kind[:k], updates=step.updates,
+                                reduce_chunks=1)
             except NotShardable as e:
                 if shards is not None:
                     raise
                 log.info("autopar: %s not split over %d devices: %s", step.graph.name, k, e)
                 continue
-            placed = place(sharded.graph, cost, policy=policy, devices=devices,
-                           pins=sharded.pins)
             label = ",".join(same_kind[:k])
-        predicted[label] = placed.predicted_s
-        if best is None or placed.predicted_s < best.placement.predicted_s:
-            best = Choice(placed, sharded, predicted)
+            candidates = [(name, place(s.graph, cost, policy=policy, devices=devices,
+                                       pins=s.pins), s)
+                          for name, s in ((label, chunked), (f"{label} at once", at_once))
+                          if s is chunked or len(s.graph.nodes) != len(chunked.graph.nodes)]
+        for label, placed, sharded in candidates:
+            predicted[label] = placed.predicted_s
+            if best is None or placed.predicted_s < best.placement.predicted_s:
+                best = Choice(placed, sharded, predicted)
     assert best is not None
     return best
 

@@ -149,6 +149,7 @@ class _Builder:
         self._gathered: dict[Node, Node] = {}
         self._partials: dict[Node, tuple[Node, ...]] = {}  # reduced sum -> its partials
         self._chunks: dict[Node, tuple[Node, ...]] = {}  # cat of reduced chunks -> the chunks
+        self.reduce_chunks: int | None = None  # at most this many chunks (None: the default)
         self.batch_inputs: dict[Node, Node] = {}  # split graph input -> the whole input
         self._can_local: dict[Node, bool] = {}
         self.users = src.users()
@@ -427,7 +428,8 @@ def _reduced_in_chunks(b: _Builder, node: Node) -> Whole:
     """``mm``'s per-shard partial sums reduced in row chunks where they are big (see the
     module docstring), else at once."""
     rows = node.meta.shape[0]
-    n = min(MAX_REDUCE_CHUNKS, rows, -(-node.meta.nbytes // REDUCE_CHUNK_BYTES))
+    most = MAX_REDUCE_CHUNKS if b.reduce_chunks is None else b.reduce_chunks
+    n = min(most, rows, -(-node.meta.nbytes // REDUCE_CHUNK_BYTES))
     if n <= 1 or len(b.devices) == 1:
         return _reduced(b, node)
     bounds = even_sizes(rows, n)
@@ -591,13 +593,16 @@ def _rule(op: Any) -> Rule | None:
 
 # -- the pass -----------------------------------------------------------------------------------
 def shard(graph: Graph, batch: dict[Node, int], devices: Sequence[str],
-          sizes: Sequence[int] | None = None, updates: dict[Node, Node] | None = None) -> Sharded:
+          sizes: Sequence[int] | None = None, updates: dict[Node, Node] | None = None,
+          reduce_chunks: int | None = None) -> Sharded:
     """Split ``graph``'s batch-parallel work over ``devices`` (see the module docstring).
 
     ``batch`` maps graph inputs to their batch dimension; they must agree on the batch size.
     ``devices[0]`` must be where eager puts those inputs. ``updates`` maps graph inputs to the
     node holding their next value (a training step's updated parameters): each replica of such
     an input gets its next value as an extra output (:attr:`Sharded.replica_outputs`).
+    ``reduce_chunks``: the most row chunks a partial sum is reduced in (None:
+    ``MAX_REDUCE_CHUNKS``; 1: every partial sum at once).
     """
     if len(devices) < 1 or len(set(devices)) != len(devices):
         raise NotShardable(f"devices {list(devices)} must be distinct and non-empty")
@@ -613,6 +618,7 @@ def shard(graph: Graph, batch: dict[Node, int], devices: Sequence[str],
         raise NotShardable(f"shard sizes {list(sizes)} must be {len(devices)} positive numbers "
                            f"summing to the batch size {n}")
     b = _Builder(graph, devices, sizes)
+    b.reduce_chunks = reduce_chunks
     inputs = {x: b.out.input(x.meta, x.name) for x in graph.inputs}
     for x in graph.inputs:
         b.layout[x] = Whole(inputs[x])
