@@ -326,3 +326,20 @@ def test_arguments_in_tuples_are_keyed_too():
     assert len(compiled.plain_signatures) == 1
     compiled(x, (ps[0], torch.randn(8, 6)))  # another shape inside the tuple: another key
     assert len(compiled.plain_signatures) == 2
+
+
+def test_the_argument_key_tells_apart_what_decides_a_plan():
+    from autopar.api import _signature
+
+    x, y = torch.randn(2, 3), torch.randn(3)
+    keys = [_signature(a, k) for a, k in [
+        ((x, y), {}), ((x, [y]), {}), ((x, (y,)), {}), ((x,), {"y": y}), ((y, x), {}),
+        ((x, y.double()), {}), ((x, 1), {}), ((x, True), {}), ((x, 1.0), {}), ((x, 2), {}),
+        ((x, torch.randn(4)), {})]]
+    assert len(set(keys)) == len(keys)
+    assert _signature((x, y), {}) == _signature((torch.randn(2, 3), torch.randn(3)), {})
+    assert _signature((x, object()), {}) is None  # can't be keyed
+    w = torch.randn(3, requires_grad=True)
+    assert _signature((x, [w]), {}) is None  # autograd would record it
+    with torch.no_grad():
+        assert _signature((x, [w]), {}) is not None

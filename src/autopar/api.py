@@ -265,28 +265,39 @@ def _signature(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple | None:
     dtype and device (in lists and tuples too), each plain argument's value, and the grad
     mode. None (no key) for any other argument, or a tensor that autograd would record.
     (A plain call is eager's, so a key that misses something, such as strides, can only miss
-    a speed-up, never change a result; it is kept cheap: ~1.6 us a tensor on a 2-core VM.)"""
+    a speed-up, never change a result. It is kept cheap, one flat tuple: ~0.55 us a tensor on
+    a 2-core VM; a list or tuple adds its type and length before its items.)"""
     grad = torch.is_grad_enabled()
+    key: list[Any] = [grad]
+    if not _key_into(key, args, grad):
+        return None
+    if kwargs:
+        key.append(tuple(kwargs))
+        if not _key_into(key, kwargs.values(), grad):
+            return None
+    return tuple(key)
 
-    def key_of(v: Any) -> Any:
+
+def _key_into(key: list[Any], values: Any, grad: bool) -> bool:
+    add = key.append
+    for v in values:
         if isinstance(v, torch.Tensor):
             if grad and v.requires_grad:
-                raise _NoKey
-            return (v.shape, v.dtype, v.get_device())
-        if isinstance(v, _PLAIN):
-            return (type(v), v)
-        if isinstance(v, list | tuple):
-            return (type(v), tuple(key_of(x) for x in v))
-        raise _NoKey
-
-    try:
-        return (grad, tuple(kwargs), *(key_of(v) for v in (*args, *kwargs.values())))
-    except _NoKey:
-        return None
-
-
-class _NoKey(Exception):
-    """An argument :func:`_signature` can't key."""
+                return False
+            add(v.shape)
+            add(v.dtype)
+            add(v.get_device())
+        elif isinstance(v, _PLAIN):
+            add(type(v))
+            add(v)
+        elif isinstance(v, list | tuple):
+            add(type(v))
+            add(len(v))
+            if not _key_into(key, v, grad):
+                return False
+        else:
+            return False
+    return True
 
 
 def _plain_when_nothing_to_gain(fn: Callable, compiled: Callable, runner: Runner) -> Callable:
