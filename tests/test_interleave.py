@@ -196,3 +196,24 @@ def test_every_gpu_gets_its_steps_in_the_order_the_plan_starts_them():
     assert runs == ["a1", "b1", "a2"]
     send = next(i for i, (_, s) in enumerate(merged) if isinstance(s, Send))
     assert send < first_index(merged, "cuda:1", "b1")
+
+
+def test_a_merged_program_without_events_keeps_every_lanes_steps():
+    """The host's and cuda:0's programs exchange nothing (no events): the call runs as one
+    straight function, which must hold both programs' steps (the corpus's
+    ``factory_default_device`` once lost its host outputs this way)."""
+    from autopar.runtime.executor import Executor
+
+    g = Graph("no_crossing")
+    x = g.input(tensor((1000,), "cuda:0"), name="x")
+    s = g.call(aten.relu.default, (x,), name="s")
+    h = g.call(aten.arange.default, (5,), {"device": torch.device("cpu")}, name="h")
+    g.set_outputs([s, h])
+    cost = FakeCost(machine(cpus=1, gpus=1), default=10 * us, bandwidth=1e12,
+                    only={"s": ["cuda:0"], "h": ["cpu:0"]})
+    plan = make_plan(place(g, cost))
+    assert plan.n_events == 0 and set(plan.programs) == {"cpu:0", "cuda:0"}
+    ex = Executor(plan)
+    assert ex.solo is not None and ex.merged == ("cuda:0", "cpu:0")
+    source = ex.programs[ex.solo].source
+    assert "aten.relu" in source and "aten.arange" in source

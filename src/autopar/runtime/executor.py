@@ -469,11 +469,13 @@ class Executor:
         self._solo_gpu = (None if self.solo is None or _is_cpu(self.solo)
                           else torch.device(self.solo).index or 0)
         if self.solo is not None:  # the whole call as one function: args -> outputs
+            solo_steps = [s for _, s in merged] if merged is not None else final[self.solo]
             self.programs[self.solo] = build_program(
-                self.solo, final[self.solo], self.slots, source_of, moved,
-                entry=(self.input_slots, self.output_slots))
+                self.solo, solo_steps, self.slots, source_of, moved,
+                entry=(self.input_slots, self.output_slots),
+                step_devices=[d for d, _ in merged] if merged is not None else None)
         self._whole = (_whole_graph_region(final[self.solo], graph.inputs, plan.outputs)
-                       if self.solo is not None else None)
+                       if self.solo is not None and merged is None else None)
 
     def __call__(self, args: Sequence[Any]) -> list[Any]:
         if len(args) != len(self.inputs):
