@@ -217,3 +217,6 @@ def test_a_merged_program_without_events_keeps_every_lanes_steps():
     assert ex.solo is not None and ex.merged == ("cuda:0", "cpu:0")
     source = ex.programs[ex.solo].source
     assert "aten.relu" in source and "aten.arange" in source
+    xs = torch.randn(1000)  # the generated code is device-agnostic: a host tensor stands in
+    got = ex.programs[ex.solo].fn([xs])
+    assert torch.equal(got[0], xs.relu()) and torch.equal(got[1], torch.arange(5))
