@@ -261,10 +261,11 @@ def test_a_function_with_nothing_to_gain_runs_as_plain_python_from_its_second_ca
     assert len(compiled.plain_signatures) == 2
 
 
-def test_a_function_with_graph_breaks_or_folded_constants_never_runs_plain():
-    """Between graphs dynamo and autopar may change what the function's own code does (on
-    torch 2.11, W1's CUDA bounds come back as host constants: no syncs), and folding computes
-    some ops at capture: calling the function itself would lose both."""
+def test_a_function_whose_constants_capture_folded_never_runs_plain():
+    """Folding computes some ops at capture (``a1 * A + a1 ** 2`` becomes ``A * 10.0 +
+    100.0``): calling the function itself would compute them again on every call. Graph
+    breaks alone don't keep a call from going plain: dynamo runs the function's own Python
+    between graphs; nor does a frame dynamo skips without a graph (below)."""
     def broken(x):
         y = (x @ x).relu()
         torch._dynamo.graph_break()
@@ -275,14 +276,32 @@ def test_a_function_with_graph_breaks_or_folded_constants_never_runs_plain():
         return (x @ x) * a1 + a1 ** 2
 
     x = torch.randn(8, 8)
-    for f, graphs in ((broken, 2), (folds, 1)):
+    for f, graphs, plain in ((broken, 2, 1), (folds, 1, 0)):
         compiled = autopar.compile(f, devices="cpu:0")
         for _ in range(3):
             torch.testing.assert_close(compiled(x), f(x))
         runner = compiled.autopar_runner
         assert runner.graphs == graphs and runner.planned == 0, f.__name__
         assert runner.folded == (f is folds)
-        assert not compiled.plain_signatures, f.__name__
+        assert len(compiled.plain_signatures) == plain, f.__name__
+
+
+def test_a_function_another_torch_compile_left_without_a_graph_runs_plain():
+    """``torch.compile`` traced ``f`` first and found nothing to capture before its graph
+    break (W1's slice with tensor bounds): dynamo then skips ``f``'s frame whatever the
+    backend, autopar never gets a graph, and dynamo runs ``f``'s Python anyway: from the second
+    call, plainly (the suite's W1 paid dynamo's wrapper on every call otherwise)."""
+    def f(A, B, r0, r1):
+        B[:] = A[r0:r1]
+        return B
+
+    A, r0, r1 = torch.randn(8, 3), torch.tensor(2), torch.tensor(6)
+    torch.compile(f)(A, torch.empty(4, 3), r0, r1)
+    compiled = autopar.compile(f, devices="cpu:0")
+    for _ in range(3):
+        torch.testing.assert_close(compiled(A, torch.empty(4, 3), r0, r1), A[2:6])
+    assert compiled.autopar_runner.graphs == 0
+    assert len(compiled.plain_signatures) == 1
 
 
 def test_a_function_autopar_places_keeps_going_through_autopar():

@@ -302,16 +302,18 @@ def _key_into(key: list[Any], values: Any, grad: bool) -> bool:
 
 def _plain_when_nothing_to_gain(fn: Callable, compiled: Callable, runner: Runner) -> Callable:
     """``compiled``, except that a call whose signature (:func:`_signature`) was seen before
-    calls ``fn`` itself when that signature's first call gave exactly one graph, which ran as
-    eager does (:func:`~autopar.simulate.runs_as_eager`, or a graph autopar can't represent)
-    and which capture did not fold (:mod:`autopar.fold`): running it through dynamo would only
-    add dynamo's own per-call cost (tens of microseconds on a GPU host, more than a small
-    function's whole eager call) to eager's sequence of ops. A call with graph breaks keeps
-    going through dynamo: between its graphs, dynamo and autopar may have changed what the
-    function's own code does (constants folded, scalars read on the host). Each new signature
-    goes through ``compiled`` once, so a shape that autopar can speed up is placed; the
-    decision is per signature, not per global state the function reads (a closed-over flag
-    that changes the graph is not seen: such a call runs eagerly, correct, unplaced)."""
+    calls ``fn`` itself while every graph autopar built for the function runs as eager does
+    (:func:`~autopar.simulate.runs_as_eager`, or graphs autopar can't represent) and capture
+    folded none (:mod:`autopar.fold`: folding computes some of the function's ops at capture,
+    which a plain call would do again): running it through dynamo would only add dynamo's own
+    per-call cost (tens of microseconds on a GPU host, more than a small function's whole
+    eager call) to eager's sequence of ops. Graph breaks, and calls dynamo runs without any
+    graph (a frame it skips, e.g. one another ``torch.compile`` of the same function found
+    nothing to capture in), don't matter: dynamo then runs the function's own Python, as a
+    plain call does. Each new signature goes through ``compiled`` once, so a shape that
+    autopar can speed up is placed; the decision is per signature, not per global state the
+    function reads (a closed-over flag that changes the graph is not seen: such a call runs
+    eagerly, correct, unplaced)."""
     plain: set[tuple] = set()
     placed = [False]  # once a graph runs on the executor, no call is plain again: no key needed
 
@@ -322,11 +324,10 @@ def _plain_when_nothing_to_gain(fn: Callable, compiled: Callable, runner: Runner
         key = _signature(args, kwargs)
         if key is not None and key in plain:
             return fn(*args, **kwargs)
-        graphs, folded = runner.graphs, runner.folded
         out = compiled(*args, **kwargs)
         if runner.planned:
             placed[0] = True
-        elif key is not None and runner.graphs == graphs + 1 and runner.folded == folded:
+        elif key is not None and not runner.folded:
             plain.add(key)
         return out
 
