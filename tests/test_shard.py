@@ -228,15 +228,7 @@ def test_gpu_sharded_graph_run_on_the_cpu_gives_eager_values_and_identical_repli
     want = SequentialRunner(step.graph)([t.detach() for t in inputs])
     relabel_devices(step.graph, "cpu", "cuda:0")
     s = shard(step.graph, batch_of(step), ["cuda:0", "cuda:1"], updates=step.updates)
-    for dev in ("cuda:0", "cuda:1"):
-        relabel_devices(s.graph, dev, "cpu")
-    args = [t.detach() for t in inputs]
-    got = SequentialRunner(s.graph)(args + [args[j].clone() for j, _ in s.replicas])
-    for g, w in zip(got[:5], want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
-    updated = dict(zip(step.mutated, got[1:5]))
-    for (j, _), replica in zip(s.replica_outputs, got[5:], strict=True):
-        assert torch.equal(replica, updated[j])  # all-reduced: the same bits as home's
+    run_on_the_cpu_like_eager(s, step, inputs, want)
 
 
 def test_benchmark_simulation_of_w6_goes_through_the_data_parallel_pass():
@@ -287,6 +279,20 @@ def test_big_partial_sums_are_made_and_all_reduced_in_row_chunks(small_chunks):
             assert op_name(p.op) == "aten.add.Tensor" and p.device == dev
             first = p.args[0].args[0] if op_name(p.args[0].op) == "aten._to_copy" else p.args[0]
             assert first.name.endswith("_s0")
+    run_on_the_cpu_like_eager(s, step, inputs, want)
+
+
+def test_small_partial_sums_are_reduced_at_once():
+    step = capture_step(w6_train_step, mlp_inputs(batch=9))
+    s = shard(step.graph, batch_of(step), ["cpu:0", "cpu:1"])
+    assert not ops_named(s.graph, "aten.cat") and not ops_named(s.graph, "aten.slice.Tensor")[4:]
+
+
+def run_on_the_cpu_like_eager(s, step, inputs, want) -> None:
+    """Run the two-GPU sharded graph op by op with both GPUs relabelled to the host: eager's
+    values, and each replica's next value the same bits as home's (all-reduced)."""
+    from autopar.runtime import SequentialRunner
+
     for dev in ("cuda:0", "cuda:1"):
         relabel_devices(s.graph, dev, "cpu")
     args = [t.detach() for t in inputs]
@@ -296,9 +302,3 @@ def test_big_partial_sums_are_made_and_all_reduced_in_row_chunks(small_chunks):
     updated = dict(zip(step.mutated, got[1:5]))
     for (j, _), replica in zip(s.replica_outputs, got[5:], strict=True):
         assert torch.equal(replica, updated[j])
-
-
-def test_small_partial_sums_are_reduced_at_once():
-    step = capture_step(w6_train_step, mlp_inputs(batch=9))
-    s = shard(step.graph, batch_of(step), ["cpu:0", "cpu:1"])
-    assert not ops_named(s.graph, "aten.cat") and not ops_named(s.graph, "aten.slice.Tensor")[4:]
