@@ -5,8 +5,8 @@ Policy
   and run the host's ops, as eager PyTorch (and a hand-written data-parallel step) does. A
   value crossing between them then costs its copy and a CUDA event, with no thread hand-off.
   (Between threads, each crossing cost the executor 100-160 µs on the 2xH200 host, against
-  ~20 µs for the copy and event alone: ``benchmarks/NOTES.md``; a GPU's worker thread, woken
-  by a copy, also waits for the GIL behind the thread launching the other GPU's work.)
+  ~20 µs for the copy and event alone: ``benchmarks/NOTES.md``; on a worker thread of its
+  own, W6's cuda:1 started its first GEMM ~0.2 ms after the copy it waited for had landed.)
 - Lanes: the host's program (the first CPU worker's; there may be none) and every GPU's. Other
   CPU workers keep their own threads: their ops compute, they don't just launch.
 - Order: a merge of the lanes' step lists that keeps each list's order, in which every Wait comes
@@ -18,8 +18,8 @@ Policy
   so the thread issues all the GPU work it can before it computes on the host or blocks on a
   copy to the host. Among the GPUs, the step the plan starts first goes first (a stream wait,
   Record or Free at once), so each GPU gets its work in the order the plan runs it. Host steps
-  fill in where the GPUs' next steps wait for them. Exception, given
-  the plan's predicted times (``times``): a host step that never blocks and is short (a Send,
+  fill in where the GPUs' next steps wait for them. Exception, given the plan's predicted
+  times (``times``): a host step that never blocks and is short (a Send,
   Record or Free, or an op predicted to take at most ``SHORT_S``) goes first when it is
   predicted to start no later than the GPU's next step: another program may be waiting for it
   (a value the host computes for another GPU at the start of a step), and the GPU loses
@@ -96,9 +96,9 @@ def interleave(programs: Mapping[str, Sequence[Any]], host: str | None,
         nxt = {d: programs[d][pos[d]] for d in lanes
                if pos[d] < len(programs[d]) and ready(programs[d][pos[d]])}
         if nxt:
-            waiting = [d for d in gpus if d in nxt]
-            device = min(waiting, key=lambda d: (start(nxt[d]), gpus.index(d))) \
-                if waiting else host
+            ready_gpus = [d for d in gpus if d in nxt]
+            device = min(ready_gpus, key=lambda d: (start(nxt[d]), gpus.index(d))) \
+                if ready_gpus else host
             if device != host and host in nxt and host_first(nxt[host], nxt[device]):
                 device = host
             assert device is not None
