@@ -19,10 +19,10 @@ Policy
   switched on around each call), so that they are placed instead of breaking the graph.
 - Nothing to gain, nothing added: while every graph autopar built for a function runs as eager
   does (:func:`~autopar.simulate.runs_as_eager`: eager's placement, nothing to overlap, nothing
-  fused), a call whose argument signature was seen before calls the function itself, without
-  dynamo (:func:`_plain_when_nothing_to_gain`); dynamo's own per-call cost is more than a small
-  function's whole eager call on a GPU host. Modules, traced functions and calls whose tensors
-  autograd records always go through dynamo.
+  fused) and capture folded none of its constants, a call whose argument signature was seen
+  before calls the function itself, without dynamo (:func:`_plain_when_nothing_to_gain`);
+  dynamo's own per-call cost is more than a small function's whole eager call on a GPU host.
+  Modules, traced functions and calls whose tensors autograd records always go through dynamo.
 """
 
 from __future__ import annotations
