@@ -63,7 +63,17 @@ def test_a_tiny_matmul_with_host_inputs_stays_on_the_host():
     assert [row.device for row in report.rows] == ["cpu:0"]
     assert report.transfers == 0
     assert report.runs_as_eager  # eager's own placement, nothing to overlap
-    assert "runs as eager does" in report.to_text()
+    assert "calls the function itself" in report.to_text()
+
+
+def test_a_folded_graph_that_runs_as_eager_is_said_to_keep_going_through_dynamo():
+    def folds(a):
+        a1 = torch.tensor(10.0)
+        return a * a1 + a1 ** 2
+
+    report = autopar.explain(folds, torch.rand(5, 10), machine="h200x2")
+    assert report.plan.graph.folded and report.runs_as_eager
+    assert "keeps running it through dynamo" in report.to_text()
 
 
 def test_explain_rejects_bad_input_clearly():

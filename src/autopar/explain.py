@@ -119,7 +119,11 @@ class ExplainReport:
             f"{self.transfer_bytes / 1e6:.3g} MB moved")
         for sync in self.syncs:
             console.print(f"host sync: {sync}")
-        if self.runs_as_eager:
+        if self.runs_as_eager and self.plan.graph.folded:
+            console.print("runs as eager does: eager's placement with nothing to overlap (unless "
+                          "fused GPU regions pay), on the graph with its constants folded at "
+                          "capture, so autopar.compile keeps running it through dynamo")
+        elif self.runs_as_eager:
             console.print("runs as eager does: eager's placement with nothing to overlap (unless "
                           "fused GPU regions pay), so autopar.compile calls the function itself "
                           "from the second call with the same argument shapes")
