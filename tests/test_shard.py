@@ -262,6 +262,7 @@ def test_big_partial_sums_are_made_and_all_reduced_in_row_chunks(small_chunks):
     want = SequentialRunner(step.graph)([t.detach() for t in inputs])
     relabel_devices(step.graph, "cpu", "cuda:0")
     s = shard(step.graph, batch_of(step), ["cuda:0", "cuda:1"], updates=step.updates)
+    assert s.reduced_in_chunks == 2  # dW1 and dW2
     chunks = [n for n in ops_named(s.graph, "aten.mm") if n.name.startswith("mm_2_c")]
     assert sorted((n.name, n.meta.shape, n.device) for n in chunks) == sorted(
         (f"mm_2_c{c}_s{i}", (rows, 6), f"cuda:{i}") for c, rows in enumerate((3, 2))
@@ -286,6 +287,7 @@ def test_small_partial_sums_are_reduced_at_once():
     step = capture_step(w6_train_step, mlp_inputs(batch=9))
     s = shard(step.graph, batch_of(step), ["cpu:0", "cpu:1"])
     assert not ops_named(s.graph, "aten.cat") and not ops_named(s.graph, "aten.slice.Tensor")[4:]
+    assert s.reduced_in_chunks == 0
 
 
 def run_on_the_cpu_like_eager(s, step, inputs, want) -> None:

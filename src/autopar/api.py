@@ -139,8 +139,7 @@ class Runner:
     reason is logged once: never a wrong result. A plan that is eager's own placement with
     nothing to overlap runs as eager's sequence of ops too
     (:func:`~autopar.simulate.runs_as_eager`); its executor stays in ``executors`` with
-    ``runs_as`` saying so. One machine and cost model
-    serve every graph.
+    ``runs_as`` saying so. One machine and cost model serve every graph.
     """
 
     def __init__(self, options: Options) -> None:

@@ -201,18 +201,18 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
         else:
             try:
                 chunked = shard(step.graph, batch, same_kind[:k], updates=step.updates)
-                at_once = shard(step.graph, batch, same_kind[:k], updates=step.updates,
-                                reduce_chunks=1)
+                forms = [("", chunked)]
+                if chunked.reduced_in_chunks:
+                    forms.append((" at once", shard(step.graph, batch, same_kind[:k],
+                                                    updates=step.updates, reduce_chunks=1)))
             except NotShardable as e:
                 if shards is not None:
                     raise
                 log.info("autopar: %s not split over %d devices: %s", step.graph.name, k, e)
                 continue
             label = ",".join(same_kind[:k])
-            candidates = [(name, place(s.graph, cost, policy=policy, devices=devices,
-                                       pins=s.pins), s)
-                          for name, s in ((label, chunked), (f"{label} at once", at_once))
-                          if s is chunked or len(s.graph.nodes) != len(chunked.graph.nodes)]
+            candidates = [(label + suffix, place(s.graph, cost, policy=policy, devices=devices,
+                                                 pins=s.pins), s) for suffix, s in forms]
         for label, placed, sharded in candidates:
             predicted[label] = placed.predicted_s
             if best is None or placed.predicted_s < best.placement.predicted_s:

@@ -70,7 +70,7 @@ import torch.fx
 from torch.fx.node import map_aggregate, map_arg
 
 from .capture import _SCALAR_FUNCTIONS, _SIZE_OPS, _known_number
-from .graph import LOCAL_SCALAR_DENSE
+from .graph import LOCAL_SCALAR_DENSE, annotated_args
 
 log = logging.getLogger("autopar")
 
@@ -290,10 +290,9 @@ def _written(node: torch.fx.Node) -> list[torch.fx.Node]:
     if not target._schema.is_mutable:
         return []
     written: list[torch.fx.Node] = []
-    for i, arg in enumerate(target._schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            map_arg(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name),
-                    written.append)
+    for info, value in annotated_args(target, node.args, node.kwargs):
+        if info.is_write:
+            map_arg(value, written.append)
     return written
 
 

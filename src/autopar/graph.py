@@ -45,6 +45,7 @@ __all__ = [
     "Node",
     "ScalarMeta",
     "TensorMeta",
+    "annotated_args",
     "op_kind",
     "op_name",
 ]
@@ -272,16 +273,22 @@ def _schema_effects(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, tuple, t
     out_sets = {
         s for r in op._schema.returns if r.alias_info is not None for s in r.alias_info.after_set
     }
-    for i, arg in enumerate(op._schema.arguments):
-        if arg.alias_info is None:
-            continue
-        value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
+    for info, value in annotated_args(op, args, kwargs):
         found = nodes_in(value)
-        if arg.alias_info.is_write:
+        if info.is_write:
             writes += found
-        if out_sets & set(arg.alias_info.before_set):
+        if out_sets & set(info.before_set):
             aliases += found
     return reads, tuple(dict.fromkeys(writes)), tuple(dict.fromkeys(aliases))
+
+
+def annotated_args(op: Any, args: tuple, kwargs: dict) -> Iterator[tuple[Any, Any]]:
+    """``(alias_info, value)`` of each argument of an ATen op call that its schema annotates
+    (written in place, or aliased by an output), whatever kind of node ``args`` hold."""
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.alias_info is not None:
+            yield arg.alias_info, (kwargs.get(arg.name) if arg.kwarg_only or i >= len(args)
+                                   else args[i])
 
 
 def _cholesky_flops(a: tuple[int, ...], b: tuple[int, ...] | None) -> float:

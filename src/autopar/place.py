@@ -27,11 +27,10 @@ Policy ``heft`` (the default)
    transform's decision, e.g. a data-parallel shard, see :mod:`autopar.shard`) runs there;
    other ops only where ``cost.can_run`` allows (random ops are pinned this way); under HEFT,
    never on the host when they read a value over ``HOST_PULL_BYTES`` that eager keeps on a GPU
-   and a GPU may run them: the
-   host's compute holds the thread that launches GPU work (Python's GIL), which the timing
-   model doesn't see (ensemble4 on 2xH200: a 32 MB ``tanh`` pulled to the host made the call
-   30.5 ms against eager's 19.5). No memory
-   pool ends up over its limit (see Memory); if no device has room for an op, a warning is
+   and a GPU may run them: the host's compute holds the thread that launches GPU work
+   (Python's GIL), which the timing model doesn't see (ensemble4 on 2xH200: a 32 MB ``tanh``
+   pulled to the host made the call 30.5 ms against eager's 19.5). No memory pool ends up
+   over its limit (see Memory); if no device has room for an op, a warning is
    logged on ``logging.getLogger("autopar")`` and the placement falls back to ``single``.
 4. Guard. When eager placement (``single``) is predicted to finish sooner, uses only allowed
    devices and fits in memory, it is kept, with a note saying so: HEFT is greedy, and never

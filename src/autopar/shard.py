@@ -106,6 +106,7 @@ class Sharded:
     Its outputs are the original graph's, then the next value of each replica in
     ``replica_outputs`` (same kind of entries), made on the replica's device.
     ``pins`` fixes every shard op to its device. ``unsplit`` names the ops left unsplit and why.
+    ``reduced_in_chunks``: how many partial sums are reduced in row chunks.
     """
 
     graph: Graph
@@ -115,6 +116,7 @@ class Sharded:
     replicas: list[tuple[int, str]]
     replica_outputs: list[tuple[int, str]] = field(default_factory=list)
     unsplit: dict[str, str] = field(default_factory=dict)
+    reduced_in_chunks: int = 0
 
 
 def even_sizes(n: int, k: int) -> tuple[int, ...]:
@@ -639,7 +641,8 @@ def shard(graph: Graph, batch: dict[Node, int], devices: Sequence[str],
     b.out.set_outputs(outs)
     _move_replicas_to_inputs(b)
     b.out.verify()
-    return Sharded(b.out, tuple(devices), sizes, b.pins, b.replicas, nexts, b.unsplit)
+    return Sharded(b.out, tuple(devices), sizes, b.pins, b.replicas, nexts, b.unsplit,
+                   len(b._chunks))
 
 
 def _batch_size(graph: Graph, batch: dict[Node, int], devices: Sequence[str]) -> int:

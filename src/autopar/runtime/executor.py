@@ -21,8 +21,10 @@ Policy
   (``wait_event`` on the caller's stream, no host sync).
   Host-bound copies land in pinned memory from PyTorch's caching host allocator (bounded reuse,
   guarded by the events it records), and are synchronized before the call returns. GPU-bound
-  copies of host values from ``STAGE_MIN_BYTES`` up are staged in pinned memory first (the
-  thread goes on while the DMA runs); smaller ones go to the driver as they are.
+  copies of host values are staged in pinned memory first up to ``SMALL_COPY_BYTES`` (queued
+  on the compute stream, so the driver's pageable path can't hold the thread behind it) and
+  from ``STAGE_MIN_BYTES`` up (the thread goes on while the DMA runs); those in between go to
+  the driver as they are, on a side stream.
 - Failures: the first exception in any worker stops the run: every waiter is woken and cancelled,
   and the original error is re-raised, annotated with the op and the user's source line. Waits are
   bounded (``AUTOPAR_WAIT_TIMEOUT`` seconds, default 600) and say what they waited for.
@@ -67,10 +69,11 @@ overlap, while the side stream's events and stream switches cost the host 30-60 
 consumers come after it on the same stream."""
 
 STAGE_MIN_BYTES = 1 << 20
-"""Host values at least this large are staged in pinned memory before going to a GPU, so the
-DMA runs while the thread goes on; smaller ones are handed to the driver as they are (it stages
-pageable memory itself, and a pinned buffer, its fill and ``is_pinned()`` cost more than that
-for a few kilobytes)."""
+"""Host values at least this large going to a GPU on a side stream are staged in pinned memory
+first, so the DMA runs while the thread goes on; smaller ones are handed to the driver as they
+are (it stages pageable memory itself, and a pinned buffer, its fill and ``is_pinned()`` cost
+more than that for a few hundred kilobytes). Copies up to ``SMALL_COPY_BYTES`` are staged
+either way (see there)."""
 
 
 class WorkerError(RuntimeError):

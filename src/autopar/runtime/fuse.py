@@ -158,15 +158,11 @@ def _inductor(gm: torch.fx.GraphModule, inputs: list) -> Callable[[list], Any]:
     from torch.fx.experimental.proxy_tensor import make_fx
 
     # Inductor lowers decomposed graphs: aot_autograd applies its table before handing one over
-    # (an op with a decomposition, such as aten.t, has no lowering of its own). Low-precision
-    # intermediates are rounded as eager rounds them, so a fused region keeps eager's numerics.
+    # (an op with a decomposition, such as aten.t, has no lowering of its own).
     # compile_threads=1: Inductor compiles in this process. Its pool of compile workers would
     # start beside the user's program and take every core for seconds (2xH200 host: a 4 MB
     # host copy went from 23 us to 8 ms until the pool settled: benchmarks/NOTES.md)
-    options: dict[str, Any] = {"compile_threads": 1}
-    if hasattr(inductor_config, "emulate_precision_casts"):
-        options["emulate_precision_casts"] = True
-    with torch.no_grad(), inductor_config.patch(options):
+    with torch.no_grad(), inductor_config.patch({"compile_threads": 1}):
         decomposed = make_fx(gm, decomposition_table=select_decomp_table(),
                              tracing_mode="fake")(*inputs)
         return compile_fx_inner(decomposed, list(inputs))
