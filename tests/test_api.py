@@ -170,19 +170,19 @@ def test_from_fx_records_source_lines_and_constants():
     assert len(graph.inputs) == 1 + len(seen["consts"])
 
 
-def _host_matmul_via_gpu() -> Graph:
+def _host_matmul_via_gpu(side: int) -> Graph:
     """x, y on the host -> to cuda:0 -> mm -> back to the host: W3's host case."""
 
     aten = torch.ops.aten
     g = Graph("w3_host")
-    x = g.input(TensorMeta.make((256, 256), device="cpu"), "x")
-    y = g.input(TensorMeta.make((256, 256), device="cpu"), "y")
+    x = g.input(TensorMeta.make((side, side), device="cpu"), "x")
+    y = g.input(TensorMeta.make((side, side), device="cpu"), "y")
     moved = [g.call(aten._to_copy.default, (v,), {"device": torch.device("cuda:0")},
-                    meta=TensorMeta.make((256, 256), device="cuda:0"), name=f"{v.name}_gpu")
+                    meta=TensorMeta.make((side, side), device="cuda:0"), name=f"{v.name}_gpu")
              for v in (x, y)]
     m = g.call(aten.mm.default, tuple(moved), name="m")
     back = g.call(aten._to_copy.default, (m,), {"device": torch.device("cpu")},
-                  meta=TensorMeta.make((256, 256), device="cpu"), name="back")
+                  meta=TensorMeta.make((side, side), device="cpu"), name="back")
     g.set_outputs([back])
     return g
 
@@ -210,8 +210,11 @@ def test_a_plan_that_is_eagers_chain_runs_as_eager_does():
 
     cost = CostModel(preset("h200x2"))
     devices = ("cpu:0", "cuda:0", "cuda:1")
-    chain = _host_matmul_via_gpu()
+    chain = _host_matmul_via_gpu(1024)  # the GPU wins: copy in, matmul, copy out
     assert runs_as_eager(make_plan(place(chain, cost, devices=devices), cost), cost, devices)
+    host = place(_host_matmul_via_gpu(256), cost, devices=devices)  # the host wins
+    assert set(host.device.values()) == {"cpu:0"}
+    assert not runs_as_eager(make_plan(host, cost), cost, devices)
     split = _two_chains("cuda:0")  # HEFT's placement is not eager's
     assert not runs_as_eager(make_plan(place(split, cost, devices=devices), cost), cost, devices)
     # eager's own placement of two independent chains on one GPU overlaps nothing: eager's way

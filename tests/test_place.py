@@ -118,6 +118,90 @@ def test_big_matmul_with_host_inputs_goes_to_gpu():
                                                     ("mm", "cpu:0")]
 
 
+TO_COPY = torch.ops.aten._to_copy.default
+
+
+def matmul_via_gpu(side: int) -> Graph:
+    """``(x.to("cuda") @ y.to("cuda")).cpu()``: W3's host case, written for the GPU."""
+    g = Graph(f"via_gpu{side}")
+    ins = [g.input(tensor((side, side), "cpu"), name=name) for name in "xy"]
+    moved = [g.call(TO_COPY, (v,), {"device": torch.device("cuda:0")},
+                    meta=tensor((side, side), "cuda:0"), name=f"{v.name}g") for v in ins]
+    mm = g.call(MM, tuple(moved), name="mm")
+    g.set_outputs([g.call(TO_COPY, (mm,), {"device": torch.device("cpu")},
+                          meta=tensor((side, side), "cpu"), name="back")])
+    return g
+
+
+def test_tiny_matmul_written_for_the_gpu_runs_on_the_host():
+    """The moves to the GPU are ops like others: left on the host, they hand x and y on, so
+    the host runs the whole call in the mm's 1.9 us, with no copy (eager: 36 us and more).
+
+        x@cpu -> xg = x.to("cuda") --\
+                                      mm -> back = .cpu()   all on cpu:0, xg, yg, back free
+        y@cpu -> yg = y.to("cuda") --/
+    """
+    g = matmul_via_gpu(5)
+    n = by_name(g)
+    assert GraphIndex.of(g).passthrough == {n["xg"], n["yg"], n["back"]}
+    cost = measured_mm_cost(machine(cpus=1, gpus=1))
+    p = place(g, cost)
+    assert devices_of(p) == {"xg": "cpu:0", "yg": "cpu:0", "mm": "cpu:0", "back": "cpu:0"}
+    assert p.copies() == []
+    assert p.predicted_s == pytest.approx(1.9 * us)
+    assert simulate(make_plan(p), cost).makespan == pytest.approx(p.predicted_s)
+    eager = place(g, cost, "single")
+    assert devices_of(eager) == {"xg": "cuda:0", "yg": "cuda:0", "mm": "cuda:0",
+                                 "back": "cpu:0"}
+    assert eager.predicted_s > 36 * us  # two copies in, the GPU's mm, one copy out
+
+
+def test_big_matmul_written_for_the_gpu_stays_eagers_plan():
+    """2048^3: the GPU wins; HEFT leaves the moves with their inputs and copies x and y in,
+    which is eager's plan (``runs_as_eager``), so the call runs as eager's sequence."""
+    from autopar.simulate import runs_as_eager
+
+    g = matmul_via_gpu(2048)
+    cost = measured_mm_cost(machine(cpus=1, gpus=1))
+    p = place(g, cost)
+    assert devices_of(p)["mm"] == "cuda:0" and devices_of(p)["back"] == "cpu:0"
+    copy = 10 * us + 2048 * 2048 * 4 / 10e9
+    assert p.predicted_s == pytest.approx(3 * copy + 0.35 * ms)
+    assert len(p.copies()) == 3
+    assert runs_as_eager(make_plan(p), cost, ["cpu:0", "cuda:0"])
+
+
+def test_device_moves_hand_on_their_input_only_where_nothing_can_tell():
+    """A move that hands on its input makes two values share a storage that eager kept apart:
+    allowed only where no op writes in place and no output would newly share a storage."""
+    def graph(tail: str) -> Graph:
+        g = Graph(tail)
+        x = g.input(tensor((4, 4), "cpu"), name="x")
+        h = g.call(RELU, (x,), name="h")
+        for name, src in (("xg", x), ("hg", h)):
+            g.call(TO_COPY, (src,), {"device": torch.device("cuda:0")},
+                   meta=tensor((4, 4), "cuda:0"), name=name)
+        n = by_name(g)
+        xg, hg = n["xg"], n["hg"]
+        outs = [g.call(MM, (xg, hg), name="mm")]
+        if tail == "view of a moved input":  # would alias the caller's x
+            outs.append(g.call(torch.ops.aten.t.default, (xg,), name="xt"))
+        elif tail == "two outputs":  # hg's output and h would become one storage
+            outs += [g.call(torch.ops.aten.t.default, (hg,), name="ht"), h]
+        elif tail == "in-place write":
+            g.call(torch.ops.aten.relu_.default, (h,), name="w")
+        g.set_outputs(outs)
+        return g
+
+    def handed(tail: str) -> set[str]:
+        return {v.name for v in GraphIndex.of(graph(tail)).passthrough}
+
+    assert handed("plain") == {"xg", "hg"}
+    assert handed("view of a moved input") == {"hg"}
+    assert handed("two outputs") == {"xg"}
+    assert handed("in-place write") == set()
+
+
 def test_small_op_between_big_ones_stays_on_their_gpu():
     """relu is 10x faster on the host, but moving its input there and back costs more.
 

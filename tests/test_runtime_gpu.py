@@ -143,3 +143,41 @@ def test_a_failing_gpu_op_raises_the_original_error():
     ex = Executor(make_plan(place(g, cost, policy="single"), cost))
     with pytest.raises(RuntimeError, match="cannot be multiplied"):
         ex([torch.randn(4, 3, device="cuda:0")])
+
+
+def matmul_via_gpu(side: int) -> Graph:
+    """``(x.to("cuda") @ y.to("cuda")).cpu()`` with x, y on the host: W3's host case."""
+    g = Graph("via_gpu")
+    ins = [g.input(TensorMeta.make((side, side), device="cpu"), name) for name in "xy"]
+    moved = [g.call(aten._to_copy.default, (v,), {"device": torch.device("cuda:0")},
+                    meta=TensorMeta.make((side, side), device="cuda:0")) for v in ins]
+    mm = g.call(aten.mm.default, tuple(moved))
+    g.set_outputs([g.call(aten._to_copy.default, (mm,), {"device": torch.device("cpu")},
+                          meta=TensorMeta.make((side, side), device="cpu"))])
+    return g
+
+
+@cuda
+@pytest.mark.parametrize("side", [5, 1024])
+def test_a_matmul_written_for_the_gpu_runs_where_it_is_faster(side):
+    """5x5: the moves hand x and y on and the host runs it all; 1024: the GPU. Eager's values,
+    a result of its own (handing on never makes it share the inputs' storage), inputs kept."""
+    g = matmul_via_gpu(side)
+    cost = CostModel(preset("h200x2"))
+    devices = ["cpu:0", "cuda:0"]
+    placement = place(g, cost, devices=devices)
+    on = {placement.device[n] for n in g.ops if n.op is aten.mm.default}
+    assert on == ({"cpu:0"} if side == 5 else {"cuda:0"})
+    x, y = (torch.randn(side, side) for _ in range(2))
+    keep = (x.clone(), y.clone())
+    ex = Executor(make_plan(placement, cost))
+    for _ in range(2):
+        (got,) = ex([x, y])
+    (want,) = SequentialRunner(g)([x, y])
+    assert got.device.type == "cpu"
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert got.data_ptr() not in (x.data_ptr(), y.data_ptr())
+    torch.testing.assert_close((x, y), keep, rtol=0, atol=0)
+    compiled = autopar.compile(lambda a, b: (a.to("cuda") @ b.to("cuda")).cpu())
+    for _ in range(2):
+        torch.testing.assert_close(compiled(x, y), want, rtol=1e-4, atol=1e-4)

@@ -50,7 +50,7 @@ def fused_regions(plan: Plan, devices: Sequence[str]) -> dict[str, list[list[Nod
                     or pool(device_of[v]) == pool(device))
 
         def ok(n: Node, device: str = device, local: Any = local) -> bool:
-            return fusible(n, device, local, device_of)
+            return fusible(n, device, local, device_of, ix.passthrough)
 
         found[device] = regions(steps, ok, ix.users, outputs)
     return found

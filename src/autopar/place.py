@@ -23,8 +23,12 @@ Policy ``heft`` (the default)
    base, an op that writes a tensor in place runs where that tensor lives, a host scalar
    (:func:`autopar.routing.host_scalars`: a Python number, or a 0-dim tensor made from host
    values or from a value the host reads anyway) runs on the first CPU device allowed, a
-   device move (``x.cpu()``) runs on its target, and an op the caller pins (``pins``: a graph
-   transform's decision, e.g. a data-parallel shard, see :mod:`autopar.shard`) runs there;
+   device move (``x.cpu()``, ``x.to("cuda")``) runs on its target, except under HEFT without
+   ``pins`` when it is no graph output: then it is an op like others, and one left in its
+   input's pool hands the input on where :attr:`GraphIndex.passthrough` allows (W3's
+   ``(x.to("cuda") @ y.to("cuda")).cpu()`` runs on the host where the host is faster); an op
+   the caller pins (``pins``: a graph transform's decision, e.g. a data-parallel shard, see
+   :mod:`autopar.shard`) runs there;
    other ops only where ``cost.can_run`` allows (random ops are pinned this way); under HEFT,
    never on the host when they read a value over ``HOST_PULL_BYTES`` that eager keeps on a GPU
    and a GPU may run them: the host's compute holds the thread that launches GPU work
@@ -96,10 +100,10 @@ from .routing import (
     delivery_needed,
     gc_paused,
     handoff_time,
+    is_free_move,
     is_pure_move,
     is_tiny,
     kind_of,
-    moved_by_copy,
     pinned_storage,
     pool,
     route,
@@ -340,7 +344,7 @@ class _Schedule:
 
     def __init__(self, graph: Graph, cost: Any, devices: Sequence[str], insertion: bool,
                  limits: dict[str, int | None], index: GraphIndex | None = None,
-                 pins: Mapping[Node, str] | None = None) -> None:
+                 pins: Mapping[Node, str] | None = None, free_moves: bool = False) -> None:
         self.graph = graph
         self.pins: Mapping[Node, str] = pins or {}
         self.cost = cost
@@ -353,6 +357,7 @@ class _Schedule:
         self.ins, self.users, self.nbytes = ix.ins, ix.users, ix.nbytes
         self.outputs = set(graph.output_nodes)
         self.moves = {n for n in graph.ops if is_pure_move(n)}
+        self.free_moves = free_moves
         self.tiny = {n for n in graph.ops if is_tiny(n)}
         self.host = next((d for d in self.devices if d.startswith("cpu")), None)
         self.eager: dict[Node, str | None] = {n: self._home(n) for n in graph.nodes}
@@ -419,7 +424,7 @@ class _Schedule:
             return where, f"writes {target!r} in place: runs where it lives"
         if node in self.index.host and self.host is not None:
             return self.host, self._host_reason(node)
-        if node in self.moves:
+        if node in self.moves and not self.move_is_free(node):
             home = self.eager[node]
             assert home is not None
             return home, f"device move to {home}"
@@ -430,6 +435,10 @@ class _Schedule:
         if home is not None:
             return home, f"outputs share its storage: produced on their device {home}"
         return None
+
+    def move_is_free(self, node: Node) -> bool:
+        """May this device move go elsewhere than its target (see Constraints)?"""
+        return self.free_moves and node not in self.outputs and node not in self.pins
 
     def _host_reason(self, node: Node) -> str:
         far = [v for v in self.ins[node]
@@ -474,12 +483,13 @@ class _Schedule:
         return lane
 
     def run_time(self, node: Node, device: str) -> float:
-        """Seconds ``node`` would occupy ``device``'s lane (0 for a move done by its copy)."""
+        """Seconds ``node`` would occupy ``device``'s lane (0 for a free device move)."""
         return 0.0 if self._moved(node, device) else self.time(node, device)
 
     def _moved(self, node: Node, device: str) -> bool:
-        """Would ``node`` on ``device`` be a device move done by its copy?"""
-        return node in self.moves and pool(self.device[node.args[0]]) != pool(device)
+        """Would ``node`` on ``device`` be a free device move (:func:`is_free_move`)?"""
+        return node in self.moves and (pool(self.device[node.args[0]]) != pool(device)
+                                       or node in self.index.passthrough)
 
     # -- trying a device --------------------------------------------------------------------
     def _plan_copy(self, value: Node, src: str, dst: str, ready: float, copies: list[_Copy],
@@ -559,7 +569,8 @@ class _Schedule:
         self.arrival[(c.value, dst_pool)] = c.end
         self.slots[(c.value, c.dst)] = Slot(c.start, c.end, self._next_seq())
         if self.track:
-            self._touch(storage_of(c.value, pool(c.src), self.device), c.end, c.src)
+            self._touch(storage_of(c.value, pool(c.src), self.device, self.index.passthrough),
+                        c.end, c.src)
             self._new_storage(("copy", c.value, dst_pool), self.owner[c.value], dst_pool,
                               c.start, self.nbytes[c.value], c.dst, keep=c.delivery)
             self._touch(("copy", c.value, dst_pool), c.end, c.dst)
@@ -590,22 +601,23 @@ class _Schedule:
 
     def _account_run(self, node: Node, trial: _Trial) -> None:
         device, where = trial.device, pool(trial.device)
+        handed = self.index.passthrough
         base = alias_base(node)
         if base is not None:
             self.owner[node] = self.owner[base]
-        elif moved_by_copy(node, self.device):
+        elif is_free_move(node, self.device, handed):
             self.owner[node] = self.owner[node.args[0]]
         else:
             self.owner[node] = node
             self._new_storage(("local", node), node, where, trial.start, node.out_bytes, device)
-        self._touch(storage_of(node, where, self.device), trial.end, device)
+        self._touch(storage_of(node, where, self.device, handed), trial.end, device)
         for v in self.ins[node]:
             src = self.device[v]
             in_pool = where if route(v, src, device, self.index) == "copy" else pool(src)
-            self._touch(storage_of(v, in_pool, self.device), trial.end, device)
+            self._touch(storage_of(v, in_pool, self.device, handed), trial.end, device)
         home = self.eager[node]
         if node in self.outputs and home is not None and node.tensor_metas:
-            key = storage_of(node, pool(home), self.device)
+            key = storage_of(node, pool(home), self.device, handed)
             if key in self.storages:
                 self.storages[key].keep = True
         owner = self.owner[node]
@@ -843,7 +855,8 @@ def _run(graph: Graph, cost: Any, policy: str, devices: Sequence[str],
          limits: dict[str, int | None], index: GraphIndex,
          pins: Mapping[Node, str] | None = None) -> _Schedule:
     p = _POLICIES[policy]
-    sched = _Schedule(graph, cost, devices, p.insertion, limits, index, pins)
+    free_moves = policy == "heft" and not pins
+    sched = _Schedule(graph, cost, devices, p.insertion, limits, index, pins, free_moves)
     for node in p.order(sched):
         trial, note = p.choose(sched, node)
         sched.commit(node, trial, note)

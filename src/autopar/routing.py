@@ -146,7 +146,7 @@ class GraphIndex:
     op would run on the host): on the host, a GPU kernel takes them as a scalar argument, so
     they are never copied to a GPU (a property of the value, so one value reaches one pool by
     one mechanism).
-    ``host``: :func:`host_scalars`.
+    ``host``: :func:`host_scalars`. ``passthrough``: :func:`passthrough_moves`.
     """
 
     ins: dict[Node, tuple[Node, ...]]
@@ -155,6 +155,7 @@ class GraphIndex:
     tensorless: frozenset[Node]
     scalars: frozenset[Node]
     host: frozenset[Node] = frozenset()
+    passthrough: frozenset[Node] = frozenset()
 
     @staticmethod
     def of(graph: Graph) -> GraphIndex:
@@ -183,7 +184,47 @@ class GraphIndex:
             if len(ms) == 1 and ms[0].shape == () and users[n]
             and all(scalar_argument(u) for u in users[n]))
         return GraphIndex(ins, users, {n: sum(m.nbytes for m in ms) for n, ms in metas.items()},
-                          frozenset(n for n, ms in metas.items() if not ms), scalars, host)
+                          frozenset(n for n, ms in metas.items() if not ms), scalars, host,
+                          passthrough_moves(graph))
+
+
+def passthrough_moves(graph: Graph) -> frozenset[Node]:
+    """Pure device moves (to another device than their input's) that, placed in their input's
+    pool, may hand on the input itself instead of copying it (``x.to("cuda")`` that placement
+    keeps on the host with ``x``).
+
+    Eager's move makes a new storage; handing on the input makes the move's value share the
+    input's. That is unseen only when nothing can tell: no op of the graph writes in place,
+    and no graph output would newly share a storage with a graph input or with another output.
+    Storage classes are followed through views and every pure move (conservative: a move that
+    ends up a real copy still joins its input's class here).
+    """
+    if any(n.writes for n in graph.ops):
+        return frozenset()
+    moves = [n for n in graph.ops if is_pure_move(n) and n.device != n.args[0].device]
+    if not moves:
+        return frozenset()
+
+    def root(n: Node) -> Node:
+        while True:
+            base = alias_base(n)
+            if base is None and is_pure_move(n):
+                base = n.args[0]
+            if base is None:
+                return n
+            n = base
+
+    outputs_of: dict[Node, int] = {}
+    for o in dict.fromkeys(graph.output_nodes):
+        r = root(o)
+        outputs_of[r] = outputs_of.get(r, 0) + 1
+    safe = set()
+    for m in moves:
+        r = root(m)
+        shared = outputs_of.get(r, 0)
+        if shared == 0 or (not r.is_input and shared == 1):
+            safe.add(m)
+    return frozenset(safe)
 
 
 
@@ -315,17 +356,21 @@ def is_pure_move(node: Node) -> bool:
     return out[0].dtype == ins[0].dtype and out[0].stride == ins[0].stride
 
 
-def moved_by_copy(node: Node, device_of: dict[Node, str]) -> bool:
-    """A device move on ``device_of[node]`` whose input sits in another pool: the copy is it."""
+def is_free_move(node: Node, device_of: dict[Node, str],
+                 passthrough: frozenset[Node] = frozenset()) -> bool:
+    """A device move that is no op of its own on ``device_of[node]``: its input sits in another
+    pool, and the copy is it; or in the same pool, and the move is in ``passthrough``
+    (:attr:`GraphIndex.passthrough`): it hands on its input itself."""
     if not is_pure_move(node) or node not in device_of:
         return False
     src = node.args[0]
-    return pool(device_of[src]) != pool(device_of[node])
+    return pool(device_of[src]) != pool(device_of[node]) or node in passthrough
 
 
-def op_time(cost: Any, node: Node, device: str, device_of: dict[Node, str]) -> float:
+def op_time(cost: Any, node: Node, device: str, device_of: dict[Node, str],
+            passthrough: frozenset[Node] = frozenset()) -> float:
     """Seconds ``node`` occupies ``device``'s lane, given where its inputs are placed."""
-    if moved_by_copy(node, device_of):
+    if is_free_move(node, device_of, passthrough):
         return 0.0
     return float(cost.node_time(node, device))
 
@@ -340,10 +385,11 @@ def alias_base(node: Node) -> Node | None:
     return ins[0] if ins else None
 
 
-def owns_storage(node: Node, device_of: dict[Node, str]) -> bool:
-    """Does running ``node`` allocate a storage? Not for views, ``getitem`` and device moves
-    done by their copy: they share another's."""
-    return alias_base(node) is None and not moved_by_copy(node, device_of)
+def owns_storage(node: Node, device_of: dict[Node, str],
+                 passthrough: frozenset[Node] = frozenset()) -> bool:
+    """Does running ``node`` allocate a storage? Not for views, ``getitem`` and free device
+    moves (:func:`is_free_move`): they share another's."""
+    return alias_base(node) is None and not is_free_move(node, device_of, passthrough)
 
 
 def home_device(torch_device: str) -> str:
@@ -353,21 +399,25 @@ def home_device(torch_device: str) -> str:
     return "cuda:0" if torch_device == "cuda" else torch_device
 
 
-def storage_of(value: Node, in_pool: str, device_of: dict[Node, str]) -> StorageKey:
+def storage_of(value: Node, in_pool: str, device_of: dict[Node, str],
+               passthrough: frozenset[Node] = frozenset()) -> StorageKey:
     """Key of the storage that holds ``value`` in ``in_pool`` (see Memory in the docstring).
 
-    ``("local", n)``: op or input ``n``'s own output in the pool it was produced in (views share
-    their base's); ``("copy", v, pool)``: the copy of ``v`` into another pool (a device move
-    done by a copy shares its copy's).
+    ``("local", n)``: op or input ``n``'s own output in the pool it was produced in (views and
+    moves that hand on their input share their base's); ``("copy", v, pool)``: the copy of
+    ``v`` into another pool (a device move done by a copy shares its copy's).
     """
     here = pool(device_of[value]) == in_pool
     if not here:
         return ("copy", value, in_pool)
     base = alias_base(value)
     if base is not None:
-        return storage_of(base, in_pool, device_of)
-    if moved_by_copy(value, device_of):
-        return ("copy", value.args[0], in_pool)
+        return storage_of(base, in_pool, device_of, passthrough)
+    if is_free_move(value, device_of, passthrough):
+        src = value.args[0]
+        if pool(device_of[src]) == in_pool:  # handed on
+            return storage_of(src, in_pool, device_of, passthrough)
+        return ("copy", src, in_pool)
     return ("local", value)
 
 

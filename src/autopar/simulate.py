@@ -42,6 +42,7 @@ from .routing import (
     gc_paused,
     handoff_time,
     home_device,
+    is_pure_move,
     op_time,
     owns_storage,
     pinned_storage,
@@ -131,7 +132,7 @@ class _Sim:
 
     def _run(self, device: str, node: Node) -> None:
         start = self.clock[device]
-        end = start + op_time(self.cost, node, device, self.device_of)
+        end = start + op_time(self.cost, node, device, self.device_of, self.index.passthrough)
         self.spans.append(Span(compute_lane(device), op_name(node.op), start, end, "op", node.id))
         self.clock[device] = end
         self.ready[(node, device)] = end
@@ -180,7 +181,7 @@ def peak_memory(plan: Plan, timeline: Timeline) -> dict[str, int]:
     for x in plan.graph.inputs:
         born[("local", x)] = (pool(dev[x]), 0.0, value_bytes(x))
     for device, step in plan.steps():
-        if isinstance(step, Run) and owns_storage(step.node, dev):
+        if isinstance(step, Run) and owns_storage(step.node, dev, ix.passthrough):
             span = runs[(step.node.id, device)]
             born[("local", step.node)] = (pool(device), span.start, step.node.out_bytes)
         elif isinstance(step, Send):
@@ -190,18 +191,19 @@ def peak_memory(plan: Plan, timeline: Timeline) -> dict[str, int]:
     for device, step in plan.steps():
         if isinstance(step, Run):
             n, end, here = step.node, runs[(step.node.id, device)].end, pool(device)
-            touch(storage_of(n, here, dev), end, device)
+            touch(storage_of(n, here, dev, ix.passthrough), end, device)
             for v in ix.ins[n]:
                 where = here if route(v, dev[v], device, ix) == "copy" else pool(dev[v])
-                touch(storage_of(v, where, dev), end, device)
+                touch(storage_of(v, where, dev, ix.passthrough), end, device)
         elif isinstance(step, Send):
             end = copies[(step.value.id, step.dst)].end
-            touch(storage_of(step.value, pool(step.src), dev), end, step.src)
+            touch(storage_of(step.value, pool(step.src), dev, ix.passthrough), end, step.src)
             touch(("copy", step.value, pool(step.dst)), end, step.dst)
     kept = {("local", x) for x in plan.graph.inputs}
     for o, d in plan.outputs:
         if isinstance(o, Node) and o.tensor_metas and d is not None:
-            kept.add(storage_of(o, pool(home_device(o.device) if o.device else d), dev))
+            kept.add(storage_of(o, pool(home_device(o.device) if o.device else d), dev,
+                                ix.passthrough))
     events: dict[str, list[tuple[float, int]]] = {}
     for key, (where, t, nbytes) in born.items():
         if not nbytes:
@@ -224,6 +226,14 @@ EAGER_OVERLAP_GAIN = 0.05
 the model predicts overlap to save at least this share of the serial time."""
 
 
+def _eager_move(node: Node, placed: dict[Node, str], eager: dict[Node, str],
+                users: list[Node]) -> bool:
+    """A device move left in its input's pool whose every consumer reads its value where eager
+    moved it: eager's move, done by the plan's copy."""
+    return (is_pure_move(node) and pool(placed[node]) == pool(placed[node.args[0]])
+            and bool(users) and all(pool(placed[u]) == pool(eager[node]) for u in users))
+
+
 def runs_as_eager(plan: Any, cost: Any, devices: Sequence[str]) -> bool:
     """Whether a plan (with nothing fused or replayed as a CUDA graph) gains nothing from the
     executor, so that its graph should run as eager's sequence of ops
@@ -233,7 +243,9 @@ def runs_as_eager(plan: Any, cost: Any, devices: Sequence[str]) -> bool:
     more than they save."""
     graph = plan.graph
     eager = place(graph, cost, policy="single", devices=devices).device
-    if any(plan.placement.device[n] != eager[n] for n in graph.ops):
+    placed, users = plan.placement.device, GraphIndex.of(graph).users
+    if any(placed[n] != eager[n] and not _eager_move(n, placed, eager, users[n])
+           for n in graph.ops):
         return False
     timeline = simulate(plan, cost)
     serial = sum(s.duration for s in timeline.spans)

@@ -8,7 +8,9 @@ Policy
 - A *slot* holds one value on one device: ``(node, device)``. A Send fills the destination's slot.
 - Ops with a ``device=`` argument (factories, ``_to_copy``) get the device they were placed on.
 - A ``_to_copy`` that only moves a value to the device it was placed on, whose input arrived
-  there by a Send, is the Send itself: no second copy (as :mod:`autopar.place` assumes).
+  there by a Send, is the Send itself: no second copy (as :mod:`autopar.place` assumes). One
+  placed in its input's pool that may hand the input on (:attr:`GraphIndex.passthrough`) is
+  that input: no copy at all.
 - A :class:`~autopar.runtime.fuse.Fused` step (a region Inductor compiled) is one line that
   calls its kernel on the region's inputs and stores its outputs; a :class:`Call` step (a
   segment replayed as a CUDA graph) is one line that calls its object with ``env`` and ``rt``.
@@ -132,7 +134,7 @@ class _Emitter:
 
 
 def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTable,
-                  source_of: Callable[[Node, str], str], moved_by_send: set[Node],
+                  source_of: Callable[[Node, str], str], free_moves: set[Node],
                   traced: bool = False, eager_devices: bool = False,
                   entry: tuple[list[int], list[tuple[str, Any]]] | None = None,
                   step_devices: list[str] | None = None) -> Program:
@@ -140,9 +142,10 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
 
     ``source_of(value, device)``: the device whose slot a reader on ``device`` takes ``value``
     from (its own, after a copy; the producer's, for values shared without a copy).
-    ``moved_by_send``: pure-move ``_to_copy`` nodes whose work the Send already did (see the
-    module docstring). ``traced``: also time every op (``rt.begin`` / ``rt.end``: host clock on
-    CPU workers, CUDA events on GPUs), for measured Timelines. ``eager_devices``: keep every
+    ``free_moves``: pure-move ``_to_copy`` nodes that are no op of their own: their Send did the
+    work, or they hand on their input (:func:`autopar.routing.is_free_move`). ``traced``: also
+    time every op (``rt.begin`` / ``rt.end``: host clock on CPU workers, CUDA events on GPUs),
+    for measured Timelines. ``eager_devices``: keep every
     op's own ``device=`` argument (the sequential runner: ops run where eager runs them).
     ``entry=(input_slots, outputs)``: a whole call instead, ``program(args) -> outputs``
     (``outputs`` as :class:`~autopar.runtime.executor.Executor` lists them), for a plan of one
@@ -162,9 +165,9 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
         if isinstance(step, Run):
             node = step.node
             out = slots(node, device)
-            if node in moved_by_send:
+            if node in free_moves:
                 em.emit(f"env[{out}] = {em.expr(node.args[0])}  # {op_name(node.op)}: "
-                        "moved by its send", step)
+                        "a free move", step)
                 continue
             kwargs = dict(node.kwargs)
             if "device" in kwargs and not eager_devices:

@@ -48,7 +48,7 @@ import torch
 
 from ..graph import Node, op_name
 from ..plan import Free, Plan, Run, Send, Wait
-from ..routing import GraphIndex, moved_by_copy, pool, route
+from ..routing import GraphIndex, is_free_move, pool, route
 from ..timeline import Span, Timeline
 from .codegen import Call, Program, SlotTable, build_program
 from .cudagraphs import CudaGraphBackend, GraphSegment, capture_segments
@@ -406,7 +406,7 @@ class Executor:
             return reader if route(value, device_of[value], reader, ix) != "event" \
                 else device_of[value]
 
-        moved = {n for n in graph.ops if moved_by_copy(n, device_of)}
+        moved = {n for n in graph.ops if is_free_move(n, device_of, ix.passthrough)}
         fusing = fusion_devices(list(plan.programs), fuse)
         capturing = [] if trace else graph_devices(list(plan.programs), cuda_graphs)
         outputs = set(graph.output_nodes)

@@ -7,7 +7,8 @@ Policy
   ends it. A region is compiled only where that pays: at least ``MIN_FUSED_OPS`` pointwise or
   reduction ops (a lone ``mm`` gains nothing from Inductor).
 - Fusible: an ATen op (or ``getitem`` of one) with tensor outputs that mutates nothing, draws
-  no random numbers (Inductor's RNG is not eager's), is no pure device move done by its copy,
+  no random numbers (Inductor's RNG is not eager's), is no free device move (a copy or a
+  hand-on: :func:`~autopar.routing.is_free_move`),
   reads only values that live in this device's memory pool (a host scalar a GPU kernel takes
   as an argument stays with the plain ops), and neither reads nor makes float16 or bfloat16
   values: Inductor computes those in float32 inside a kernel and rounds where eager's kernels
@@ -50,7 +51,7 @@ import torch.fx
 
 from ..graph import Node, TensorMeta, op_name
 from ..plan import Free, Run, Step
-from ..routing import GraphIndex, kind_of, moved_by_copy, pool
+from ..routing import GraphIndex, is_free_move, kind_of, pool
 
 __all__ = ["MIN_FUSED_OPS", "Fused", "FusedKernel", "cpu_fusion_unavailable", "fuse_program",
            "regions"]
@@ -189,7 +190,7 @@ class Fused:
 
 # -- which ops, which regions ----------------------------------------------------------------
 def fusible(node: Node, device: str, local: Callable[[Node], bool],
-            device_of: dict[Node, str]) -> bool:
+            device_of: dict[Node, str], passthrough: frozenset[Node] = frozenset()) -> bool:
     """May ``node`` (placed on ``device``) be part of a region? See the module docstring."""
     if node.op is operator.getitem:
         return True  # with its tuple's producer only: regions() checks
@@ -197,7 +198,7 @@ def fusible(node: Node, device: str, local: Callable[[Node], bool],
         return False
     if isinstance(node.meta, tuple) and any(m is None for m in node.meta):
         return False
-    if kind_of(node.op) == "random" or moved_by_copy(node, device_of):
+    if kind_of(node.op) == "random" or is_free_move(node, device_of, passthrough):
         return False
     if torch.Tag.nondeterministic_seeded in node.op.tags:
         return False
@@ -319,7 +320,8 @@ def fuse_program(device: str, steps: list[Step], ix: GraphIndex, graph_outputs: 
     Frees inside a region of values it made and keeps to itself go; the other Frees follow
     the Fused step.
     """
-    found = regions(steps, lambda n: fusible(n, device, local, device_of), ix.users,
+    handed = ix.passthrough
+    found = regions(steps, lambda n: fusible(n, device, local, device_of, handed), ix.users,
                     graph_outputs)
     if not found:
         return list(steps)
