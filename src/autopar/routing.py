@@ -321,8 +321,14 @@ def route(value: Node, src: str, dst: str, ix: GraphIndex) -> str:
 def copy_time(cost: Any, nbytes: int, src: str, dst: str) -> float:
     """Seconds a copy made by the executor takes: the link's time, plus, between the host and a
     GPU, the executor's fixed cost of crossing (``crossing_s`` of the profile: pinned staging,
-    the event, the host's wait and a thread wake-up; 0 for cost models without)."""
-    t = float(cost.transfer_time(nbytes, src, dst))
+    the event, the host's wait and a thread wake-up; 0 for cost models without).
+
+    A copy to a GPU is priced at the pageable link's rate: a host value is a user's tensor or
+    an ATen op's output, both in pageable memory, and staging it into pinned memory first
+    costs the host a copy of its own (W3/512^3 on 2xH200: two 1 MB inputs took ~100 us each
+    where the pinned rate says 26). A copy to the host lands in the executor's pinned memory."""
+    pinned = not (pool(src) == "cpu" and pool(dst) != "cpu")
+    t = float(cost.transfer_time(nbytes, src, dst, pinned=pinned))
     if t > 0 and (pool(src) == "cpu") != (pool(dst) == "cpu"):
         t += float(getattr(cost, "crossing_s", 0.0))
     return t
