@@ -264,11 +264,14 @@ def test_a_function_with_nothing_to_gain_runs_as_plain_python_from_its_second_ca
     assert len(compiled.plain_signatures) == 2
 
 
-def test_a_function_whose_constants_capture_folded_never_runs_plain():
-    """Folding computes some ops at capture (``a1 * A + a1 ** 2`` becomes ``A * 10.0 +
-    100.0``): calling the function itself would compute them again on every call. Graph
-    breaks alone don't keep a call from going plain: dynamo runs the function's own Python
-    between graphs; nor does a frame dynamo skips without a graph (below)."""
+def test_graph_breaks_alone_keep_calls_plain_and_folding_times_both_ways(monkeypatch):
+    """Graph breaks alone don't keep a call from going plain: dynamo runs the function's own
+    Python between graphs. Folding computes some ops at capture (``a1 * A + a1 ** 2`` becomes
+    ``A * 10.0 + 100.0``), so the next calls of that signature alternate, timed, between
+    dynamo and the plain call, and the faster way keeps it (the clock is faked here: each
+    compiled call takes 10 s, each plain one 1 s, or the other way round)."""
+    from autopar import api
+
     def broken(x):
         y = (x @ x).relu()
         torch._dynamo.graph_break()
@@ -279,14 +282,45 @@ def test_a_function_whose_constants_capture_folded_never_runs_plain():
         return (x @ x) * a1 + a1 ** 2
 
     x = torch.randn(8, 8)
-    for f, graphs, plain in ((broken, 2, 1), (folds, 1, 0)):
-        compiled = autopar.compile(f, devices="cpu:0")
-        for _ in range(3):
-            torch.testing.assert_close(compiled(x), f(x))
-        runner = compiled.autopar_runner
-        assert runner.graphs == graphs and runner.planned == 0, f.__name__
-        assert runner.folded == (f is folds)
-        assert len(compiled.plain_signatures) == plain, f.__name__
+    compiled = autopar.compile(broken, devices="cpu:0")
+    for _ in range(3):
+        torch.testing.assert_close(compiled(x), broken(x))
+    runner = compiled.autopar_runner
+    assert (runner.graphs, runner.planned, runner.folded) == (2, 0, 0)
+    assert len(compiled.plain_signatures) == 1 and not compiled.timed_signatures
+
+    for plain_faster in (True, False):
+        ticks = iter(range(10**6))
+        steps = {True: 1, False: 10}  # seconds a call takes, by "is it plain"
+        now = [0.0]
+
+        def clock(ticks=ticks, steps=steps, now=now, plain_faster=plain_faster):
+            i = next(ticks)  # even: a call starts; odd: it ends (compiled first, alternating)
+            if i % 2:
+                now[0] += steps[(i // 2 % 2 == 1) == plain_faster]
+            return now[0]
+
+        monkeypatch.setattr(api, "_clock", clock)
+        compiled = autopar.compile(folds, devices="cpu:0")
+        torch.testing.assert_close(compiled(x), folds(x))
+        assert compiled.autopar_runner.folded == 1 and len(compiled.timed_signatures) == 1
+        for _ in range(2 * api.TRIAL_CALLS):
+            torch.testing.assert_close(compiled(x), folds(x))
+        assert not compiled.timed_signatures
+        assert len(compiled.plain_signatures) == (1 if plain_faster else 0)
+        used = next(ticks)
+        torch.testing.assert_close(compiled(x), folds(x))  # settled: no more timing
+        assert next(ticks) == used + 1
+
+
+def test_a_trial_prefers_the_faster_median():
+    from autopar import api
+
+    trial = api._Trial()
+    for t in (5.0, 1.0, 5.0, 1.0, 5.0, 1.0, 5.0, 1.0, 0.1, 9.0):
+        trial.times[len(trial.times[True]) < len(trial.times[False])].append(t)
+    assert trial.verdict() is True  # plain: median 1.0 (one slow outlier); compiled: 5.0
+    assert api._Trial().verdict() is None
 
 
 def test_a_function_another_torch_compile_left_without_a_graph_runs_plain():

@@ -19,9 +19,10 @@ Policy
   switched on around each call), so that they are placed instead of breaking the graph.
 - Nothing to gain, nothing added: while every graph autopar built for a function runs as eager
   does (:func:`~autopar.simulate.runs_as_eager`: eager's placement, nothing to overlap, nothing
-  fused) and capture folded none of its constants, a call whose argument signature was seen
-  before calls the function itself, without dynamo (:func:`_plain_when_nothing_to_gain`);
-  dynamo's own per-call cost is more than a small function's whole eager call on a GPU host.
+  fused), a call whose argument signature was seen before calls the function itself, without
+  dynamo (:func:`_plain_when_nothing_to_gain`): dynamo's own per-call cost is more than a
+  small function's whole eager call on a GPU host. Where capture folded constants, a few calls
+  each way are timed first, and the faster way keeps that signature.
   Modules, traced functions and calls whose tensors autograd records always go through dynamo.
 """
 
@@ -31,6 +32,8 @@ import functools
 import logging
 import os
 import re
+import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -299,21 +302,59 @@ def _key_into(key: list[Any], values: Any, grad: bool) -> bool:
     return True
 
 
+TRIAL_CALLS = 5
+"""Calls of each way a folded function's new signature is timed (see
+:func:`_plain_when_nothing_to_gain`)."""
+
+_clock = time.perf_counter  # the trial's clock (tests replace it)
+
+
+class _Trial:
+    """Times a signature's calls both ways, alternating: through ``compiled`` and plain."""
+
+    def __init__(self) -> None:
+        self.times: dict[bool, list[float]] = {True: [], False: []}
+
+    def run(self, fn: Callable, compiled: Callable, args: Any, kwargs: Any) -> Any:
+        as_plain = len(self.times[True]) < len(self.times[False])
+        start = _clock()
+        out = (fn if as_plain else compiled)(*args, **kwargs)
+        self.times[as_plain].append(_clock() - start)
+        return out
+
+    def verdict(self) -> bool | None:
+        """None while calls remain; then whether the plain call was faster (medians)."""
+        if len(self.times[True]) < TRIAL_CALLS:
+            return None
+        plain, through = (statistics.median(self.times[k]) for k in (True, False))
+        return plain < through
+
+
 def _plain_when_nothing_to_gain(fn: Callable, compiled: Callable, runner: Runner) -> Callable:
     """``compiled``, except that a call whose signature (:func:`_signature`) was seen before
     calls ``fn`` itself while every graph autopar built for the function runs as eager does
-    (:func:`~autopar.simulate.runs_as_eager`, or graphs autopar can't represent) and capture
-    folded none (:mod:`autopar.fold`: folding computes some of the function's ops at capture,
-    which a plain call would do again): running it through dynamo would only add dynamo's own
-    per-call cost (tens of microseconds on a GPU host, more than a small function's whole
-    eager call) to eager's sequence of ops. Graph breaks, and calls dynamo runs without any
-    graph (a frame it skips, e.g. one another ``torch.compile`` of the same function found
-    nothing to capture in), don't matter: dynamo then runs the function's own Python, as a
-    plain call does. Each new signature goes through ``compiled`` once, so a shape that
-    autopar can speed up is placed; the decision is per signature, not per global state the
-    function reads (a closed-over flag that changes the graph is not seen: such a call runs
-    eagerly, correct, unplaced)."""
+    (:func:`~autopar.simulate.runs_as_eager`, or graphs autopar can't represent): running it
+    through dynamo would only add dynamo's own per-call cost (tens of microseconds on a GPU
+    host, more than a small function's whole eager call) to eager's sequence of ops. Graph
+    breaks, and calls dynamo runs without any graph (a frame it skips, e.g. one another
+    ``torch.compile`` of the same function found nothing to capture in), don't matter: dynamo
+    then runs the function's own Python, as a plain call does. Each new signature goes through
+    ``compiled`` once, so a shape that autopar can speed up is placed; the decision is per
+    signature, not per global state the function reads (a closed-over flag that changes the
+    graph is not seen: such a call runs eagerly, correct, unplaced).
+
+    Where capture folded constants (:mod:`autopar.fold`: ``a1 * A + a1 ** 2`` computed as
+    ``A * 10.0 + 100.0``), the compiled call saves the ops folding did and pays dynamo; which
+    wins depends on the host (W2 on 2xH200: 56 us through dynamo, 39 us eager). The next
+    ``2 * TRIAL_CALLS`` calls of that signature alternate between both ways, each timed on the
+    host clock; the faster median keeps that signature from then on. Host time is the measure
+    because both ways queue the same GPU kernels but for the folded scalar ops (a graph that
+    fuses runs on the executor, and no call is plain then), and syncing the GPUs to time them
+    would add syncs the function does not have. Both ways give the same values: folding is bit
+    for bit eager's.
+    """
     plain: set[tuple] = set()
+    trials: dict[tuple, _Trial] = {}
     placed = [False]  # once a graph runs on the executor, no call is plain again: no key needed
 
     @functools.wraps(fn)
@@ -323,13 +364,30 @@ def _plain_when_nothing_to_gain(fn: Callable, compiled: Callable, runner: Runner
         key = _signature(args, kwargs)
         if key is not None and key in plain:
             return fn(*args, **kwargs)
+        trial = trials.get(key) if key is not None else None
+        if trial is not None:
+            out = trial.run(fn, compiled, args, kwargs)
+            won = trial.verdict()
+            if won is not None:
+                del trials[key]
+                log.debug("autopar: %s: plain calls %s for %s", getattr(fn, "__name__", fn),
+                          "faster" if won else "slower", key)
+                if won:
+                    plain.add(key)
+                elif not trials and not plain:
+                    placed[0] = True  # the only signature goes through dynamo: no key needed
+            return out
         out = compiled(*args, **kwargs)
         if runner.planned:
             placed[0] = True
-        elif key is not None and not runner.folded:
-            plain.add(key)
+        elif key is not None:
+            if runner.folded:
+                trials[key] = _Trial()
+            else:
+                plain.add(key)
         return out
 
     call.autopar_runner = runner  # type: ignore[attr-defined]
     call.plain_signatures = plain  # type: ignore[attr-defined]
+    call.timed_signatures = trials  # type: ignore[attr-defined]
     return call

@@ -122,7 +122,8 @@ class ExplainReport:
         if self.runs_as_eager and self.plan.graph.folded:
             console.print("runs as eager does: eager's placement with nothing to overlap (unless "
                           "fused GPU regions pay), on the graph with its constants folded at "
-                          "capture, so autopar.compile keeps running it through dynamo")
+                          "capture, so autopar.compile times a few calls through dynamo and "
+                          "plain, and keeps the faster")
         elif self.runs_as_eager:
             console.print("runs as eager does: eager's placement with nothing to overlap (unless "
                           "fused GPU regions pay), so autopar.compile calls the function itself "
