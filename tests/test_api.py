@@ -264,6 +264,20 @@ def test_a_function_with_nothing_to_gain_runs_as_plain_python_from_its_second_ca
     assert len(compiled.plain_signatures) == 2
 
 
+def trial_clock(plain_s: float, compiled_s: float):
+    """A fake ``api._clock`` for a trial: read twice a call (start, end), compiled call first,
+    then alternating; each call lasts ``plain_s`` or ``compiled_s``. ``.reads`` counts reads."""
+    def clock() -> float:
+        i = clock.reads
+        clock.reads += 1
+        if i % 2:  # the end of call i // 2, plain when that is odd
+            clock.now += plain_s if (i // 2) % 2 else compiled_s
+        return clock.now
+
+    clock.reads, clock.now = 0, 0.0
+    return clock
+
+
 def test_graph_breaks_alone_keep_calls_plain_and_folding_times_both_ways(monkeypatch):
     """Graph breaks alone don't keep a call from going plain: dynamo runs the function's own
     Python between graphs. Folding computes some ops at capture (``a1 * A + a1 ** 2`` becomes
@@ -290,16 +304,8 @@ def test_graph_breaks_alone_keep_calls_plain_and_folding_times_both_ways(monkeyp
     assert len(compiled.plain_signatures) == 1 and not compiled.timed_signatures
 
     for plain_faster in (True, False):
-        ticks = iter(range(10**6))
-        steps = {True: 1, False: 10}  # seconds a call takes, by "is it plain"
-        now = [0.0]
-
-        def clock(ticks=ticks, steps=steps, now=now, plain_faster=plain_faster):
-            i = next(ticks)  # even: a call starts; odd: it ends (compiled first, alternating)
-            if i % 2:
-                now[0] += steps[(i // 2 % 2 == 1) == plain_faster]
-            return now[0]
-
+        clock = trial_clock(plain_s=1.0, compiled_s=10.0) if plain_faster else \
+            trial_clock(plain_s=10.0, compiled_s=1.0)
         monkeypatch.setattr(api, "_clock", clock)
         compiled = autopar.compile(folds, devices="cpu:0")
         torch.testing.assert_close(compiled(x), folds(x))
@@ -308,19 +314,44 @@ def test_graph_breaks_alone_keep_calls_plain_and_folding_times_both_ways(monkeyp
             torch.testing.assert_close(compiled(x), folds(x))
         assert not compiled.timed_signatures
         assert len(compiled.plain_signatures) == (1 if plain_faster else 0)
-        used = next(ticks)
+        used = clock.reads
         torch.testing.assert_close(compiled(x), folds(x))  # settled: no more timing
-        assert next(ticks) == used + 1
+        assert clock.reads == used
+
+
+@pytest.mark.parametrize("side", [64, 1024])
+def test_a_placed_plan_under_a_millisecond_is_timed_against_the_plain_call(monkeypatch, side):
+    """Two branches on two CPU workers (the cpu-only preset splits them): at 64 the plan
+    predicts ~70 us, so 5 calls each way are timed, and here (fake clock) the plain call is
+    faster and keeps the signature; at 1024 (~9 ms) the plan is kept without a trial."""
+    from autopar import api
+    from autopar.machine import preset
+
+    def branches(x, y):
+        return (x @ x).relu(), (y @ y).tanh()
+
+    monkeypatch.setattr(api, "_clock", trial_clock(plain_s=1.0, compiled_s=2.0))
+    x, y = torch.randn(side, side), torch.randn(side, side)
+    compiled = autopar.compile(branches, devices="cpu:0,cpu:1",
+                               machine=preset("cpu-only", cpu_workers=2))
+    want = branches(x, y)
+    for _ in range(1 + 2 * api.TRIAL_CALLS):
+        torch.testing.assert_close(compiled(x, y), want)
+    runner = compiled.autopar_runner
+    assert runner.planned == 1
+    assert (runner.planned_s() < api.TRIAL_MAX_S) == (side == 64)
+    assert not compiled.timed_signatures
+    assert len(compiled.plain_signatures) == (side == 64)
 
 
 def test_a_trial_prefers_the_faster_median():
     from autopar import api
 
     trial = api._Trial()
-    for t in (5.0, 1.0, 5.0, 1.0, 5.0, 1.0, 5.0, 1.0, 0.1, 9.0):
-        trial.times[len(trial.times[True]) < len(trial.times[False])].append(t)
+    assert trial.verdict() is None
+    for t in (5.0, 1.0, 5.0, 1.0, 5.0, 1.0, 5.0, 1.0, 0.1, 9.0):  # compiled first, alternating
+        trial.calls.append((trial._count(True) < trial._count(False), t, []))
     assert trial.verdict() is True  # plain: median 1.0 (one slow outlier); compiled: 5.0
-    assert api._Trial().verdict() is None
 
 
 def test_a_function_another_torch_compile_left_without_a_graph_runs_plain():

@@ -21,8 +21,9 @@ Policy
   does (:func:`~autopar.simulate.runs_as_eager`: eager's placement, nothing to overlap, nothing
   fused), a call whose argument signature was seen before calls the function itself, without
   dynamo (:func:`_plain_when_nothing_to_gain`): dynamo's own per-call cost is more than a
-  small function's whole eager call on a GPU host. Where capture folded constants, a few calls
-  each way are timed first, and the faster way keeps that signature.
+  small function's whole eager call on a GPU host. Where capture folded constants, or a placed
+  plan predicts a call under a millisecond, a few calls each way are timed first, and the
+  faster way keeps that signature.
   Modules, traced functions and calls whose tensors autograd records always go through dynamo.
 """
 
@@ -152,6 +153,11 @@ class Runner:
         self.graphs = 0  # graphs handed to this runner
         self.folded = 0  # ...of them, those capture had already computed part of (autopar.fold)
         self.reads_scalars = False  # whether any of them reads a value to the host (.item())
+
+    def planned_s(self) -> float:
+        """The predicted seconds of one call of every graph the executor runs."""
+        return sum(e.plan.placement.predicted_s for e in self.executors
+                   if e.runs_as == "executor")
 
     @property
     def planned(self) -> int:
@@ -303,31 +309,56 @@ def _key_into(key: list[Any], values: Any, grad: bool) -> bool:
 
 
 TRIAL_CALLS = 5
-"""Calls of each way a folded function's new signature is timed (see
-:func:`_plain_when_nothing_to_gain`)."""
+"""Calls of each way a signature is timed (see :func:`_plain_when_nothing_to_gain`)."""
 
-_clock = time.perf_counter  # the trial's clock (tests replace it)
+TRIAL_MAX_S = 1e-3
+"""Placed graphs are timed against the plain call only when the plan predicts a call under
+this: above it, dynamo's per-call cost is a few percent at most, and a trial's plain calls
+(eager's time) would cost more than they could tell."""
+
+_clock = time.perf_counter  # the trial's host clock (tests replace it)
 
 
 class _Trial:
-    """Times a signature's calls both ways, alternating: through ``compiled`` and plain."""
+    """Times a signature's calls both ways, alternating: through ``compiled`` and plain.
 
-    def __init__(self) -> None:
-        self.times: dict[bool, list[float]] = {True: [], False: []}
+    A call's time is the longer of its host time and, on each GPU in ``gpus``, the time
+    between CUDA events recorded on the current stream before and after it: the GPU work it
+    queued, without syncing anything. A verdict waits for those events to complete."""
+
+    def __init__(self, gpus: Sequence[int] = ()) -> None:
+        self.gpus = tuple(gpus)
+        self.calls: list[tuple[bool, float, list[tuple[Any, Any]]]] = []
+
+    def _count(self, as_plain: bool) -> int:
+        return sum(c[0] == as_plain for c in self.calls)
 
     def run(self, fn: Callable, compiled: Callable, args: Any, kwargs: Any) -> Any:
-        as_plain = len(self.times[True]) < len(self.times[False])
+        as_plain = self._count(True) < self._count(False)
+        marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
+                  torch.cuda.current_stream(i)) for i in self.gpus]
+        for begin, _, stream in marks:
+            begin.record(stream)
         start = _clock()
         out = (fn if as_plain else compiled)(*args, **kwargs)
-        self.times[as_plain].append(_clock() - start)
+        host = _clock() - start
+        for _, end, stream in marks:
+            end.record(stream)
+        self.calls.append((as_plain, host, [(b, e) for b, e, _ in marks]))
         return out
 
     def verdict(self) -> bool | None:
-        """None while calls remain; then whether the plain call was faster (medians)."""
-        if len(self.times[True]) < TRIAL_CALLS:
+        """None while calls remain (or their GPU work is still queued); then whether the
+        plain call was faster (medians)."""
+        if self._count(True) < TRIAL_CALLS:
             return None
-        plain, through = (statistics.median(self.times[k]) for k in (True, False))
-        return plain < through
+        if not all(end.query() for _, _, marks in self.calls for _, end in marks):
+            return None
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for as_plain, host, marks in self.calls:
+            gpu = max((b.elapsed_time(e) / 1e3 for b, e in marks), default=0.0)
+            times[as_plain].append(max(host, gpu))
+        return statistics.median(times[True]) < statistics.median(times[False])
 
 
 def _plain_when_nothing_to_gain(fn: Callable, compiled: Callable, runner: Runner) -> Callable:
@@ -343,18 +374,22 @@ def _plain_when_nothing_to_gain(fn: Callable, compiled: Callable, runner: Runner
     signature, not per global state the function reads (a closed-over flag that changes the
     graph is not seen: such a call runs eagerly, correct, unplaced).
 
-    Where capture folded constants (:mod:`autopar.fold`: ``a1 * A + a1 ** 2`` computed as
-    ``A * 10.0 + 100.0``), the compiled call saves the ops folding did and pays dynamo; which
-    wins depends on the host (W2 on 2xH200: 56 us through dynamo, 39 us eager). The next
-    ``2 * TRIAL_CALLS`` calls of that signature alternate between both ways, each timed on the
-    host clock; the faster median keeps that signature from then on. Host time is the measure
-    because both ways queue the same GPU kernels but for the folded scalar ops (a graph that
-    fuses runs on the executor, and no call is plain then), and syncing the GPUs to time them
-    would add syncs the function does not have. Both ways give the same values: folding is bit
-    for bit eager's.
+    Where the plain call might still win, the next ``2 * TRIAL_CALLS`` calls of a signature
+    alternate between both ways, timed (:class:`_Trial`: host time, and the GPU work each
+    call queued, measured with CUDA events, no sync), and the faster median keeps that
+    signature from then on: where capture folded constants (:mod:`autopar.fold`: ``a1 * A +
+    a1 ** 2`` computed as ``A * 10.0 + 100.0``, which the plain call computes again), and
+    where a placed plan predicts a call under ``TRIAL_MAX_S``, so that dynamo's per-call cost
+    is a large part of it (W2 on 2xH200: 44.5 us through dynamo and a fused kernel, 28.1 us
+    eager; W3/5x10x5 with host data: 20 us on the host through dynamo, 53 us eager). Both ways
+    give eager's values (folding is bit for bit eager's; a placed plan, within the op's
+    tolerance across devices). A cost model that mispredicts this host then costs at most the
+    trial's calls.
     """
     plain: set[tuple] = set()
     trials: dict[tuple, _Trial] = {}
+    gpus = sorted({torch.device(d).index or 0 for d in runner.options.devices
+                   if d.startswith("cuda")})
     placed = [False]  # once a graph runs on the executor, no call is plain again: no key needed
 
     @functools.wraps(fn)
@@ -378,11 +413,11 @@ def _plain_when_nothing_to_gain(fn: Callable, compiled: Callable, runner: Runner
                     placed[0] = True  # the only signature goes through dynamo: no key needed
             return out
         out = compiled(*args, **kwargs)
-        if runner.planned:
+        if runner.planned and (key is None or runner.planned_s() > TRIAL_MAX_S):
             placed[0] = True
         elif key is not None:
-            if runner.folded:
-                trials[key] = _Trial()
+            if runner.folded or runner.planned:
+                trials[key] = _Trial(gpus)
             else:
                 plain.add(key)
         return out
