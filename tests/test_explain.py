@@ -66,7 +66,26 @@ def test_a_tiny_matmul_with_host_inputs_stays_on_the_host():
     assert "calls the function itself" in report.to_text()
 
 
-def test_a_folded_graph_that_runs_as_eager_is_said_to_keep_going_through_dynamo():
+def test_code_that_names_cuda_is_explained_on_any_machine():
+    """``x.to("cuda")``, ``.cuda()`` and ``device="cuda"`` mean cuda:0 when explained (on a
+    CPU-only build there is no current device to ask). W3 written for the GPU with host data:
+    small, the host runs it all (the moves hand x and y on); big, the GPU, as eager."""
+    def via_gpu(x, y):
+        one = torch.ones((), device="cuda")
+        return ((x.to("cuda") @ y.cuda()) * one).cpu()
+
+    small = autopar.explain(via_gpu, torch.rand(5, 10), torch.rand(10, 5), machine="h200x2")
+    assert {n.device for n in small.plan.graph.ops if n.op.__name__ == "_to_copy.default"
+            and n.kwargs["device"].type == "cuda"} == {"cuda:0"}
+    assert {row.device for row in small.rows} == {"cpu:0"} and small.transfers == 0
+    assert small.speedup > 10
+    large = autopar.explain(via_gpu, torch.rand(2048, 2048), torch.rand(2048, 2048),
+                            machine="h200x2")
+    assert {row.device for row in large.rows if row.op == "aten.mm"} == {"cuda:0"}
+    assert large.runs_as_eager
+
+
+def test_a_folded_graph_that_runs_as_eager_is_said_to_be_timed_both_ways():
     def folds(a):
         a1 = torch.tensor(10.0)
         return a * a1 + a1 ** 2

@@ -34,6 +34,7 @@ Policy
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -353,6 +354,31 @@ def autopar_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **o
 
 # -- capture without running: for explain on machines that aren't at hand ----------------------
 
+class _IndexedCuda(torch.overrides.TorchFunctionMode):
+    """Names ``"cuda"`` without an index as ``"cuda:0"`` (eager's current device by default)
+    in every call's arguments, and ``Tensor.cuda()`` as ``.to("cuda:0")``: a build of torch
+    without CUDA can't look up a current device, though fake tensors may live on ``cuda:0``."""
+
+    @staticmethod
+    def _indexed(value: Any) -> Any:
+        if isinstance(value, str) and value == "cuda":
+            return "cuda:0"
+        if isinstance(value, torch.device) and value.type == "cuda" and value.index is None:
+            return torch.device("cuda", 0)
+        return value
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = {k: self._indexed(v) for k, v in (kwargs or {}).items()}
+        args = tuple(self._indexed(a) for a in args)
+        if func is torch.Tensor.cuda:
+            device = args[1] if len(args) > 1 else kwargs.pop("device", None)
+            index = 0 if device is None else torch.device("cuda", device).index \
+                if isinstance(device, int) else torch.device(self._indexed(device)).index
+            return args[0].to(torch.device("cuda", index or 0),
+                              non_blocking=kwargs.get("non_blocking", False))
+        return func(*args, **kwargs)
+
+
 def trace_fake(fn: Callable, args: Sequence[Any], inputs_on: str | None = None,
                name: str | None = None) -> Graph:
     """Capture ``fn(*args)`` as a functional Graph without computing anything.
@@ -360,8 +386,8 @@ def trace_fake(fn: Callable, args: Sequence[Any], inputs_on: str | None = None,
     Tensors among ``args`` (and an ``nn.Module``'s parameters and buffers) are replaced by fake
     tensors of the same shape, dtype and strides; those built on the CPU are taken to live on
     ``inputs_on`` (e.g. ``"cuda:0"``), so code written for a GPU can be explained on a CPU-only
-    machine. In-place updates of inputs appear as ``aten.copy_`` nodes at the end. Forward only:
-    it traces under ``no_grad``.
+    machine (where ``"cuda"`` without an index means ``cuda:0``). In-place updates of inputs
+    appear as ``aten.copy_`` nodes at the end. Forward only: it traces under ``no_grad``.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -395,7 +421,8 @@ def trace_fake(fn: Callable, args: Sequence[Any], inputs_on: str | None = None,
     except TypeError:  # torch without record_stack_traces
         traced = make_fx(torch.func.functionalize(flat), tracing_mode="fake")
     try:
-        with mode, torch.no_grad():  # forward only: autograd can't build on fake GPU tensors
+        indexed = contextlib.nullcontext() if torch.cuda.is_available() else _IndexedCuda()
+        with mode, torch.no_grad(), indexed:  # forward only: no autograd on fake GPU tensors
             gm = traced(*fake_args)
     except Exception as e:  # data-dependent ops, backward(), device code fake tensors can't take
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
