@@ -430,3 +430,48 @@ def test_the_argument_key_tells_apart_what_decides_a_plan():
     assert _signature((x, [w]), {}) is None  # autograd would record it
     with torch.no_grad():
         assert _signature((x, [w]), {}) is not None
+
+
+def test_a_trial_counts_each_gpus_queued_work_and_waits_for_it(monkeypatch):
+    """A call's time is the longer of its host time and the GPU time between the events
+    recorded around it; no verdict while an event has not completed (no sync is made)."""
+    from autopar import api
+
+    class Event:
+        done = False
+
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.at = None
+
+        def record(self, stream) -> None:
+            self.at = stream.now
+
+        def query(self) -> bool:
+            return Event.done
+
+        def elapsed_time(self, end) -> float:  # milliseconds, as torch's
+            assert Event.done
+            return (end.at - self.at) * 1e3
+
+    class Stream:
+        now = 0.0
+
+    stream = Stream()
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda i: stream)
+    monkeypatch.setattr(api, "_clock", trial_clock(plain_s=1.0, compiled_s=2.0))
+
+    def plain(x):  # its host time is 1 s, but it queues 5 s of GPU work
+        stream.now += 5.0
+        return x
+
+    def compiled(x):  # 2 s on the host, 2 s on the GPU
+        stream.now += 2.0
+        return x
+
+    trial = api._Trial(gpus=(0,))
+    for _ in range(2 * api.TRIAL_CALLS):
+        trial.run(plain, compiled, (1,), {})
+    assert trial.verdict() is None  # the GPU work is still queued
+    Event.done = True
+    assert trial.verdict() is False  # plain: max(1, 5) = 5 s a call; compiled: 2 s

@@ -43,6 +43,7 @@ import torch
 
 from .graph import LOCAL_SCALAR_DENSE, Graph
 from .machine import default_cpu_workers
+from .simulate import TRIAL_MAX_S
 
 __all__ = ["Options", "compile", "parse_devices"]
 
@@ -310,11 +311,6 @@ def _key_into(key: list[Any], values: Any, grad: bool) -> bool:
 
 TRIAL_CALLS = 5
 """Calls of each way a signature is timed (see :func:`_plain_when_nothing_to_gain`)."""
-
-TRIAL_MAX_S = 1e-3
-"""Placed graphs are timed against the plain call only when the plan predicts a call under
-this: above it, dynamo's per-call cost is a few percent at most, and a trial's plain calls
-(eager's time) would cost more than they could tell."""
 
 _clock = time.perf_counter  # the trial's host clock (tests replace it)
 

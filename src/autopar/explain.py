@@ -34,7 +34,7 @@ from .graph import Graph, Node, op_name
 from .machine import Machine, load_machine
 from .place import Placement, place
 from .plan import Plan, make_plan
-from .simulate import runs_as_eager, simulate
+from .simulate import TRIAL_MAX_S, runs_as_eager, simulate
 from .timeline import Timeline
 from .units import fmt_seconds
 
@@ -128,6 +128,10 @@ class ExplainReport:
             console.print("runs as eager does: eager's placement with nothing to overlap (unless "
                           "fused GPU regions pay), so autopar.compile calls the function itself "
                           "from the second call with the same argument shapes")
+        elif self.predicted_s < TRIAL_MAX_S:
+            console.print(f"a call is predicted under {fmt_seconds(TRIAL_MAX_S)}, where dynamo's "
+                          "per-call cost matters: autopar.compile times a few calls this way and "
+                          "as the function itself, and keeps the faster")
         path = " -> ".join(self.critical_path[:12])
         more = " ..." if len(self.critical_path) > 12 else ""
         console.print(f"critical path ({len(self.critical_path)} ops): {path}{more}")

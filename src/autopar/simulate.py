@@ -226,6 +226,13 @@ EAGER_OVERLAP_GAIN = 0.05
 the model predicts overlap to save at least this share of the serial time."""
 
 
+TRIAL_MAX_S = 1e-3
+"""A placed plan is timed against calling the function itself (``autopar.compile``) only when
+it predicts a call under this: above it, dynamo's per-call cost (tens of microseconds) is a few
+percent at most, and a trial's plain calls (eager's time) would cost more than they could
+tell."""
+
+
 def _eager_move(node: Node, placed: dict[Node, str], eager: dict[Node, str],
                 users: list[Node]) -> bool:
     """A device move left in its input's pool whose every consumer reads its value where eager
