@@ -149,6 +149,7 @@ def test_tiny_matmul_written_for_the_gpu_runs_on_the_host():
     assert devices_of(p) == {"xg": "cpu:0", "yg": "cpu:0", "mm": "cpu:0", "back": "cpu:0"}
     assert p.copies() == []
     assert p.predicted_s == pytest.approx(1.9 * us)
+    assert p.notes[n["xg"]].startswith("hands %x on, no copy; fastest finish: cpu:0")
     assert simulate(make_plan(p), cost).makespan == pytest.approx(p.predicted_s)
     eager = place(g, cost, "single")
     assert devices_of(eager) == {"xg": "cuda:0", "yg": "cuda:0", "mm": "cuda:0",

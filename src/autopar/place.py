@@ -651,6 +651,9 @@ class _Schedule:
             order.setdefault(self.device[n], []).append(n)
         device = {n: self.device[n] for n in self.graph.nodes}
         notes = {n: self.notes.get(n, "") for n in self.graph.nodes}
+        for n in self.index.passthrough:
+            if pool(device[n]) == pool(device[n.args[0]]):
+                notes[n] = f"hands {n.args[0]!r} on, no copy; {notes[n]}"
         return Placement(self.graph, device, order, policy, notes, self.makespan(),
                          dict(self.slots))
 
