@@ -196,3 +196,31 @@ def test_a_cpu_worker_thread_uses_its_share_of_the_cores(cost):
     assert done.wait(10)
     assert seen == [1]
     assert torch.get_num_threads() == caller
+
+
+def test_moves_left_on_the_host_hand_their_inputs_on_and_results_stay_eagers():
+    """``(x.to("cuda") @ y.to("cuda")).cpu()`` placed on the host (h200x2 preset, 5x5): runs
+    without CUDA, the moves are the values themselves (no copy lines), the result is eager's and
+    a storage of its own, and the inputs are untouched."""
+    aten = torch.ops.aten
+    g = Graph("via_gpu")
+    ins = [g.input(TensorMeta.make((5, 5), device="cpu"), name) for name in "xy"]
+    moved = [g.call(aten._to_copy.default, (v,), {"device": torch.device("cuda:0")},
+                    meta=TensorMeta.make((5, 5), device="cuda:0")) for v in ins]
+    mm = g.call(aten.mm.default, tuple(moved))
+    g.set_outputs([g.call(aten._to_copy.default, (mm,), {"device": torch.device("cpu")},
+                          meta=TensorMeta.make((5, 5), device="cpu"))])
+    cost = CostModel(preset("h200x2"))
+    placement = place(g, cost, devices=["cpu:0", "cuda:0"])
+    assert set(placement.device.values()) == {"cpu:0"}
+    ex = Executor(make_plan(placement, cost))
+    (program,) = ex.programs.values()
+    moves = [line for line in program.source.splitlines() if "aten._to_copy" in line]
+    assert len(moves) == 3 and all(line.split("=")[1].split("#")[0].strip().startswith("env[")
+                                   and "a free move" in line for line in moves)
+    x, y = torch.randn(5, 5), torch.randn(5, 5)
+    keep = (x.clone(), y.clone())
+    (got,) = ex([x, y])
+    torch.testing.assert_close(got, x @ y, rtol=0, atol=0)
+    assert got.data_ptr() not in (x.data_ptr(), y.data_ptr())
+    torch.testing.assert_close((x, y), keep, rtol=0, atol=0)
