@@ -98,6 +98,7 @@ from .routing import (
     copy_lane,
     copy_time,
     delivery_needed,
+    free_move_on,
     gc_paused,
     handoff_time,
     is_free_move,
@@ -488,8 +489,8 @@ class _Schedule:
 
     def _moved(self, node: Node, device: str) -> bool:
         """Would ``node`` on ``device`` be a free device move (:func:`is_free_move`)?"""
-        return node in self.moves and (pool(self.device[node.args[0]]) != pool(device)
-                                       or node in self.index.passthrough)
+        return node in self.moves and free_move_on(node, device, self.device,
+                                                   self.index.passthrough)
 
     # -- trying a device --------------------------------------------------------------------
     def _plan_copy(self, value: Node, src: str, dst: str, ready: float, copies: list[_Copy],

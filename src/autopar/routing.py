@@ -367,10 +367,16 @@ def is_free_move(node: Node, device_of: dict[Node, str],
     """A device move that is no op of its own on ``device_of[node]``: its input sits in another
     pool, and the copy is it; or in the same pool, and the move is in ``passthrough``
     (:attr:`GraphIndex.passthrough`): it hands on its input itself."""
-    if not is_pure_move(node) or node not in device_of:
+    return node in device_of and free_move_on(node, device_of[node], device_of, passthrough)
+
+
+def free_move_on(node: Node, device: str, device_of: dict[Node, str],
+                 passthrough: frozenset[Node] = frozenset()) -> bool:
+    """Would ``node``, placed on ``device``, be a free device move (:func:`is_free_move`)?
+    Its input must be placed already."""
+    if not is_pure_move(node):
         return False
-    src = node.args[0]
-    return pool(device_of[src]) != pool(device_of[node]) or node in passthrough
+    return pool(device_of[node.args[0]]) != pool(device) or node in passthrough
 
 
 def op_time(cost: Any, node: Node, device: str, device_of: dict[Node, str],

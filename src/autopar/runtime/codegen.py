@@ -145,8 +145,8 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
     ``free_moves``: pure-move ``_to_copy`` nodes that are no op of their own: their Send did the
     work, or they hand on their input (:func:`autopar.routing.is_free_move`). ``traced``: also
     time every op (``rt.begin`` / ``rt.end``: host clock on CPU workers, CUDA events on GPUs),
-    for measured Timelines. ``eager_devices``: keep every
-    op's own ``device=`` argument (the sequential runner: ops run where eager runs them).
+    for measured Timelines. ``eager_devices``: keep every op's own ``device=`` argument (the
+    sequential runner: ops run where eager runs them).
     ``entry=(input_slots, outputs)``: a whole call instead, ``program(args) -> outputs``
     (``outputs`` as :class:`~autopar.runtime.executor.Executor` lists them), for a plan of one
     program with nothing to order. ``step_devices``: the device of each step, when the
