@@ -85,6 +85,15 @@ def test_code_that_names_cuda_is_explained_on_any_machine():
     assert {row.device for row in large.rows if row.op == "aten.mm"} == {"cuda:0"}
     assert large.runs_as_eager
 
+    def every_spelling(x):  # an explicit index stays as written
+        return (x.cuda(0) + x.cuda(device="cuda") + x.to(torch.device("cuda", 0))
+                + x.to(torch.device("cuda", index=0)) + x.cuda(torch.device("cuda")))
+
+    from autopar.capture import trace_fake
+
+    g = trace_fake(every_spelling, [torch.rand(3)])
+    assert {n.device for n in g.ops} == {"cuda:0"}
+
 
 def test_a_folded_graph_that_runs_as_eager_is_said_to_be_timed_both_ways():
     def folds(a):

@@ -368,13 +368,15 @@ class _IndexedCuda(torch.overrides.TorchFunctionMode):
         return value
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = {k: self._indexed(v) for k, v in (kwargs or {}).items()}
+        kwargs = kwargs or {}
+        if func is torch.device and (len(args) > 1 or "index" in kwargs):
+            return func(*args, **kwargs)  # torch.device("cuda", 1): the index is given
+        kwargs = {k: self._indexed(v) for k, v in kwargs.items()}
         args = tuple(self._indexed(a) for a in args)
-        if func is torch.Tensor.cuda:
-            device = args[1] if len(args) > 1 else kwargs.pop("device", None)
-            index = 0 if device is None else torch.device("cuda", device).index \
-                if isinstance(device, int) else torch.device(self._indexed(device)).index
-            return args[0].to(torch.device("cuda", index or 0),
+        if func is torch.Tensor.cuda:  # its device, if any, is already indexed above
+            device = args[1] if len(args) > 1 else kwargs.get("device")
+            index = device if isinstance(device, int) else torch.device(device or "cuda:0").index
+            return args[0].to(torch.device("cuda", index),
                               non_blocking=kwargs.get("non_blocking", False))
         return func(*args, **kwargs)
 
