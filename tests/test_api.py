@@ -475,3 +475,45 @@ def test_a_trial_counts_each_gpus_queued_work_and_waits_for_it(monkeypatch):
     assert trial.verdict() is None  # the GPU work is still queued
     Event.done = True
     assert trial.verdict() is False  # plain: max(1, 5) = 5 s a call; compiled: 2 s
+
+
+def test_a_trial_waits_for_a_gpu_one_call_behind_without_timing_more_calls(monkeypatch):
+    """A GPU runs behind the host: the events of a call complete only once the next call has
+    recorded its own. The trial times ``2 * TRIAL_CALLS`` calls, then runs ``compiled``
+    untimed until those calls' events complete, and gives its verdict then (timing every call
+    while waiting would record new pending events each call: no verdict, ever)."""
+    from autopar import api
+
+    class Event:
+        recorded = 0
+
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.index = None
+
+        def record(self, stream) -> None:
+            self.index = Event.recorded
+            Event.recorded += 1
+
+        def query(self) -> bool:  # complete once two more events were recorded after it
+            return Event.recorded > self.index + 2
+
+        def elapsed_time(self, end) -> float:
+            return 0.0
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda i: None)
+    monkeypatch.setattr(api, "_clock", trial_clock(plain_s=1.0, compiled_s=2.0))
+    ran = []
+    trial = api._Trial(gpus=(0,))
+    verdict = None
+    for _ in range(4 * api.TRIAL_CALLS):
+        trial.run(lambda: ran.append("plain"), lambda: ran.append("compiled"), (), {})
+        verdict = trial.verdict()
+        if verdict is not None:
+            break
+        if Event.recorded == 4 * api.TRIAL_CALLS:  # the GPU catches up once the host waits
+            Event.recorded += 2
+    assert verdict is True  # plain 1 s a call, compiled 2 s
+    assert len(trial.calls) == 2 * api.TRIAL_CALLS
+    assert ran[2 * api.TRIAL_CALLS:] == ["compiled"] * (len(ran) - 2 * api.TRIAL_CALLS)
+    assert len(ran) > 2 * api.TRIAL_CALLS  # the verdict did wait for the last events

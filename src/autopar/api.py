@@ -320,7 +320,10 @@ class _Trial:
 
     A call's time is the longer of its host time and, on each GPU in ``gpus``, the time
     between CUDA events recorded on the current stream before and after it: the GPU work it
-    queued, without syncing anything. A verdict waits for those events to complete."""
+    queued, without syncing anything. A verdict waits for those events to complete; calls
+    made meanwhile go through ``compiled``, untimed, so that the events waited for are a
+    fixed set (a timed call records new ones, which the GPU has not reached when the verdict
+    is asked for right after it)."""
 
     def __init__(self, gpus: Sequence[int] = ()) -> None:
         self.gpus = tuple(gpus)
@@ -330,6 +333,8 @@ class _Trial:
         return sum(c[0] == as_plain for c in self.calls)
 
     def run(self, fn: Callable, compiled: Callable, args: Any, kwargs: Any) -> Any:
+        if self._count(True) >= TRIAL_CALLS:  # every call timed: waiting for their GPU work
+            return compiled(*args, **kwargs)
         as_plain = self._count(True) < self._count(False)
         marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
                   torch.cuda.current_stream(i)) for i in self.gpus]
@@ -348,7 +353,7 @@ class _Trial:
         plain call was faster (medians)."""
         if self._count(True) < TRIAL_CALLS:
             return None
-        if not all(end.query() for _, _, marks in self.calls for _, end in marks):
+        if not all(end.query() for _, _, marks in reversed(self.calls) for _, end in marks):
             return None
         times: dict[bool, list[float]] = {True: [], False: []}
         for as_plain, host, marks in self.calls:
