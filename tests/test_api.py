@@ -278,6 +278,36 @@ def trial_clock(plain_s: float, compiled_s: float):
     return clock
 
 
+def test_the_very_tensors_of_the_latest_plain_call_skip_the_key(monkeypatch):
+    """A plain call with the same tensor objects as the one before it doesn't build its key;
+    once one of them is gone, or the grad mode differs, the key decides again (a new tensor
+    may reuse a dead one's id: it must be keyed, and a new shape goes through dynamo)."""
+    import gc
+
+    from autopar import api
+
+    keyed = []
+    signature = api._signature
+    monkeypatch.setattr(api, "_signature", lambda *a: keyed.append(1) or signature(*a))
+    compiled = autopar.compile(lambda x, y: x @ y, devices="cpu:0")
+    x, y = torch.randn(5, 10), torch.randn(10, 5)
+    for _ in range(4):
+        torch.testing.assert_close(compiled(x, y), x @ y)
+    assert len(keyed) == 2  # dynamo's call and the first plain one; then the same tensors
+    with torch.no_grad():
+        compiled(x, y)
+    assert len(keyed) == 3
+    del x, y
+    gc.collect()
+    for n in (5, 6):
+        a, b = torch.randn(n, 10), torch.randn(10, n)
+        torch.testing.assert_close(compiled(a, b), a @ b)
+        del a, b
+        gc.collect()
+    assert len(keyed) == 5
+    assert len(compiled.plain_signatures) == 3  # (5, grad), (5, no grad), and (6, grad)
+
+
 def test_graph_breaks_alone_keep_calls_plain_and_folding_times_both_ways(monkeypatch):
     """Graph breaks alone don't keep a call from going plain: dynamo runs the function's own
     Python between graphs. Folding computes some ops at capture (``a1 * A + a1 ** 2`` becomes
