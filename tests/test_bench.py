@@ -119,6 +119,26 @@ def test_failing_variants_become_cells_and_the_suite_goes_on(monkeypatch):
     assert rows[0].cells["eager"].devices == "cpu"
 
 
+def _two_chains_inputs(devices, size):
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.rand(384, 384, generator=g) / 384 for _ in range(2))
+
+
+def _two_chains(a, b):
+    for _ in range(3):
+        a, b = a @ a, b @ b
+    return a, b
+
+
+def test_the_autopar_cell_says_where_autopar_ran():
+    """``plain`` where calls ran as the function itself; else the devices its plans used."""
+    (row,) = run_suite([_fake()], ("eager", "autopar"), "cpu:0", "small", **TIMING)
+    assert row.cells["autopar"].devices == "plain"
+    chains = Workload("chains", "two chains", "test", _two_chains_inputs, _two_chains)
+    (row,) = run_suite([chains], ("autopar",), "cpu:0,cpu:1", "small", **TIMING)
+    assert row.cells["autopar"].devices == "cpu:0,cpu:1"
+
+
 def test_a_failing_eager_fails_the_whole_row():
     broken = Workload("broken", "?", "test", _inputs, lambda x: x.reshape(3))
     (row,) = run_suite([broken], ("eager", "hand"), "cpu:0", "small", **TIMING)

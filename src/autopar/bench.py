@@ -304,7 +304,7 @@ class Report:
         return next((r.simulated.machine for r in self.rows if r.simulated), None)
 
     def headers(self) -> list[str]:
-        cols = ["workload", *self.variants, "devices"]
+        cols = ["workload", *self.variants, "autopar ran on"]
         sim = self._sim_machine()
         if sim:
             cols.append(f"{sim} (simulated): eager → autopar")
@@ -526,6 +526,23 @@ def _devices_of(values: Any) -> str:
     return ",".join(sorted(found))
 
 
+def _used_by_autopar(fn: Callable[..., Any], args: tuple, ctx: Context) -> str:
+    """Where autopar's calls ran: ``plain`` where calls with these arguments ran as the
+    function itself, else the devices its placed plans put ops on (eager's devices where every
+    graph ran as eager's sequence); for what keeps no such record (``data_parallel``), the
+    devices it was given."""
+    runner = getattr(fn, "autopar_runner", None)
+    if runner is None:
+        return ",".join(ctx.devices)
+    from .api import _signature
+
+    if _signature(args, {}) in getattr(fn, "plain_signatures", ()):
+        return "plain"
+    used = {d for e in runner.executors if e.runs_as == "executor"
+            for d, ops in e.plan.placement.order.items() if ops}
+    return ",".join(sorted(used)) if used else "eager's"
+
+
 def prepare_variant(w: Workload, variant: str, ctx: Context, ref: Any) -> Prepared | Cell:
     """The variant's callable and inputs, checked against ``ref``; or a Cell saying why not.
     Never raises."""
@@ -572,7 +589,8 @@ def run_workload(w: Workload, ctx: Context, variants: Sequence[str],
         if isinstance(stats, Exception):
             done[v] = Cell(error=_short(stats))
         else:
-            used = ",".join(ctx.devices) if v == "autopar" else _devices_of(prepared[v][1])
+            used = _used_by_autopar(*prepared[v], ctx) if v == "autopar" else \
+                _devices_of(prepared[v][1])
             done[v] = Cell.timed(stats, used)
     row.cells = {v: done[v] for v in variants}
     prepared.clear()
