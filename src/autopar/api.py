@@ -310,8 +310,9 @@ def _key_into(key: list[Any], values: Any, grad: bool) -> bool:
     return True
 
 
-TRIAL_CALLS = 5
-"""Calls of each way a signature is timed (see :func:`_plain_when_nothing_to_gain`)."""
+TRIAL_CALLS = 6
+"""Calls of each way a signature is timed (see :func:`_plain_when_nothing_to_gain`); the first
+of each way warms up and is not counted."""
 
 _clock = time.perf_counter  # the trial's host clock (tests replace it)
 
@@ -319,6 +320,8 @@ _clock = time.perf_counter  # the trial's host clock (tests replace it)
 class _Trial:
     """Times a signature's calls both ways, alternating: through ``compiled`` and plain.
 
+    The first call each way warms up and is not counted (caches, kernels loaded on first use:
+    on 2xH200, W2's first plain call took 42 ms, the next ones 40-100 us).
     A call's time is the longer of its host time and, on each GPU in ``gpus``, the time
     between CUDA events recorded on the current stream before and after it: the GPU work it
     queued, without syncing anything. A verdict waits for those events to complete; calls
@@ -357,7 +360,7 @@ class _Trial:
         if not all(end.query() for _, _, marks in reversed(self.calls) for _, end in marks):
             return None
         times: dict[bool, list[float]] = {True: [], False: []}
-        for as_plain, host, marks in self.calls:
+        for as_plain, host, marks in self.calls[2:]:  # the first call of each way warms up
             gpu = max((b.elapsed_time(e) / 1e3 for b, e in marks), default=0.0)
             times[as_plain].append(max(host, gpu))
         return statistics.median(times[True]) < statistics.median(times[False])
