@@ -139,6 +139,30 @@ def test_the_autopar_cell_says_where_autopar_ran():
     assert row.cells["autopar"].devices == "cpu:0,cpu:1"
 
 
+def _folds(x):
+    a1 = torch.tensor(10.0)
+    return (x @ x) * a1 + a1 ** 2
+
+
+def _square_inputs(devices, size):
+    return (torch.arange(64.0).reshape(8, 8) / 64,)
+
+
+def test_autopar_is_timed_once_its_trials_are_over():
+    """A folded function's calls are timed both ways for a while (autopar's trial); the
+    harness calls it until that is decided, before its samples."""
+    import autopar
+
+    w = Workload("folds", "folded constant", "test", _square_inputs, _folds)
+    (x,) = _square_inputs(("cpu:0",), "small")
+    fresh = autopar.compile(_folds, devices="cpu:0")
+    fresh(x)
+    assert fresh.timed_signatures  # a trial starts at the first call
+    fn, args = bench.prepare_variant(w, "autopar", bench.Context(("cpu:0",), "small"),
+                                     _folds(x))
+    assert not fn.timed_signatures
+
+
 def test_a_failing_eager_fails_the_whole_row():
     broken = Workload("broken", "?", "test", _inputs, lambda x: x.reshape(3))
     (row,) = run_suite([broken], ("eager", "hand"), "cpu:0", "small", **TIMING)

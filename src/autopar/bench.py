@@ -554,11 +554,26 @@ def prepare_variant(w: Workload, variant: str, ctx: Context, ref: Any) -> Prepar
         return Cell(error=_short(e))
     try:
         w.check(_call(fn, args, w.calls), ref)
+        _settle(fn, args, w.calls)
     except AssertionError as e:
         return Cell(error="wrong result: " + _short(e).split(": ", 1)[-1])
     except Exception as e:
         return Cell(error=_short(e))
     return fn, args
+
+
+SETTLE_CALLS = 64
+
+
+def _settle(fn: Callable[..., Any], args: tuple, calls: int) -> None:
+    """Call an ``autopar.compile`` function until it has decided each signature's way (its
+    timed trials are over; at most ``SETTLE_CALLS`` calls), as compiling is done before timing
+    for ``torch.compile``: samples then time the way it keeps, and the calls per sample are
+    chosen from a call of that way, not from a trial's slower one."""
+    for _ in range(SETTLE_CALLS):
+        if not getattr(fn, "timed_signatures", None):
+            return
+        _call(fn, args, calls)
 
 
 def run_workload(w: Workload, ctx: Context, variants: Sequence[str],
