@@ -158,8 +158,8 @@ def test_autopar_is_timed_once_its_trials_are_over():
     fresh = autopar.compile(_folds, devices="cpu:0")
     fresh(x)
     assert fresh.timed_signatures  # a trial starts at the first call
-    fn, args = bench.prepare_variant(w, "autopar", bench.Context(("cpu:0",), "small"),
-                                     _folds(x))
+    fn, _ = bench.prepare_variant(w, "autopar", bench.Context(("cpu:0",), "small"),
+                                  _folds(x))
     assert not fn.timed_signatures
 
 
