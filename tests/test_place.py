@@ -105,7 +105,7 @@ def test_tiny_matmul_with_host_inputs_stays_on_host():
 def test_big_matmul_with_host_inputs_goes_to_gpu():
     """2048^3: the GPU wins even after copying 2 x 16.8 MB in and 16.8 MB back.
 
-        x@cpu  y@cpu        cuda:0/h2d: x [0, 1.69] y [1.69, 3.37] (ms)
+        x@cpu  y@cpu        cpu/h2d:    x [0, 1.69] y [1.69, 3.37] (ms)
            \\   /            cuda:0: mm [3.37, 3.72]
             mm              cuda:0/d2h: mm -> cpu:0 [3.72, 5.41]   vs 8.2 ms on the host
     """
@@ -566,3 +566,72 @@ def test_copies_between_host_and_gpu_pay_the_executor_crossing(h200x2):
     assert copy_time(h200x2, 4, "cuda:0", "cuda:1") == h200x2.transfer_time(4, "cuda:0", "cuda:1")
     assert copy_time(h200x2, 4, "cpu:0", "cpu:1") == 0.0
     assert copy_time(FakeCost(machine()), 4_000, "cpu:0", "cuda:0") == pytest.approx(4e-6)
+
+
+def preprocess_then_gpu() -> tuple[Graph, FakeCost]:
+    """cpu_preprocess's trap: a 12 MB input on the host, converted to a 4x larger value, which
+    three more ops read one after the other before a move to the GPU and a matmul there.
+
+        raw@cpu (12 MB) -> f = float(raw) (48 MB) -> a -> b -> xg = b.to("cuda") -> out
+        f: 1.00 ms on the host, 0.05 ms on the GPU after raw's 1.2 ms copy (10 GB/s)
+        a, b: 2 ms each on the host, 0.03 ms on the GPU; out: 0.1 ms on the GPU only
+    """
+    g = Graph("preprocess")
+    raw = g.input(tensor((12_000_000,), "cpu", torch.uint8), name="raw")
+    f = g.call(TO_COPY, (raw,), {"dtype": torch.float32}, meta=tensor((12_000_000,), "cpu"),
+               name="f")
+    a = g.call(RELU, (f,), meta=tensor((12_000_000,), "cpu"), name="a")
+    b = g.call(RELU, (a,), meta=tensor((12_000_000,), "cpu"), name="b")
+    xg = g.call(TO_COPY, (b,), {"device": torch.device("cuda:0")},
+                meta=tensor((12_000_000,), "cuda:0"), name="xg")
+    out = g.call(RELU, (xg,), meta=tensor((12_000_000,), "cuda:0"), name="out")
+    g.set_outputs([out])
+    times = {("f", "cpu"): 1.0 * ms, ("f", "cuda"): 0.05 * ms, ("out", "cuda"): 0.1 * ms}
+    for name in "ab":
+        times[(name, "cpu")], times[(name, "cuda")] = 2 * ms, 0.03 * ms
+    return g, FakeCost(machine(cpus=1, gpus=1), times, bandwidth=10e9,
+                       only={"out": ["cuda:0"]})
+
+
+def test_the_lookahead_sees_what_a_greedy_choice_commits_the_rest_to():
+    """Greedy HEFT keeps ``f`` on the host (1.0 ms against 1.25 ms), then a and b follow it (a
+    48 MB copy costs more than their 2 ms) and xg copies 48 MB: 9.9 ms. Choosing by finish
+    plus what the consumers still take moves raw (12 MB) to the GPU first: 1.41 ms."""
+    from autopar import place as place_module
+
+    g, cost = preprocess_then_gpu()
+    index = GraphIndex.of(g)
+    limits = {"cpu": None, "cuda:0": None}
+    greedy = place_module._run(g, cost, "heft", ["cpu:0", "cuda:0"], limits, index)
+    assert {n.name: d for n, d in greedy.device.items() if not n.is_input}["f"] == "cpu:0"
+    assert greedy.makespan() == pytest.approx(1.0 * ms + 4 * ms + 4.8 * ms + 0.1 * ms)
+    p = place(g, cost)
+    assert devices_of(p) == {"f": "cuda:0", "a": "cuda:0", "b": "cuda:0", "xg": "cuda:0",
+                             "out": "cuda:0"}
+    assert p.predicted_s == pytest.approx(1.2 * ms + 0.05 * ms + 0.06 * ms + 0.1 * ms)
+    n = by_name(g)
+    assert p.notes[n["f"]].startswith("fastest finish with what follows: cuda:0")
+    assert simulate(make_plan(p), cost).makespan == pytest.approx(p.predicted_s)
+
+
+def test_copies_from_the_host_to_two_gpus_take_turns():
+    """The thread that issues a copy of pageable host memory stages it itself: a copy of x to
+    cuda:0 and one of y to cuda:1 (1 ms each) run one after the other, not at once.
+
+        x@cpu -> a (cuda:0 only)      cpu/h2d: x -> cuda:0 [0, 1], y -> cuda:1 [1, 2]
+        y@cpu -> b (cuda:1 only)      a [1, 2] on cuda:0, b [2, 3] on cuda:1
+    """
+    g = Graph("two_gpus_from_the_host")
+    x = g.input(tensor((500, 500), "cpu"), name="x")  # 1 MB each: 1 ms at 1 GB/s
+    y = g.input(tensor((500, 500), "cpu"), name="y")
+    g.set_outputs([g.call(MM, (x, x), name="a"), g.call(MM, (y, y), name="b")])
+    cost = FakeCost(machine(cpus=1, gpus=2), default=1 * ms, bandwidth=1e9,
+                    only={"a": ["cuda:0"], "b": ["cuda:1"]})
+    p = place(g, cost, devices=["cuda:0", "cuda:1"])
+    n = by_name(g)
+    copies = sorted((p.slots[k].start, p.slots[k].end) for k in p.copies()
+                    if k[0].name in "xy")
+    assert copies == [pytest.approx((0.0, 1 * ms)), pytest.approx((1 * ms, 2 * ms))]
+    assert sorted([p.slots[n["a"]].end, p.slots[n["b"]].end]) == [pytest.approx(2 * ms),
+                                                                  pytest.approx(3 * ms)]
+    assert simulate(make_plan(p), cost).makespan == pytest.approx(p.predicted_s)

@@ -41,7 +41,16 @@ from typing import Any
 
 from .graph import Graph, Node, op_name
 from .place import Placement, Slot, merged_order, retime
-from .routing import GraphIndex, copy_stream, delivery_needed, gc_paused, home_device, pool, route
+from .routing import (
+    GraphIndex,
+    copy_lane,
+    copy_stream,
+    delivery_needed,
+    gc_paused,
+    home_device,
+    pool,
+    route,
+)
 
 __all__ = ["Free", "Plan", "Record", "Run", "Send", "Step", "Wait", "make_plan"]
 
@@ -72,9 +81,8 @@ class Send:
 
     @property
     def lane(self) -> str:
-        """Timeline lane of the copy, e.g. ``"cuda:0/d2h"``."""
-        gpu, stream = copy_stream(self.src, self.dst)
-        return f"{gpu}/{stream}"
+        """Timeline lane of the copy, e.g. ``"cuda:0/d2h"`` (:func:`copy_lane`)."""
+        return copy_lane(self.src, self.dst)
 
     def __str__(self) -> str:
         return f"send   {self.value!r} -> {self.dst} on {self.lane}  (e{self.event})"

@@ -1,8 +1,10 @@
 """Routing: the vocabulary place, plan, simulate and the runtime share about where values live.
 
 - Memory pools: ``"cpu"`` for every CPU worker (shared host memory), else the GPU's name.
-- Lanes: a device's ops run on ``cpu:N`` or ``cuda:N/compute``; copies on ``h2d`` (host to a
-  GPU, the destination's), ``d2h`` (a GPU to the host, the source's) or ``peer`` (the source's).
+- Lanes: a device's ops run on ``cpu:N`` or ``cuda:N/compute``; copies on ``d2h`` (a GPU to
+  the host, the source's), ``peer`` (the source's) or, host to any GPU, the one lane
+  ``cpu/h2d``: a host value is pageable memory, which the thread issuing the copy stages
+  itself, so copies to two GPUs do not overlap (they run on the destination's ``h2d`` stream).
 - Routes: how a consumer on one device gets a value made on another: ``local``, ``event`` (an
   ordering event only: another CPU worker, a value without a tensor, a host 0-dim tensor a GPU
   pointwise kernel takes as a scalar) or ``copy`` (one copy per value and pool).
@@ -89,12 +91,18 @@ def copy_stream(src: str, dst: str) -> tuple[str, str]:
 _COPY_LANES: dict[tuple[str, str], str] = {}
 
 
+HOST_TO_GPU_LANE = "cpu/h2d"
+
+
 def copy_lane(src: str, dst: str) -> str:
-    """Lane of a copy: ``"cuda:0/d2h"`` (see :func:`copy_stream`)."""
+    """Timing lane of a copy: ``"cuda:0/d2h"``, ``"cuda:1/peer"``, or :data:`HOST_TO_GPU_LANE`
+    for every copy from the host (see the module docstring; :func:`copy_stream` says which
+    stream carries it)."""
     lane = _COPY_LANES.get((src, dst))
     if lane is None:
         gpu, stream = copy_stream(src, dst)
-        lane = _COPY_LANES[(src, dst)] = f"{gpu}/{stream}"
+        lane = HOST_TO_GPU_LANE if stream == "h2d" else f"{gpu}/{stream}"
+        _COPY_LANES[(src, dst)] = lane
     return lane
 
 

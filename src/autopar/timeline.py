@@ -2,8 +2,10 @@
 
 A :class:`Timeline` is a flat list of :class:`Span`, each on one *lane*. Lanes are named
 ``"<device>"`` for a CPU worker (``"cpu:0"``) and ``"<device>/<stream>"`` for a GPU stream
-(``"cuda:0/compute"``, ``"cuda:0/d2h"``, ``"cuda:0/h2d"``, ``"cuda:1/peer"``). Times are seconds
-from the start of the run. Views (Chrome trace, Gantt PNG) read Timelines and never change them.
+(``"cuda:0/compute"``, ``"cuda:0/d2h"``, ``"cuda:0/h2d"``, ``"cuda:1/peer"``); a simulated
+timeline puts every copy from the host on ``"cpu/h2d"`` (see :mod:`autopar.routing`). Times
+are seconds from the start of the run. Views (Chrome trace, Gantt PNG) read Timelines and
+never change them.
 """
 
 from __future__ import annotations
