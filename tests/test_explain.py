@@ -78,6 +78,9 @@ def test_code_that_names_cuda_is_explained_on_any_machine():
     assert {n.device for n in small.plan.graph.ops if n.op.__name__ == "_to_copy.default"
             and n.kwargs["device"].type == "cuda"} == {"cuda:0"}
     assert {row.device for row in small.rows} == {"cpu:0"} and small.transfers == 0
+    moves = [row for row in small.rows if row.op == "aten._to_copy"]
+    assert moves and all(row.times["cpu:0"] == 0.0 for row in moves)  # handed on, or copied
+    assert all(row.times["cuda:1"] == 0.0 for row in moves if row.eager_device == "cpu:0")
     assert small.speedup > 10 and not small.runs_as_eager
     assert "times a few calls this way and as the function itself" in small.to_text()
     large = autopar.explain(via_gpu, torch.rand(2048, 2048), torch.rand(2048, 2048),

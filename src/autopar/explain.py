@@ -34,6 +34,7 @@ from .graph import Graph, Node, op_name
 from .machine import Machine, load_machine
 from .place import Placement, place
 from .plan import Plan, make_plan
+from .routing import GraphIndex, free_move_on
 from .simulate import TRIAL_MAX_S, runs_as_eager, simulate
 from .timeline import Timeline
 from .units import fmt_seconds
@@ -213,9 +214,13 @@ def explain_graph(graph: Graph, machine: Machine | str | None = None,
     timeline = simulate(plan, cost)
     eager_timeline = simulate(eager_plan, cost)
     names = [d.name for d in machine.devices]
+    passthrough = GraphIndex.of(graph).passthrough
     rows = []
     for n in graph.ops:
-        times = {d: cost.node_time(n, d) for d in names if cost.can_run(n, d)}
+        # a device move costs its lane nothing where the copy is it, or where it hands its
+        # input on (routing.free_move_on); the copy itself is counted with the transfers
+        times = {d: 0.0 if free_move_on(n, d, placement.device, passthrough)
+                 else cost.node_time(n, d) for d in names if cost.can_run(n, d)}
         rows.append(Row(
             graph=graph.name, node=n.id, name=repr(n), op=op_name(n.op), shapes=_shapes(n),
             device=placement.device[n], eager_device=machine.home(n.device or "cpu").name,
