@@ -1,7 +1,8 @@
 """``autopar demo``: every workload of WORKLOADS.md on this machine, eager against autopar.
 
 Detects the machine (calibrating quickly when it has no profile yet), runs each workload in its
-eager, hand-tuned, ``torch.compile`` and autopar forms, and prints one table. On a host without
+eager, hand-tuned, ``torch.compile`` and autopar forms, and prints one table (its last columns:
+where autopar ran, ``plain`` where calls ran as the function itself). On a host without
 GPUs it runs the small sizes on the CPU workers for real and shows every workload predicted on
 a 2xH200 preset as well, labelled simulated. Writes the report (JSON, markdown) and a timeline
 PNG per workload under ``--out``.
