@@ -405,7 +405,10 @@ def _plain_when_nothing_to_gain(fn: Callable, compiled: Callable, runner: Runner
 
     def remember(args: tuple) -> None:
         if args and all(isinstance(a, torch.Tensor) for a in args):
-            last[:] = [torch.is_grad_enabled(), [weakref.ref(a) for a in args]]
+            try:
+                last[:] = [torch.is_grad_enabled(), [weakref.ref(a) for a in args]]
+            except TypeError:  # a tensor subclass without weak references: key every call
+                last[:] = [None, ()]
 
     gpus = sorted({torch.device(d).index or 0 for d in runner.options.devices
                    if d.startswith("cuda")})
