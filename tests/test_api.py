@@ -308,6 +308,36 @@ def test_the_very_tensors_of_the_latest_plain_call_skip_the_key(monkeypatch):
     assert len(compiled.plain_signatures) == 3  # (5, grad), (5, no grad), and (6, grad)
 
 
+def test_the_same_tensors_in_lists_and_tuples_skip_the_key_too(monkeypatch):
+    """Weights passed as a list or tuple: the same tensors in the same order skip the key; a
+    list changed in place (another tensor, one more) is keyed again."""
+    from autopar import api
+
+    keyed = []
+    signature = api._signature
+    monkeypatch.setattr(api, "_signature", lambda *a: keyed.append(1) or signature(*a))
+
+    def mlp(x, weights):
+        for w in weights:
+            x = (x @ w).relu()
+        return x
+
+    compiled = autopar.compile(mlp, devices="cpu:0")
+    x = torch.randn(4, 8)
+    weights = [torch.randn(8, 8), torch.randn(8, 8)]
+    for _ in range(4):
+        torch.testing.assert_close(compiled(x, weights), mlp(x, weights))
+    assert len(keyed) == 2  # dynamo's call and the first plain one
+    compiled(x, tuple(weights))  # another container, the same tensors in the same order
+    assert len(keyed) == 2
+    weights[1] = torch.randn(8, 8)  # changed in place: keyed, still plain (same signature)
+    torch.testing.assert_close(compiled(x, weights), mlp(x, weights))
+    assert len(keyed) == 3
+    weights.append(torch.randn(8, 8))  # one more weight: a new signature, through dynamo
+    torch.testing.assert_close(compiled(x, weights), mlp(x, weights))
+    assert len(keyed) == 4 and len(compiled.plain_signatures) == 2
+
+
 def test_graph_breaks_alone_keep_calls_plain_and_folding_times_both_ways(monkeypatch):
     """Graph breaks alone don't keep a call from going plain: dynamo runs the function's own
     Python between graphs. Folding computes some ops at capture (``a1 * A + a1 ** 2`` becomes
