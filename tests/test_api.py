@@ -279,9 +279,9 @@ def trial_clock(plain_s: float, compiled_s: float):
 
 
 def test_the_very_tensors_of_the_latest_plain_call_skip_the_key(monkeypatch):
-    """A plain call with the same tensor objects as the one before it doesn't build its key;
-    once one of them is gone, or the grad mode differs, the key decides again (a new tensor
-    may reuse a dead one's id: it must be keyed, and a new shape goes through dynamo)."""
+    """A plain call with the same tensor objects as the one before it, or new tensors of the
+    same shapes, dtypes and devices, doesn't build its key; another grad mode or a new shape
+    does (and a new shape goes through dynamo)."""
     import gc
 
     from autopar import api
@@ -299,18 +299,22 @@ def test_the_very_tensors_of_the_latest_plain_call_skip_the_key(monkeypatch):
     assert len(keyed) == 3
     del x, y
     gc.collect()
-    for n in (5, 6):
+    for n in (5, 5, 6):
         a, b = torch.randn(n, 10), torch.randn(10, n)
         torch.testing.assert_close(compiled(a, b), a @ b)
         del a, b
         gc.collect()
-    assert len(keyed) == 5
+    assert len(keyed) == 4  # new tensors like the remembered ones: no key; a new shape
     assert len(compiled.plain_signatures) == 3  # (5, grad), (5, no grad), and (6, grad)
+    w = torch.randn(6, 10, requires_grad=True)  # autograd would record it: never plain
+    compiled(w, torch.randn(10, 6)).sum().backward()
+    assert len(keyed) == 5 and len(compiled.plain_signatures) == 3
 
 
 def test_the_same_tensors_in_lists_and_tuples_skip_the_key_too(monkeypatch):
-    """Weights passed as a list or tuple: the same tensors in the same order skip the key; a
-    list changed in place (another tensor, one more) is keyed again."""
+    """Weights passed as a list or tuple: the same tensors in the same order skip the key, and
+    so does a list changed in place to another tensor of the same shape; one more weight is
+    keyed (a new signature, through dynamo)."""
     from autopar import api
 
     keyed = []
@@ -330,12 +334,15 @@ def test_the_same_tensors_in_lists_and_tuples_skip_the_key_too(monkeypatch):
     assert len(keyed) == 2  # dynamo's call and the first plain one
     compiled(x, tuple(weights))  # another container, the same tensors in the same order
     assert len(keyed) == 2
-    weights[1] = torch.randn(8, 8)  # changed in place: keyed, still plain (same signature)
+    weights[1] = torch.randn(8, 8)  # changed in place, same metadata: plain, no key
     torch.testing.assert_close(compiled(x, weights), mlp(x, weights))
-    assert len(keyed) == 3
+    assert len(keyed) == 2
     weights.append(torch.randn(8, 8))  # one more weight: a new signature, through dynamo
     torch.testing.assert_close(compiled(x, weights), mlp(x, weights))
-    assert len(keyed) == 4 and len(compiled.plain_signatures) == 2
+    assert len(keyed) == 3 and len(compiled.plain_signatures) == 2
+    weights[0] = torch.randn(8, 4)  # another shape: keyed again
+    compiled(x, weights[:1])
+    assert len(keyed) == 4
 
 
 def test_graph_breaks_alone_keep_calls_plain_and_folding_times_both_ways(monkeypatch):

@@ -321,15 +321,27 @@ def _tensors_in(values: Sequence[Any], out: list[torch.Tensor]) -> bool:
     return True
 
 
-def _same_tensors(values: Sequence[Any], refs: Sequence[Any], i: int) -> int:
-    """Whether ``values`` (lists and tuples walked in order) are the very tensors ``refs[i:]``
-    refer to: the index after the last one, or -1. Allocates nothing."""
+def _meta(t: torch.Tensor) -> tuple:
+    """What :func:`_signature` keys a tensor by."""
+    return (t.shape, t.dtype, t.get_device())
+
+
+def _same_signature(values: Sequence[Any], refs: Sequence[Any], metas: Sequence[tuple],
+                    i: int, grad: bool) -> int:
+    """Whether ``values`` (lists and tuples walked in order) have the signature of the tensors
+    ``refs[i:]`` refer to: each value is that very tensor (compared by identity, allocating
+    nothing) or a tensor with its shape, dtype and device (``metas``) that autograd would not
+    record. The index after the last one, or -1."""
     n = len(refs)
     for v in values:
         if i < n and refs[i]() is v:
             i += 1
+        elif isinstance(v, torch.Tensor):
+            if i >= n or (grad and v.requires_grad) or _meta(v) != metas[i]:
+                return -1
+            i += 1
         elif isinstance(v, list | tuple):
-            i = _same_tensors(v, refs, i)
+            i = _same_signature(v, refs, metas, i, grad)
             if i < 0:
                 return -1
         else:
@@ -424,23 +436,26 @@ def _plain_when_nothing_to_gain(fn: Callable, compiled: Callable, runner: Runner
     without building its key (two_tower passes ten tensors, its key costs 6 us). That
     check allocates nothing: on 2xH200 an allocating one (``tuple(map(id, args))``, 0.22 us
     alone) measured 2.5-4 us a call when run between a GPU workload's launches, the identity
-    loop ~0.3 us. A tensor whose shape was changed in place (``resize_``, ``t_``) since then
-    keeps its signature: such a call stays plain, eager's result, at most a missed placement.
+    loop ~0.3 us. A tensor that is not the same object is compared by what the key holds of
+    it (shape, dtype, device; not one autograd records): a new batch each call with the same
+    weights checks one tensor's metadata, not all of them. A tensor whose shape was changed in
+    place (``resize_``, ``t_``) since then keeps its signature, and lists and tuples are not
+    told apart: such a call stays plain, eager's result, at most a missed placement.
     """
     plain: set[tuple] = set()
     trials: dict[tuple, _Trial] = {}
     # the latest plain call's grad mode, weak references to its tensors (in lists and tuples
-    # too, in order), and whether any argument was a list or tuple
-    last: list[Any] = [None, (), False]
+    # too, in order), whether any argument was a list or tuple, and each tensor's metadata
+    last: list[Any] = [None, (), False, ()]
 
     def remember(args: tuple) -> None:
         flat: list[torch.Tensor] = []
         if args and _tensors_in(args, flat):
             try:
                 last[:] = [torch.is_grad_enabled(), [weakref.ref(a) for a in flat],
-                           len(flat) != len(args)]
+                           len(flat) != len(args), [_meta(a) for a in flat]]
             except TypeError:  # a tensor subclass without weak references: key every call
-                last[:] = [None, (), False]
+                last[:] = [None, (), False, ()]
 
     gpus = sorted({torch.device(d).index or 0 for d in runner.options.devices
                    if d.startswith("cuda")})
@@ -452,10 +467,7 @@ def _plain_when_nothing_to_gain(fn: Callable, compiled: Callable, runner: Runner
             return compiled(*args, **kwargs)
         refs = last[1]
         if refs and not kwargs and last[0] == _grad_enabled():
-            if last[2]:  # lists or tuples of tensors, such as a model's weights
-                if _same_tensors(args, refs, 0) == len(refs):
-                    return fn(*args)
-            elif len(args) == len(refs):
+            if not last[2] and len(args) == len(refs):
                 i = 0  # the very tensors of the latest plain call? (no allocation: see above)
                 for a in args:
                     if refs[i]() is not a:  # a dead reference gives None
@@ -463,6 +475,9 @@ def _plain_when_nothing_to_gain(fn: Callable, compiled: Callable, runner: Runner
                     i += 1  # noqa: SIM113 - enumerate and zip allocate; this path must not
                 else:
                     return fn(*args)
+            # lists or tuples (a model's weights), or new tensors like the old (a new batch)
+            if _same_signature(args, refs, last[3], 0, last[0]) == len(refs):
+                return fn(*args)
         key = _signature(args, kwargs)
         if key is not None and key in plain:
             if not kwargs:
