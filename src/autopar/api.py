@@ -334,7 +334,7 @@ def _same_signature(values: Sequence[Any], refs: Sequence[Any], metas: Sequence[
     record. The index after the last one, or -1."""
     n = len(refs)
     for v in values:
-        if i < n and refs[i]() is v:
+        if i < n and refs[i]() is v:  # a dead reference gives None
             i += 1
         elif isinstance(v, torch.Tensor):
             if i >= n or (grad and v.requires_grad) or _meta(v) != metas[i]:
@@ -376,8 +376,11 @@ class _Trial:
     def _count(self, as_plain: bool) -> int:
         return sum(c[0] == as_plain for c in self.calls)
 
+    def _all_timed(self) -> bool:  # plain calls come second: their count is the last to reach
+        return self._count(True) >= TRIAL_CALLS
+
     def run(self, fn: Callable, compiled: Callable, args: Any, kwargs: Any) -> Any:
-        if self._count(True) >= TRIAL_CALLS:  # every call timed: waiting for their GPU work
+        if self._all_timed():  # waiting for their GPU work
             return compiled(*args, **kwargs)
         as_plain = self._count(True) < self._count(False)
         marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
@@ -395,7 +398,7 @@ class _Trial:
     def verdict(self) -> bool | None:
         """None while calls remain (or their GPU work is still queued); then whether the
         plain call was faster (medians)."""
-        if self._count(True) < TRIAL_CALLS:
+        if not self._all_timed():
             return None
         if not all(end.query() for _, _, marks in reversed(self.calls) for _, end in marks):
             return None
@@ -445,17 +448,14 @@ def _plain_when_nothing_to_gain(fn: Callable, compiled: Callable, runner: Runner
     plain: set[tuple] = set()
     trials: dict[tuple, _Trial] = {}
     # the latest plain call's grad mode, weak references to its tensors (in lists and tuples
-    # too, in order), whether any argument was a list or tuple, and each tensor's metadata
-    last: list[Any] = [None, (), False, ()]
+    # too, in order) and each tensor's metadata
+    last: list[Any] = [None, (), ()]
 
     def remember(args: tuple) -> None:
         flat: list[torch.Tensor] = []
         if args and _tensors_in(args, flat):
-            try:
-                last[:] = [torch.is_grad_enabled(), [weakref.ref(a) for a in flat],
-                           len(flat) != len(args), [_meta(a) for a in flat]]
-            except TypeError:  # a tensor subclass without weak references: key every call
-                last[:] = [None, (), False, ()]
+            last[:] = [torch.is_grad_enabled(), [weakref.ref(a) for a in flat],
+                       [_meta(a) for a in flat]]
 
     gpus = sorted({torch.device(d).index or 0 for d in runner.options.devices
                    if d.startswith("cuda")})
@@ -466,18 +466,9 @@ def _plain_when_nothing_to_gain(fn: Callable, compiled: Callable, runner: Runner
         if placed[0]:
             return compiled(*args, **kwargs)
         refs = last[1]
-        if refs and not kwargs and last[0] == _grad_enabled():
-            if not last[2] and len(args) == len(refs):
-                i = 0  # the very tensors of the latest plain call? (no allocation: see above)
-                for a in args:
-                    if refs[i]() is not a:  # a dead reference gives None
-                        break
-                    i += 1  # noqa: SIM113 - enumerate and zip allocate; this path must not
-                else:
-                    return fn(*args)
-            # lists or tuples (a model's weights), or new tensors like the old (a new batch)
-            if _same_signature(args, refs, last[3], 0, last[0]) == len(refs):
-                return fn(*args)
+        if refs and not kwargs and last[0] == _grad_enabled() and \
+                _same_signature(args, refs, last[2], 0, last[0]) == len(refs):
+            return fn(*args)  # the latest plain call's tensors, or new ones like them
         key = _signature(args, kwargs)
         if key is not None and key in plain:
             if not kwargs:
