@@ -352,7 +352,8 @@ class _Schedule:
 
     def __init__(self, graph: Graph, cost: Any, devices: Sequence[str], insertion: bool,
                  limits: dict[str, int | None], index: GraphIndex | None = None,
-                 pins: Mapping[Node, str] | None = None, free_moves: bool = False) -> None:
+                 pins: Mapping[Node, str] | None = None, free_moves: bool = False,
+                 like: _Schedule | None = None) -> None:
         self.graph = graph
         self.pins: Mapping[Node, str] = pins or {}
         self.cost = cost
@@ -386,10 +387,13 @@ class _Schedule:
         self.class_keys: dict[Node, list[StorageKey]] = {}
         self.seq = 0
         self.turn = 0  # round_robin: the device whose turn is next
-        self._times: dict[tuple[Node, str], float] = {}
-        self._transfers: dict[tuple[int, str, str], float] = {}
-        self._candidates: dict[Node, list[str]] = {}
-        self._prefs: dict[tuple[bool, str | None, str], tuple[int, int, int]] = {}
+        # the cost model's answers, shared with ``like`` (a schedule of the same graph, cost
+        # and devices: another policy's, or the lookahead's) instead of asked again
+        self._times: dict[tuple[Node, str], float] = like._times if like else {}
+        self._transfers: dict[tuple[int, str, str], float] = like._transfers if like else {}
+        self._candidates: dict[Node, list[str]] = like._candidates if like else {}
+        self._prefs: dict[tuple[bool, str | None, str], tuple[int, int, int]] = (
+            like._prefs if like else {})
         self.lookahead: dict[Node, dict[str, float]] | None = None  # see _lookahead
         for x in graph.inputs:
             self._place_input(x)
@@ -926,10 +930,11 @@ def _lookahead(sched: _Schedule) -> dict[Node, dict[str, float]]:
 
 def _run(graph: Graph, cost: Any, policy: str, devices: Sequence[str],
          limits: dict[str, int | None], index: GraphIndex,
-         pins: Mapping[Node, str] | None = None, lookahead: bool = False) -> _Schedule:
+         pins: Mapping[Node, str] | None = None, lookahead: bool = False,
+         like: _Schedule | None = None) -> _Schedule:
     p = _POLICIES[policy]
     free_moves = policy == "heft" and not pins
-    sched = _Schedule(graph, cost, devices, p.insertion, limits, index, pins, free_moves)
+    sched = _Schedule(graph, cost, devices, p.insertion, limits, index, pins, free_moves, like)
     if lookahead:
         sched.lookahead = _lookahead(sched)
     for node in p.order(sched):
@@ -976,7 +981,8 @@ def _place(graph: Graph, cost: Any, policy: str, chosen: list[str],
         return _run(graph, cost, "single", chosen, limits, index, pins).placement("single")
     if len(graph.ops) * len(chosen) ** 2 <= LOOKAHEAD_WORK:
         try:
-            ahead = _run(graph, cost, "heft", chosen, limits, index, pins, lookahead=True)
+            ahead = _run(graph, cost, "heft", chosen, limits, index, pins, lookahead=True,
+                         like=heft)
         except _NoRoom:
             pass
         else:
@@ -984,7 +990,7 @@ def _place(graph: Graph, cost: Any, policy: str, chosen: list[str],
                 heft = ahead
     if heft.makespan() <= _eager_floor(heft):
         return heft.placement("heft")  # eager cannot finish sooner: no need to schedule it
-    eager = _run(graph, cost, "single", chosen, limits, index, pins)
+    eager = _run(graph, cost, "single", chosen, limits, index, pins, like=heft)
     if eager.makespan() < heft.makespan() and eager.allowed(chosen) and eager.fits():
         kept = eager.placement("heft")
         why = (f"eager placement kept: predicted {fmt_seconds(eager.makespan())} vs HEFT's "
