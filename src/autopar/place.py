@@ -883,7 +883,9 @@ devices, 16,000: place 0.13 s on the 2-core VM; 10,000 ops, greedy only: 0.93 s,
 
 def _runs_where(sched: _Schedule, user: Node, value: Node) -> list[str] | None:
     """Where ``user`` of ``value`` may run, as far as the lookahead tells: None for "where
-    ``value`` is" (a view of it, or an op writing it in place), else a list of devices."""
+    ``value`` is" (a view of it, or an op writing it in place), else a list of devices. The
+    constraints of :meth:`_Schedule.forced`, asked before any op is placed (``forced`` reads
+    where a view's base was put, and words its reasons from where inputs are)."""
     if alias_base(user) is value or (user.writes and user.writes[0] is value):
         return None
     if user in sched.index.host and sched.host is not None:
