@@ -1,0 +1,117 @@
+"""The dynamo backend: which graphs dynamo calls without aot_autograd's runtime wrapper, and
+that every graph, wrapped or not, gives eager's values, mutations and aliasing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from autopar.capture import make_backend
+from autopar.runtime import SequentialRunner
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+def _compiled(fn: Callable) -> tuple[Callable, list[bool]]:
+    """``fn`` through autopar's backend (every graph run by a SequentialRunner), and, per
+    graph compiled, whether the backend handed dynamo the bare runner."""
+    backend = make_backend(lambda graph, phase: SequentialRunner(graph))
+    bare: list[bool] = []
+
+    def spy(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        out = backend(gm, example_inputs)
+        bare.append(getattr(out, "autopar_bare", False))
+        return out
+    return torch.compile(fn, backend=spy), bare
+
+
+def _pure(x, y):
+    return (x @ y).relu(), x.sum() * 2
+
+
+def _mutates_input(x, y):
+    x.add_(1)
+    return x @ y
+
+
+def _returns_a_view_of_an_input(x, y):
+    return x.view(-1), x @ y
+
+
+def _returns_an_input(x, y):
+    return y, x @ y
+
+
+def _returns_a_view_of_its_output(x, y):
+    z = x @ y
+    return z, z.view(-1)
+
+
+@pytest.mark.parametrize("fn,bare", [
+    (_pure, True),
+    (_mutates_input, False),
+    (_returns_a_view_of_an_input, False),
+    (_returns_an_input, True),  # dynamo returns the input itself; the graph makes x @ y
+    (_returns_a_view_of_its_output, True),  # aot's inference wrapper leaves such views alone
+])
+def test_only_graphs_with_nothing_for_aot_to_do_skip_its_wrapper(fn, bare):
+    x, y = torch.rand(4, 4), torch.rand(4, 4)
+    xe, ye = x.clone(), y.clone()
+    compiled, seen = _compiled(fn)
+    for _ in range(2):  # the first call compiles, the second runs what dynamo cached
+        out, ref = compiled(x, y), fn(xe, ye)
+        torch.testing.assert_close(out, ref)
+        torch.testing.assert_close(x, xe)  # an input mutated as eager mutates it
+        assert x.shape == xe.shape and x.stride() == xe.stride()
+    assert seen == [bare]
+    shares = [o.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for o in out]
+    shares_ref = [o.untyped_storage().data_ptr() == xe.untyped_storage().data_ptr()
+                  for o in ref]
+    assert shares == shares_ref  # a view of an input stays a view of it
+    if fn is _returns_a_view_of_its_output:
+        assert out[1].untyped_storage().data_ptr() == out[0].untyped_storage().data_ptr()
+
+
+def test_a_bare_graph_runs_without_grad_and_leaves_grad_mode_as_it_was():
+    modes: list[bool] = []
+    fail = [False]
+
+    class Spy(SequentialRunner):
+        def __call__(self, args):
+            modes.append(torch.is_grad_enabled())
+            if fail[0]:
+                raise RuntimeError("boom")
+            return super().__call__(args)
+
+    compiled = torch.compile(lambda x: x * 3, backend=make_backend(lambda g, p: Spy(g)))
+    x = torch.rand(3)
+    out = compiled(x)
+    assert modes == [False] and torch.is_grad_enabled() and not out.requires_grad
+    with torch.no_grad():
+        compiled(x)
+        assert not torch.is_grad_enabled()
+    fail[0] = True
+    with pytest.raises(RuntimeError, match="boom"):
+        compiled(x)
+    assert modes == [False] * 3 and torch.is_grad_enabled()
+
+
+def test_training_and_autocast_keep_aots_wrapper():
+    def f(x, w):
+        return (x @ w).relu().sum()
+
+    compiled, seen = _compiled(f)
+    x, w = torch.rand(4, 4), torch.rand(4, 4, requires_grad=True)
+    compiled(x, w).backward()
+    grad = w.grad.clone()
+    w.grad = None
+    f(x, w).backward()
+    torch.testing.assert_close(grad, w.grad)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        out = compiled(x, w)
+        ref = f(x, w)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref)
+    assert seen == [False, False]  # the training graph, then the autocast inference graph
