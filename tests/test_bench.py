@@ -60,6 +60,20 @@ def test_measure_chooses_inner_calls_for_short_functions():
     assert stats.median == pytest.approx(1e-4)
 
 
+def test_short_samples_are_taken_until_the_minimum_total_time():
+    calls = []
+    clock = FakeClock(0, 1e-4, *[t for i in range(8) for t in (i, i + 0.001)])
+    stats = measure_side_by_side({"f": (lambda: calls.append(1), ())}, warmup=0, repeat=3,
+                                 sync_devices=(), min_sample_s=1e-3, min_total_s=0.008,
+                                 clock=clock)["f"]
+    assert stats.n == 8 and len(calls) == 1 + 8 * 10  # the probe, 8 samples of 10 calls
+    clock = FakeClock(0, 1e-4, *[t for i in range(4) for t in (i, i + 0.001)])
+    capped = measure_side_by_side({"f": (lambda: None, ())}, warmup=0, repeat=3,
+                                  sync_devices=(), min_sample_s=1e-3, min_total_s=0.008,
+                                  budget_s=0.004, clock=clock)["f"]
+    assert capped.n == 4  # the budget still caps it
+
+
 def test_side_by_side_takes_one_sample_of_each_per_round():
     order = []
 

@@ -6,7 +6,10 @@ Policy
   current device only), read with ``perf_counter``: wall time, host overheads and hidden syncs
   included, as a user sees it. ``inner`` is chosen so that a sample lasts at least
   ``min_sample_s``: microsecond workloads are not drowned by the clock and the sync. It reports
-  the median and the 10th and 90th percentiles of the per-call time.
+  the median and the 10th and 90th percentiles of the per-call time. With ``min_total_s``, a
+  variant whose ``repeat`` samples would time less than that takes more (up to
+  ``MAX_SAMPLES``): a median of 5 one-millisecond samples moved by 25% on 2xH200 when one
+  spell of the machine fell on 2 of them, and 50 such samples cost 50 ms.
 - :func:`run_suite` runs each workload's variants in one process, one after the other. Eager's
   output on fresh inputs is the reference; each variant gets its own fresh inputs (same seed),
   is prepared (compiled, or the hand-tuned setup done), called ``workload.calls`` times and
@@ -131,6 +134,7 @@ def in_process_compiles() -> None:
 def measure_side_by_side(prepared: dict[str, Prepared], *, warmup: int = 3, repeat: int = 10,
                          sync_devices: Sequence[int] | None = None, inner: int | None = None,
                          min_sample_s: float = 1e-3, budget_s: float | None = None,
+                         min_total_s: float = 0.0,
                          clock: Callable[[], float] = time.perf_counter
                          ) -> dict[str, Stats | Exception]:
     """Time several callables in interleaved rounds (a sample of each per round), so that a
@@ -148,7 +152,7 @@ def measure_side_by_side(prepared: dict[str, Prepared], *, warmup: int = 3, repe
                 fn(*args)
             sync()
             plans[name] = (inner, repeat) if inner else _plan(
-                fn, args, sync, clock, min_sample_s, repeat, budget_s)
+                fn, args, sync, clock, min_sample_s, repeat, budget_s, min_total_s)
         except Exception as e:
             out[name] = e
     samples: dict[str, list[float]] = {name: [] for name in plans}
@@ -174,17 +178,26 @@ def measure_side_by_side(prepared: dict[str, Prepared], *, warmup: int = 3, repe
 
 def _plan(fn: Callable[..., Any], args: tuple, sync: Callable[[], None],
           clock: Callable[[], float], min_sample_s: float, repeat: int,
-          budget_s: float | None) -> tuple[int, int]:
-    """Calls per sample (a sample lasts at least ``min_sample_s``) and samples (within
+          budget_s: float | None, min_total_s: float = 0.0) -> tuple[int, int]:
+    """Calls per sample (a sample lasts at least ``min_sample_s``) and samples (at least
+    ``repeat``, or enough to time ``min_total_s`` in all, up to ``MAX_SAMPLES``; then within
     ``budget_s``, at least 3), from one timed call."""
     t0 = clock()
     fn(*args)
     sync()
     first = max(clock() - t0, 1e-9)
     calls = 1 if first >= min_sample_s else min(10_000, math.ceil(min_sample_s / first))
+    sample = first * calls
+    repeat = max(repeat, min(MAX_SAMPLES, math.ceil(min_total_s / sample)))
     if budget_s is not None:
-        repeat = max(3, min(repeat, int(budget_s / (first * calls))))
+        repeat = max(3, min(repeat, int(budget_s / sample)))
     return calls, repeat
+
+
+MAX_SAMPLES = 200
+"""The most samples ``min_total_s`` asks for."""
+SUITE_MIN_TOTAL_S = 0.05
+"""The suite's ``min_total_s``: each variant of a workload is timed for at least this long."""
 
 
 # -- results -----------------------------------------------------------------------------------
@@ -634,7 +647,8 @@ def run_suite(workloads: Sequence[Workload], variants: Sequence[str] = tuple(VAR
         torch.backends.cudnn.allow_tf32 = False
     in_process_compiles()
     ctx = Context(parse_devices(devices), size)
-    timing = {"warmup": warmup, "repeat": repeat, "budget_s": budget_s}
+    timing = {"warmup": warmup, "repeat": repeat, "budget_s": budget_s,
+              "min_total_s": SUITE_MIN_TOTAL_S}
     return [run_workload(w, ctx, variants, timing, progress) for w in workloads]
 
 
