@@ -635,3 +635,36 @@ def test_copies_from_the_host_to_two_gpus_take_turns():
     assert sorted([p.slots[n["a"]].end, p.slots[n["b"]].end]) == [pytest.approx(2 * ms),
                                                                   pytest.approx(3 * ms)]
     assert simulate(make_plan(p), cost).makespan == pytest.approx(p.predicted_s)
+
+
+def test_a_view_of_an_input_is_taken_first_so_its_copy_leaves_at_once():
+    """A weight's transpose is ready at time 0; taken in rank order after the 10 ms matmul on
+    its lane, it (and its copy to cuda:1) would start only when that matmul ends.
+
+        x, w1, w2 @cuda:0    a = x @ w1 (10 ms) -> a2 (10 ms) -+
+                             wt = w2.t() (a view, 0 s)           +-> out = a2 + b
+                             b = x @ wt (10 ms) ---------------+
+        1 MB copies take 1 ms: x and wt to cuda:1 [0, 2], b there [2, 12], back [12, 13];
+        a and a2 on cuda:0 [0, 20]; out [20, 21].
+    """
+    g = Graph("transposed_weight")
+    x = g.input(tensor((500, 500), "cuda:0"), name="x")
+    w1 = g.input(tensor((500, 500), "cuda:0"), name="w1")
+    w2 = g.input(tensor((500, 500), "cuda:0"), name="w2")
+    a = g.call(MM, (x, w1), name="a")
+    a2 = g.call(RELU, (a,), name="a2")
+    wt = g.call(torch.ops.aten.t.default, (w2,), name="wt")
+    b = g.call(MM, (x, wt), name="b")
+    g.set_outputs([g.call(torch.ops.aten.add.Tensor, (a2, b), name="out")])
+    cost = FakeCost(machine(cpus=1, gpus=2), {
+        ("a", "cuda"): 10 * ms, ("a2", "cuda"): 10 * ms, ("b", "cuda"): 10 * ms,
+        ("wt", "cuda"): 0.0, ("out", "cuda"): 1 * ms,
+    }, default=1.0, bandwidth=1e9)
+    p = place(g, cost)
+    n = by_name(g)
+    assert devices_of(p) == {"a": "cuda:0", "a2": "cuda:0", "wt": "cuda:0", "b": "cuda:1",
+                             "out": "cuda:0"}
+    assert p.slots[n["wt"]].start == 0.0
+    assert p.slots[(n["wt"], "cuda:1")].start < 2 * ms
+    assert p.predicted_s == pytest.approx(21 * ms)
+    assert simulate(make_plan(p, cost), cost).makespan == pytest.approx(p.predicted_s)
