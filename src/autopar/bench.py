@@ -55,8 +55,8 @@ from .units import fmt_seconds
 from .workloads import SIZES, WORKLOADS, Workload, home_of, select
 
 __all__ = ["SCHEMA", "VARIANTS", "Cell", "Context", "Report", "Row", "Simulated", "Stats",
-           "collect", "fingerprint", "gpus_of", "machine_label", "measure", "run_suite", "simulate",
-           "sync_all", "write_report"]
+           "collect", "fingerprint", "gpus_of", "machine_label", "measure", "run_suite", "settle",
+           "simulate", "sync_all", "write_report"]
 
 SCHEMA = "autopar-bench/1"
 TOLERANCE = 1.05  # "within 5%"
@@ -567,7 +567,7 @@ def prepare_variant(w: Workload, variant: str, ctx: Context, ref: Any) -> Prepar
         return Cell(error=_short(e))
     try:
         w.check(_call(fn, args, w.calls), ref)
-        _settle(fn, args, w.calls)
+        settle(fn, args, w.calls)
     except AssertionError as e:
         return Cell(error="wrong result: " + _short(e).split(": ", 1)[-1])
     except Exception as e:
@@ -578,7 +578,7 @@ def prepare_variant(w: Workload, variant: str, ctx: Context, ref: Any) -> Prepar
 SETTLE_CALLS = 64
 
 
-def _settle(fn: Callable[..., Any], args: tuple, calls: int) -> None:
+def settle(fn: Callable[..., Any], args: tuple, calls: int) -> None:
     """Call an ``autopar.compile`` function until it has decided each signature's way (its
     timed trials are over; at most ``SETTLE_CALLS`` calls), as compiling is done before timing
     for ``torch.compile``: samples then time the way it keeps, and the calls per sample are
