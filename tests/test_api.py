@@ -387,7 +387,8 @@ def test_graph_breaks_alone_keep_calls_plain_and_folding_times_both_ways(monkeyp
 
 
 @pytest.mark.parametrize("side", [64, 1024])
-def test_a_placed_plan_under_a_millisecond_is_timed_against_the_plain_call(monkeypatch, side):
+def test_a_placed_plan_under_a_millisecond_is_timed_against_the_plain_call(monkeypatch, caplog,
+                                                                           side):
     """Two branches on two CPU workers (the cpu-only preset splits them): at 64 the plan
     predicts ~70 us, so 5 calls each way are timed, and here (fake clock) the plain call is
     faster and keeps the signature; at 1024 (~9 ms) the plan is kept without a trial."""
@@ -402,8 +403,14 @@ def test_a_placed_plan_under_a_millisecond_is_timed_against_the_plain_call(monke
     compiled = autopar.compile(branches, devices="cpu:0,cpu:1",
                                machine=preset("cpu-only", cpu_workers=2))
     want = branches(x, y)
-    for _ in range(1 + 2 * api.TRIAL_CALLS):
-        torch.testing.assert_close(compiled(x, y), want)
+    with caplog.at_level(logging.DEBUG, logger="autopar"):
+        for _ in range(1 + 2 * api.TRIAL_CALLS):
+            torch.testing.assert_close(compiled(x, y), want)
+    verdicts = [r.getMessage() for r in caplog.records if "plain calls" in r.getMessage()]
+    assert verdicts == ([f"autopar: branches: plain calls faster for "
+                         f"{api._signature((x, y), {})} (seconds, plain [1.0, 1.0, 1.0, 1.0, "
+                         f"1.0], through autopar [2.0, 2.0, 2.0, 2.0, 2.0])"]
+                        if side == 64 else [])
     runner = compiled.autopar_runner
     assert runner.planned == 1
     assert (runner.planned_s() < api.TRIAL_MAX_S) == (side == 64)

@@ -372,6 +372,7 @@ class _Trial:
     def __init__(self, gpus: Sequence[int] = ()) -> None:
         self.gpus = tuple(gpus)
         self.calls: list[tuple[bool, float, list[tuple[Any, Any]]]] = []
+        self.times: dict[bool, list[float]] = {}  # seconds of the timed calls, by plain-ness
 
     def _count(self, as_plain: bool) -> int:
         return sum(c[0] == as_plain for c in self.calls)
@@ -406,7 +407,12 @@ class _Trial:
         for as_plain, host, marks in self.calls[2:]:  # the first call of each way warms up
             gpu = max((b.elapsed_time(e) / 1e3 for b, e in marks), default=0.0)
             times[as_plain].append(max(host, gpu))
+        self.times = times
         return statistics.median(times[True]) < statistics.median(times[False])
+
+
+def _rounded(seconds: list[float]) -> list[float]:
+    return [float(f"{t:.3g}") for t in seconds]
 
 
 def _plain_when_nothing_to_gain(fn: Callable, compiled: Callable, runner: Runner) -> Callable:
@@ -480,8 +486,10 @@ def _plain_when_nothing_to_gain(fn: Callable, compiled: Callable, runner: Runner
             won = trial.verdict()
             if won is not None:
                 del trials[key]
-                log.debug("autopar: %s: plain calls %s for %s", getattr(fn, "__name__", fn),
-                          "faster" if won else "slower", key)
+                log.debug("autopar: %s: plain calls %s for %s (seconds, plain %s, through "
+                          "autopar %s)", getattr(fn, "__name__", fn),
+                          "faster" if won else "slower", key,
+                          _rounded(trial.times[True]), _rounded(trial.times[False]))
                 if won:
                     plain.add(key)
                 elif not trials and not plain:
