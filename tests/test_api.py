@@ -595,3 +595,65 @@ def test_a_trial_waits_for_a_gpu_one_call_behind_without_timing_more_calls(monke
     assert len(trial.calls) == 2 * api.TRIAL_CALLS
     assert ran[2 * api.TRIAL_CALLS:] == ["compiled"] * (len(ran) - 2 * api.TRIAL_CALLS)
     assert len(ran) > 2 * api.TRIAL_CALLS  # the verdict did wait for the last events
+
+
+def test_a_trial_times_only_the_gpus_each_way_touches(monkeypatch):
+    """A plan that runs on the host alone is timed by the host clock; the plain call (eager's
+    code) by the host clock and the GPUs eager uses."""
+    from autopar import api
+
+    recorded: list[int] = []
+
+    class Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            pass
+
+        def record(self, stream) -> None:
+            recorded.append(stream)
+
+        def query(self) -> bool:
+            return True
+
+        def elapsed_time(self, end) -> float:
+            return 0.0
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda i: i)
+    monkeypatch.setattr(api, "_clock", trial_clock(plain_s=1.0, compiled_s=2.0))
+    trial = api._Trial(gpus=(0,), compiled_gpus=())
+    trial.run(lambda: None, lambda: None, (), {})  # through compiled: no event
+    assert recorded == []
+    trial.run(lambda: None, lambda: None, (), {})  # plain: before and after, on cuda:0
+    assert recorded == [0, 0]
+
+
+def test_the_runner_knows_which_gpus_each_way_touches():
+    """W3 with host data planned for 2xH200: eager's code uses cuda:0; autopar's plan runs
+    5x10x5 on the host (no GPU) and 2048^3 on cuda:0."""
+    from autopar.api import Runner
+    from autopar.capture import trace_fake
+    from autopar.cost import CostModel
+    from autopar.machine import preset
+    from autopar.place import place
+    from autopar.plan import make_plan
+    from autopar.workloads import w3_via_gpu
+
+    runner = Runner(Options.parse({"devices": "cpu:0"}))  # devices play no part here
+    cost = CostModel(preset("h200x2"))
+
+    class Ran:
+        runs_as = "executor"
+
+        def __init__(self, n: int) -> None:
+            graph = trace_fake(w3_via_gpu, (torch.rand(n, n), torch.rand(n, n)),
+                               inputs_on="cpu")
+            self.plan = make_plan(place(graph, cost), cost)
+
+    runner.graphs, runner.executors = 1, [Ran(5)]
+    assert runner.gpus_touched() == (frozenset({0}), frozenset())
+    runner.executors = [Ran(2048)]
+    assert runner.gpus_touched() == (frozenset({0}), frozenset({0}))
+    runner.executors[0].runs_as = "eager's sequence"
+    assert runner.gpus_touched() == (frozenset({0}), frozenset({0}))
+    runner.graphs = 2  # a graph that fell back to eager's devices: unknown
+    assert runner.gpus_touched() is None

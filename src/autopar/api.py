@@ -161,6 +161,30 @@ class Runner:
         return sum(e.plan.placement.predicted_s for e in self.executors
                    if e.runs_as == "executor")
 
+    def gpus_touched(self) -> tuple[frozenset[int], frozenset[int]] | None:
+        """GPU indices eager's code touches in this runner's graphs, and those autopar's calls
+        touch (a plan's programs, copy destinations and output devices; eager's for a graph
+        run as eager's sequence); None where a graph has no executor (planning failed)."""
+        from .plan import Send
+
+        if len(self.executors) < self.graphs:
+            return None
+        eager: set[str] = set()
+        ours: set[str] = set()
+        for e in self.executors:
+            plan = e.plan
+            mine = {n.device for n in plan.graph.nodes if n.device}
+            eager |= mine
+            if e.runs_as != "executor":
+                ours |= mine
+                continue
+            for device, steps in plan.programs.items():
+                if steps:
+                    ours.add(device)
+                ours.update(s.dst for s in steps if isinstance(s, Send))
+            ours.update(d for _, d in plan.outputs if d is not None)
+        return _cuda_indices(eager), _cuda_indices(ours)
+
     @property
     def planned(self) -> int:
         """Of the graphs handed to this runner, how many the executor runs (the others run as
@@ -220,6 +244,10 @@ class Runner:
         if isinstance(options.trace, str):
             return _tracing(executor, options.trace)
         return executor
+
+
+def _cuda_indices(devices: set[str]) -> frozenset[int]:
+    return frozenset(torch.device(d).index or 0 for d in devices if d.startswith("cuda"))
 
 
 def make_runner(options: Options) -> Runner:
@@ -362,15 +390,20 @@ class _Trial:
 
     The first call each way warms up and is not counted (caches, kernels loaded on first use:
     on 2xH200, W2's first plain call took 42 ms, the next ones 40-100 us).
-    A call's time is the longer of its host time and, on each GPU in ``gpus``, the time
-    between CUDA events recorded on the current stream before and after it: the GPU work it
-    queued, without syncing anything. A verdict waits for those events to complete; calls
+    A call's time is the longer of its host time and, on each GPU the way touches (``gpus``
+    plain, ``compiled_gpus`` through ``compiled``), the time between CUDA events recorded on
+    the current stream before and after it: the GPU work it queued, without syncing anything.
+    A GPU the way leaves idle is not timed: on 2xH200, timed with events on both GPUs, the
+    host-only plan of W3/100x200x100 with host data measured 3.1-5.5 ms a call during its
+    trial (35 us once timed by the suite), and the plain call won the trial. A verdict waits for those events to complete; calls
     made meanwhile go through ``compiled``, untimed, so that the events waited for are a
     fixed set (a timed call records new ones, which the GPU has not reached when the verdict
     is asked for right after it)."""
 
-    def __init__(self, gpus: Sequence[int] = ()) -> None:
+    def __init__(self, gpus: Sequence[int] = (), compiled_gpus: Sequence[int] | None = None
+                 ) -> None:
         self.gpus = tuple(gpus)
+        self.compiled_gpus = self.gpus if compiled_gpus is None else tuple(compiled_gpus)
         self.calls: list[tuple[bool, float, list[tuple[Any, Any]]]] = []
         self.times: dict[bool, list[float]] = {}  # seconds of the timed calls, by plain-ness
 
@@ -385,7 +418,8 @@ class _Trial:
             return compiled(*args, **kwargs)
         as_plain = self._count(True) < self._count(False)
         marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
-                  torch.cuda.current_stream(i)) for i in self.gpus]
+                  torch.cuda.current_stream(i))
+                 for i in (self.gpus if as_plain else self.compiled_gpus)]
         for begin, _, stream in marks:
             begin.record(stream)
         start = _clock()
@@ -500,7 +534,8 @@ def _plain_when_nothing_to_gain(fn: Callable, compiled: Callable, runner: Runner
             placed[0] = True
         elif key is not None:
             if runner.folded or runner.planned:
-                trials[key] = _Trial(gpus)
+                touched = runner.gpus_touched()
+                trials[key] = _Trial(*touched) if touched is not None else _Trial(gpus)
             else:
                 plain.add(key)
         return out
