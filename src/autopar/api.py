@@ -395,9 +395,9 @@ class _Trial:
     the current stream before and after it: the GPU work it queued, without syncing anything.
     A GPU the way leaves idle is not timed: on 2xH200, timed with events on both GPUs, the
     host-only plan of W3/100x200x100 with host data measured 3.1-5.5 ms a call during its
-    trial (35 us once timed by the suite), and the plain call won the trial. A verdict waits for those events to complete; calls
-    made meanwhile go through ``compiled``, untimed, so that the events waited for are a
-    fixed set (a timed call records new ones, which the GPU has not reached when the verdict
+    trial (35 us once timed by the suite), and the plain call won the trial. A verdict waits
+    for those events to complete; calls made meanwhile go through ``compiled``, untimed, so
+    that the events waited for are a fixed set (a timed call records new ones, which the GPU has not reached when the verdict
     is asked for right after it)."""
 
     def __init__(self, gpus: Sequence[int] = (), compiled_gpus: Sequence[int] | None = None
