@@ -397,8 +397,8 @@ class _Trial:
     host-only plan of W3/100x200x100 with host data measured 3.1-5.5 ms a call during its
     trial (35 us once timed by the suite), and the plain call won the trial. A verdict waits
     for those events to complete; calls made meanwhile go through ``compiled``, untimed, so
-    that the events waited for are a fixed set (a timed call records new ones, which the GPU has not reached when the verdict
-    is asked for right after it)."""
+    that the events waited for are a fixed set (a timed call records new ones, which the GPU
+    has not reached when the verdict is asked for right after it)."""
 
     def __init__(self, gpus: Sequence[int] = (), compiled_gpus: Sequence[int] | None = None
                  ) -> None:
