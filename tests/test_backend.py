@@ -115,3 +115,17 @@ def test_training_and_autocast_keep_aots_wrapper():
     assert out.dtype == ref.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref)
     assert seen == [False, False]  # the training graph, then the autocast inference graph
+
+
+def test_a_bare_graph_is_not_reused_under_autocast():
+    """Compiled bare without autocast, called under it: dynamo's guard on the global state
+    sends the call to a new graph (autocast's casts traced in), not to the bare one."""
+    compiled, seen = _compiled(lambda x, w: x @ w)
+    x, w = torch.rand(4, 4), torch.rand(4, 4)
+    assert compiled(x, w).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = compiled(x, w)
+        ref = x @ w
+    assert out.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref)
+    assert seen == [True, False]
