@@ -36,7 +36,7 @@ import re
 import statistics
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -246,7 +246,7 @@ class Runner:
         return executor
 
 
-def _cuda_indices(devices: set[str]) -> frozenset[int]:
+def _cuda_indices(devices: Iterable[str]) -> frozenset[int]:
     return frozenset(torch.device(d).index or 0 for d in devices if d.startswith("cuda"))
 
 
@@ -497,8 +497,7 @@ def _plain_when_nothing_to_gain(fn: Callable, compiled: Callable, runner: Runner
             last[:] = [torch.is_grad_enabled(), [weakref.ref(a) for a in flat],
                        [_meta(a) for a in flat]]
 
-    gpus = sorted({torch.device(d).index or 0 for d in runner.options.devices
-                   if d.startswith("cuda")})
+    gpus = _cuda_indices(runner.options.devices)
     placed = [False]  # once a graph runs on the executor, no call is plain again: no key needed
 
     @functools.wraps(fn)

@@ -307,15 +307,14 @@ def make_backend(build: GraphRunner, name: str = "autopar") -> Callable:
     )
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        bare.clear()
+        bare.clear()  # what an earlier, failed compile may have left
         compiled = aot(gm, example_inputs)
-        found, bare[:] = list(bare), []
         # the same inputs as dynamo's (aot lifted no parameters, merged no duplicates) and no
         # autocast to switch off around the call (dynamo guards both)
-        if len(found) == 1 and found[0][1] == len(example_inputs) and \
+        if len(bare) == 1 and bare[0][1] == len(example_inputs) and \
                 not _any_autocast_enabled() and \
                 all(type(x) in _PLAIN_INPUTS for x in example_inputs):
-            return _without_aot_wrapper(found[0][0])
+            return _without_aot_wrapper(bare.pop()[0])
         return compiled
     return backend
 
