@@ -181,21 +181,65 @@ def test_one_program_runs_as_one_function_and_still_names_a_failing_op(cost):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
-def test_a_cpu_worker_thread_uses_its_share_of_the_cores(cost):
-    """The worker thread runs with ``cpu_threads`` intra-op threads; the caller's own setting
-    (the thread that runs cpu:0's program) is left alone."""
+def _worker_state(device: str, ex: Executor, args: list) -> dict:
+    """What a worker thread sees while it runs its part of ``ex(args)``, called here."""
+    seen: dict = {}
+    real = ex._run
+
+    def spy(dev, call):
+        if dev == device:
+            seen.update(grad=torch.is_grad_enabled(), inference=torch.is_inference_mode_enabled(),
+                        autocast=torch.is_autocast_enabled("cpu"),
+                        dtype=torch.get_autocast_dtype("cpu"),
+                        thread=threading.current_thread().name)
+        real(dev, call)
+    ex._run = spy
+    ex(args)
+    return seen
+
+
+def test_worker_threads_run_in_the_callers_thread_local_state(cost):
+    """cpu:1's program runs on a worker thread under the caller's grad mode, inference mode
+    and autocast, and the worker's own state is back afterwards (its thread is reused)."""
     g = branches()
-    plan = make_plan(place(g, cost, policy="round_robin", devices=CPUS), cost)
-    ex = Executor(plan, cpu_threads=1)
-    caller = torch.get_num_threads()
-    ex(inputs(g))
-    seen: list[int] = []
+    ex = Executor(make_plan(place(g, cost, policy="round_robin", devices=CPUS), cost))
+    assert ex.threaded == ["cpu:1"]
+    args = inputs(g)
+    with torch.no_grad():
+        assert _worker_state("cpu:1", ex, args) == dict(
+            grad=False, inference=False, autocast=False, dtype=torch.bfloat16,
+            thread="autopar-cpu:1")
+    with torch.inference_mode():
+        seen = _worker_state("cpu:1", ex, args)
+        assert seen["inference"] and not seen["grad"]
+    with torch.autocast("cpu", dtype=torch.float16):
+        seen = _worker_state("cpu:1", ex, args)
+        assert seen["autocast"] and seen["dtype"] == torch.float16 and seen["grad"]
+    after: list = []
     done = threading.Event()
-    executor_module._Worker.of("cpu:1").jobs.put(
-        lambda: (seen.append(torch.get_num_threads()), done.set()))
+    executor_module._Worker.of("cpu:1").jobs.put(lambda: (after.append(
+        (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"),
+         torch.get_autocast_dtype("cpu"))), done.set()))
     assert done.wait(10)
-    assert seen == [1]
-    assert torch.get_num_threads() == caller
+    assert after == [(True, False, torch.bfloat16)]
+
+
+def test_a_call_on_worker_threads_changes_no_thread_count(cost):
+    """Thread counts are process-wide in PyTorch (a thread started later inherits them): a call
+    with a worker thread leaves the caller's and a new thread's count as they were."""
+    g = branches()
+    ex = Executor(make_plan(place(g, cost, policy="round_robin", devices=CPUS), cost))
+
+    def new_thread_count() -> int:
+        seen: list[int] = []
+        t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        return seen[0]
+
+    caller, fresh = torch.get_num_threads(), new_thread_count()
+    ex(inputs(g))
+    assert (torch.get_num_threads(), new_thread_count()) == (caller, fresh)
 
 
 def test_moves_left_on_the_host_hand_their_inputs_on_and_results_stay_eagers():

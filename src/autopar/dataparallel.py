@@ -300,7 +300,7 @@ class DataParallelStep:
             choice = choose(step, batch, cost, self.options.devices,
                             policy=self.options.policy, shards=self.shards)
             run = Executor(make_plan(choice.placement, cost), trace=bool(self.options.trace),
-                           fuse=self.options.fuse, cpu_threads=cost.machine.cpu_threads)
+                           fuse=self.options.fuse)
         except (Unsupported, NotShardable):
             raise
         except Exception as e:  # planning failed: eager, as for any graph (see autopar.api)

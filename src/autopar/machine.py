@@ -27,8 +27,8 @@ Policy and invariants
   one. A worker is assumed to own ``Machine.cpu_threads = max(1, threads // cpu_workers)`` of
   them; its times follow Amdahl's law through the two measurements (a profile without one-thread
   curves, like the smaller presets and the defaults, scales by the worker's share of threads).
-  The runtime should call ``torch.set_num_threads(cpu_threads)`` so that workers running at once
-  do not oversubscribe the cores. With ``cpu_workers=1`` a worker gets the whole host, the
+  The runtime sets no thread count (process-wide in PyTorch): workers running at once share the
+  cores, which this share models. With ``cpu_workers=1`` a worker gets the whole host, the
   configuration MEASURED.md's CPU figures were taken in.
 - Loading never crashes a run: a missing, corrupt, truncated or foreign profile file is reported
   (``warnings.warn``) and replaced, by a quick calibration or, when measuring is off (argument
@@ -533,7 +533,8 @@ def _devices(cpu_workers: int, n_gpus: int) -> tuple[Device, ...]:
 
 
 def default_cpu_workers(cores: int) -> int:
-    """Logical CPU workers when the user names none: two from 4 cores up, else one.
+    """Logical CPU workers a machine model (a preset, a loaded profile) assumes when none is
+    named: two from 4 cores up, else one. (``autopar.compile``'s ``devices="auto"`` names one.)
 
     On 2 cores, torch's intra-op threads already use both for any sizeable op, and two Python
     threads dispatching ATen ops measured 0.75x of eager on two independent branches

@@ -50,6 +50,7 @@ from ..graph import Node, op_name
 from ..plan import Free, Plan, Run, Send, Wait
 from ..routing import GraphIndex, is_free_move, pool, route
 from ..timeline import Span, Timeline
+from .callerstate import CallerState
 from .codegen import Call, Program, SlotTable, build_program
 from .cudagraphs import CudaGraphBackend, GraphSegment, capture_segments
 from .fuse import Fused, cpu_fusion_unavailable, fuse_program, same_pool
@@ -381,16 +382,14 @@ class Executor:
     GPU segments as CUDA graphs (see :mod:`autopar.runtime.cudagraphs`); off when tracing,
     which times every op. ``interleaved``: the host's program and every GPU's run on the
     calling thread, interleaved (:mod:`autopar.runtime.interleave`); ``merged`` names them.
-    ``cpu_threads``: the intra-op threads a CPU worker thread uses (the machine model's share of
-    the cores, ``Machine.cpu_threads``); the calling thread keeps the caller's setting.
+    Worker threads run under the caller's thread-local state
+    (:class:`~autopar.runtime.callerstate.CallerState`) and set no thread counts.
     """
 
     def __init__(self, plan: Plan, trace: bool = False, fuse: bool | str = False,
-                 cuda_graphs: bool | str = False, interleaved: bool = True,
-                 cpu_threads: int | None = None) -> None:
+                 cuda_graphs: bool | str = False, interleaved: bool = True) -> None:
         self.plan = plan
         self.runs_as = "executor"  # or "eager's sequence" (autopar.simulate.runs_as_eager)
-        self.cpu_threads = cpu_threads
         self.cuda_graphs = cuda_graphs
         self.trace = trace
         self.last_timeline: Timeline | None = None
@@ -516,10 +515,11 @@ class Executor:
         for slot, value in zip(self.input_slots, args):
             env[slot] = value
         done: list[threading.Event] = []
+        state = CallerState.capture() if self.threaded else None
         for device in self.threaded:
             finished = threading.Event()
             done.append(finished)
-            _Worker.of(device).jobs.put(self._job(device, call, finished))
+            _Worker.of(device).jobs.put(self._job(device, call, finished, state))
         if self.inline is not None:
             self._run(self.inline, call)
         for finished in done:
@@ -538,14 +538,11 @@ class Executor:
             self.last_timeline = self._trace_finish(call, refs)
         return [env[v] if kind == "slot" else v for kind, v in self.output_slots]
 
-    def _job(self, device: str, call: _Call, finished: threading.Event):
-        threads = self.cpu_threads if _is_cpu(device) else None
-
+    def _job(self, device: str, call: _Call, finished: threading.Event, state: CallerState):
         def job() -> None:
             try:
-                if threads and torch.get_num_threads() != threads:
-                    torch.set_num_threads(threads)  # this worker thread's share of the cores
-                self._run(device, call)
+                with state.applied():
+                    self._run(device, call)
             finally:
                 finished.set()
         return job
