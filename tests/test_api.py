@@ -47,7 +47,7 @@ def test_backend_found_through_entry_point_without_import():
     ("spec", "expected"),
     [
         ("cpu:0,cpu:1", ("cpu:0", "cpu:1")),
-        (["cpu:0", "cpu:3"], ("cpu:0", "cpu:3")),
+        (["cpu:1", "cpu:0"], ("cpu:1", "cpu:0")),
         (" cpu ", ("cpu:0",)),
     ],
 )
@@ -70,6 +70,8 @@ def test_parse_devices_auto_has_host_and_every_gpu():
         ("cpu:0,cpu:0", "named twice"),
         ("", "devices is empty"),
         (["cpu:0", "tpu"], "malformed device 'tpu'"),
+        ("cpu:1", r"skips a CPU worker.*write 'cpu:0,cpu:1'"),
+        (["cpu:0", "cpu:3"], r"skips a CPU worker.*write 'cpu:0,cpu:1,cpu:2,cpu:3'"),
     ],
 )
 def test_parse_devices_rejects_with_a_reason(spec, message):
@@ -657,3 +659,23 @@ def test_the_runner_knows_which_gpus_each_way_touches():
     assert runner.gpus_touched() == (frozenset({0}), frozenset({0}))
     runner.graphs = 2  # a graph that fell back to eager's devices: unknown
     assert runner.gpus_touched() is None
+
+
+def test_torch_compile_options_convention_reaches_autopar():
+    """``torch.compile(fn, backend="autopar", options={...})``, as every backend is given its
+    options: validated as autopar.compile's, and one runner serves a set of options."""
+    import autopar.capture as capture
+
+    def two_branches(x, y):
+        return (x @ x).relu() + (y @ y).tanh()
+
+    x, y = torch.randn(16, 16), torch.randn(16, 16)
+    torch._dynamo.reset()
+    f = torch.compile(two_branches, backend="autopar",
+                      options={"devices": "cpu:0,cpu:1", "policy": "round_robin"})
+    torch.testing.assert_close(f(x, y), two_branches(x, y))
+    key = (("devices", repr("cpu:0,cpu:1")), ("policy", repr("round_robin")))
+    assert key in capture._BACKENDS
+    with pytest.raises(Exception, match=r"unknown autopar option\(s\) 'devics'"):
+        torch.compile(lambda a: a + 1, backend="autopar", options={"devics": "cpu:0"})(x)
+    torch._dynamo.reset()

@@ -4,9 +4,11 @@ Policy
 - Options are validated eagerly, before anything is traced: an unknown option, a malformed device
   string or a device this machine doesn't have raises at ``autopar.compile`` time with a message
   that says what was wrong and what to write instead.
-- ``devices="auto"`` means every GPU of this machine plus the host; a CPU-only machine gets two
-  logical CPU workers (``cpu:0``, ``cpu:1``) from four cores up
-  (:func:`autopar.machine.default_cpu_workers` says why not below).
+- ``devices="auto"`` means every GPU of this machine plus the host as one CPU worker
+  (``cpu:0``). Logical CPU workers (``cpu:0,cpu:1``) are asked for by name: they share the
+  host's intra-op threads (autopar sets no thread count: in PyTorch that is process-wide
+  state, inherited by every thread started later), so a second one pays only where ops leave
+  cores idle.
 - The compiled callable is ``torch.compile(fn, backend=<autopar>)``: every graph dynamo
   captures goes through :func:`make_runner` (place, plan, run); anything autopar can't
   represent runs eagerly for that graph (see :mod:`autopar.capture`). Shapes: the first call's
@@ -43,7 +45,6 @@ from typing import Any
 import torch
 
 from .graph import LOCAL_SCALAR_DENSE, Graph
-from .machine import default_cpu_workers
 from .simulate import TRIAL_MAX_S
 
 __all__ = ["Options", "compile", "parse_devices"]
@@ -62,10 +63,7 @@ def parse_devices(devices: str | Sequence[str] | None) -> tuple[str, ...]:
     "cpu" means cpu:0 and "cuda" means cuda:0.
     """
     if devices is None or devices == "auto":
-        gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-        workers = 1 if gpus else default_cpu_workers(os.cpu_count() or 1)
-        cpus = [f"cpu:{i}" for i in range(workers)]
-        return tuple(cpus + gpus)
+        return ("cpu:0", *(f"cuda:{i}" for i in range(torch.cuda.device_count())))
     if isinstance(devices, str):
         items = [d.strip() for d in devices.split(",") if d.strip()]
     elif isinstance(devices, Sequence):
@@ -94,6 +92,12 @@ def parse_devices(devices: str | Sequence[str] | None) -> tuple[str, ...]:
         if name in out:
             raise ValueError(f"device {name!r} is named twice in devices={devices!r}")
         out.append(name)
+    cpus = sorted(int(d[4:]) for d in out if d.startswith("cpu"))
+    if cpus != list(range(len(cpus))):
+        want = ",".join(f"cpu:{i}" for i in range(max(cpus) + 1))
+        raise ValueError(
+            f"devices={devices!r} skips a CPU worker: logical CPU workers are numbered from "
+            f"cpu:0 up without gaps (write {want!r})")
     return tuple(out)
 
 
@@ -226,8 +230,7 @@ class Runner:
                 fusing = fusion_devices(options.devices, options.fuse)
                 plan = prefer_fused(plan, graph, cost, options.devices, fusing)
             executor = Executor(plan, trace=bool(options.trace), fuse=options.fuse,
-                                cuda_graphs=options.cuda_graphs,
-                                cpu_threads=cost.machine.cpu_threads)
+                                cuda_graphs=options.cuda_graphs)
             as_eager = not (options.trace or executor.fused or executor.segments) and \
                 runs_as_eager(plan, cost, options.devices)
         except Exception as e:

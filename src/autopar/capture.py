@@ -417,22 +417,25 @@ def capturing_scalars(compiled: Callable, needed: Callable[[], bool] | None = No
     return wrap(compiled)
 
 
-_DEFAULT_BACKEND: list[Callable] = []
+_BACKENDS: dict[tuple, Callable] = {}  # options -> its backend: one runner per set of options
 
 
-def autopar_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **options: Any):
+def autopar_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                    options: dict[str, Any] | None = None, **kwargs: Any):
     """The ``torch.compile(fn, backend="autopar")`` entry point.
 
-    With default options, one runner (one machine and cost model) serves every graph of the
-    process; options given through ``torch.compile(..., options=...)`` get a runner of their own.
+    Options come as ``torch.compile(fn, backend="autopar", options={...})`` (the convention
+    every backend shares) or as keyword arguments; both are validated as
+    :func:`autopar.compile`'s. One runner (one machine and cost model) serves every graph
+    compiled with the same options in this process.
     """
     from .api import Options, make_runner
 
-    if options:
-        return make_backend(make_runner(Options.parse(options)))(gm, example_inputs)
-    if not _DEFAULT_BACKEND:
-        _DEFAULT_BACKEND.append(make_backend(make_runner(Options.parse({}))))
-    return _DEFAULT_BACKEND[0](gm, example_inputs)
+    merged = {**(options or {}), **kwargs}
+    key = tuple(sorted((k, repr(v)) for k, v in merged.items()))
+    if key not in _BACKENDS:
+        _BACKENDS[key] = make_backend(make_runner(Options.parse(merged)))
+    return _BACKENDS[key](gm, example_inputs)
 
 
 # -- capture without running: for explain on machines that aren't at hand ----------------------
