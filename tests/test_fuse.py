@@ -368,3 +368,28 @@ def test_low_precision_math_is_never_fused(cost, dtype):
     g.set_outputs([e])
     want = [["a", "b", "c", "d", "e"]] if dtype == torch.float32 else [["d", "e"]]
     assert program_regions(g, by_hand(g, {}), "cpu:0", cost) == want
+
+
+def test_a_regions_outputs_keep_eagers_strides(monkeypatch):
+    """Inductor may lay an output out otherwise than eager (here: a fake compile that returns
+    every output contiguous); the region hands on eager's strides, so that a ``view`` or an
+    attention kernel's alignment check downstream sees what it sees eagerly (T5 under
+    ``fuse=True`` failed with "view size is not compatible" before)."""
+    def contiguous(gm, inputs):
+        return lambda args: tuple(o.contiguous() for o in gm(*args))
+
+    monkeypatch.setattr(fuse_module, "_inductor", contiguous)
+    monkeypatch.setattr(fuse_module, "_CACHE", {})
+    g = Graph("strides")
+    x = g.input(TensorMeta.make((4, 6)), "x")
+    a = g.call(aten.mul.Tensor, (x, 2.0))
+    t = g.call(aten.t.default, (a,))
+    b = g.call(aten.add.Tensor, (t, 1.0))  # eager: b has t's strides, (1, 6)
+    assert b.meta.stride == (1, 6)
+    kernel = FusedKernel(build_gm([a, t, b], [x], [b], "cpu:0"), "cpu:0", "test region",
+                         [b.meta])
+    y = torch.randn(4, 6)
+    for _ in range(2):  # found at the first call, applied at every call
+        (out,) = kernel([y])
+        assert out.stride() == (1, 6)
+        torch.testing.assert_close(out, (y * 2).t() + 1)

@@ -486,7 +486,7 @@ class Executor:
         if self.solo is not None:  # one program, no events: one generated function, here
             if self._whole is not None and self._whole.compiled is not None:
                 try:  # one fused region is the whole graph: Inductor's function is the call
-                    return self._whole.compiled(list(args))
+                    return self._whole.eager_strides(self._whole.compiled(list(args)))
                 except Exception:  # the program below runs it again, and reports an error
                     pass
             program = self.programs[self.solo]

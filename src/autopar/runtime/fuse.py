@@ -84,7 +84,8 @@ def cpu_fusion_unavailable() -> str | None:
 class FusedKernel:
     """One region's callable: Inductor's compiled function, built at its first call."""
 
-    def __init__(self, gm: torch.fx.GraphModule, device: str, label: str) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, device: str, label: str,
+                 eager_layouts: Sequence[TensorMeta | None] = ()) -> None:
         self.gm = gm
         self.device = device
         self.label = label
@@ -93,6 +94,8 @@ class FusedKernel:
         self.compile_s = 0.0
         self._fn: Callable[[list], Any] | None = None
         self._layout: tuple | None = None
+        self.eager_layouts = tuple(eager_layouts)  # each output's eager metadata, if known
+        self._restride: list[int] | None = None  # outputs whose strides are not eager's
 
     @property
     def compiled(self) -> Callable[[list], Any] | None:
@@ -104,7 +107,7 @@ class FusedKernel:
         if fn is None:
             fn = self._compile(inputs)
         try:
-            return fn(list(inputs))  # Inductor's boxed call empties the list it is given
+            outs = fn(list(inputs))  # Inductor's boxed call empties the list it is given
         except Exception:
             # Inductor checks its inputs' sizes and strides; a region is functional, so
             # running its ops one by one instead is safe. Any other error is the user's.
@@ -112,12 +115,33 @@ class FusedKernel:
                 raise
             self._give_up("the inputs' layout changed since the region was compiled")
             return self._plain(inputs)
+        return self.eager_strides(outs)
+
+    def eager_strides(self, outs: Sequence[Any]) -> Sequence[Any]:
+        """``outs`` with eager's strides: Inductor may lay an output out otherwise (a padded
+        attention bias made contiguous, a transposed result), and kernels with layout rules
+        (SDPA's alignment checks, ``view``) downstream must see what they see eagerly. Which
+        outputs differ is found at the first call: a compiled region's layouts don't change."""
+        if self._restride is None:
+            self._restride = [
+                i for i, (o, m) in enumerate(zip(outs, self.eager_layouts))
+                if isinstance(m, TensorMeta) and isinstance(o, torch.Tensor)
+                and tuple(o.shape) == m.shape and o.stride() != m.stride]
+        if not self._restride:
+            return outs
+        outs = list(outs)
+        for i in self._restride:
+            m = self.eager_layouts[i]
+            outs[i] = torch.empty_strided(m.shape, m.stride, dtype=outs[i].dtype,
+                                          device=outs[i].device).copy_(outs[i])
+        return outs
 
     def _plain(self, inputs: list) -> Sequence[Any]:
         return self.gm(*inputs)
 
     def _give_up(self, reason: str) -> None:
         self.status, self.reason, self._fn, self._layout = "fallback", reason, self._plain, None
+        self._restride = None
         log.warning("autopar: %s runs op by op: %s", self.label, reason)
 
     def _compile(self, inputs: list) -> Callable[[list], Any]:
@@ -332,7 +356,8 @@ def fuse_program(device: str, steps: list[Step], ix: GraphIndex, graph_outputs: 
         kinds = sorted({op_name(n.op) for n in g if kind_of(n.op) in _PAYING_KINDS})
         name = (f"fused region {label}{device}#{i} ({len(g)} ops: "
                 f"{', '.join(kinds[:4])}{', ...' if len(kinds) > 4 else ''})")
-        kernel = FusedKernel(build_gm(g, ins, outs, device), device, name)
+        kernel = FusedKernel(build_gm(g, ins, outs, device), device, name,
+                             [o.meta if isinstance(o.meta, TensorMeta) else None for o in outs])
         fused.append(Fused(tuple(g), tuple(ins), tuple(outs), kernel))
     out: list[Any] = []
     pending_frees: list[Step] = []
