@@ -46,10 +46,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..graph import Node, op_name
-from ..plan import Free, Plan, Run, Send, Wait
-from ..routing import GraphIndex, is_free_move, pool, route
-from ..timeline import Span, Timeline
+from ..ir.graph import Node, op_name
+from ..ir.routing import GraphIndex, is_free_move, pool, route
+from ..schedule.plan import Free, Plan, Run, Send, Wait
+from ..schedule.timeline import Span, Timeline
 from .codegen import Call, Program, SlotTable, build_program
 from .cudagraphs import CudaGraphBackend, GraphSegment, capture_segments
 from .fuse import Fused, cpu_fusion_unavailable, fuse_program, same_pool
@@ -373,7 +373,7 @@ _GRAPH_BACKEND = CudaGraphBackend()
 
 
 class Executor:
-    """Runs a :class:`~autopar.plan.Plan`: ``executor(args) -> outputs``.
+    """Runs a :class:`~autopar.schedule.plan.Plan`: ``executor(args) -> outputs``.
 
     ``fuse``: which programs get their fusible regions compiled by Inductor (see
     :func:`fusion_devices` and :mod:`autopar.runtime.fuse`); off by default here, the
@@ -389,7 +389,7 @@ class Executor:
                  cuda_graphs: bool | str = False, interleaved: bool = True,
                  cpu_threads: int | None = None) -> None:
         self.plan = plan
-        self.runs_as = "executor"  # or "eager's sequence" (autopar.simulate.runs_as_eager)
+        self.runs_as = "executor"  # or "eager's sequence" (autopar.schedule.simulate.runs_as_eager)
         self.cpu_threads = cpu_threads
         self.cuda_graphs = cuda_graphs
         self.trace = trace
