@@ -42,9 +42,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from autopar.cost import CostModel, History
-from autopar.graph import Graph, Node, TensorMeta
-from autopar.machine import Machine, detect, host_info
+from autopar.cost.model import CostModel, History
+from autopar.ir.graph import Graph, Node, TensorMeta
+from autopar.machine.model import Machine, detect, host_info
 
 aten = torch.ops.aten
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -24,12 +24,12 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import autopar
 
-from autopar.bench import in_process_compiles, measure
+from autopar.bench.harness import in_process_compiles, measure
+from autopar.bench.workloads import WORKLOADS, w6_data_parallel, w6_train_step
 from autopar.dataparallel import predict_step
-from autopar.graphviz import render
-from autopar.trace import save_chrome_trace, save_gantt
-from autopar.units import fmt_seconds
-from autopar.workloads import WORKLOADS, w6_data_parallel, w6_train_step
+from autopar.ir.units import fmt_seconds
+from autopar.report.graphviz import render
+from autopar.report.trace import save_chrome_trace, save_gantt
 
 
 def predicted(machine: str, out: Path | None) -> dict:

@@ -17,7 +17,7 @@ the per-call floor of anything built on ``torch.compile``, autopar included.
 
 Every variant's result is checked against eager before timing (``identical``: bit for bit;
 otherwise the largest difference). Timings are medians of interleaved rounds
-(:func:`autopar.bench.measure_side_by_side`), every GPU synchronized after each sample;
+(:func:`autopar.bench.harness.measure_side_by_side`), every GPU synchronized after each sample;
 autopar's timed trials (plain call or compiled) are over before timing starts.
 
     python benchmarks/launch.py [--device cuda:0] [--repeat 20] [--json PATH]
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 import autopar
-from autopar.bench import Stats, in_process_compiles, measure_side_by_side, settle
+from autopar.bench.harness import Stats, in_process_compiles, measure_side_by_side, settle
 
 US = 1e6
 

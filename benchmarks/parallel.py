@@ -26,11 +26,11 @@ import torch
 
 import autopar
 from autopar.api import Options, Runner
-from autopar.bench import in_process_compiles, measure
-from autopar.capture import make_backend
-from autopar.simulate import simulate
-from autopar.timeline import Timeline
-from autopar.trace import save_chrome_trace, save_gantt
+from autopar.bench.harness import in_process_compiles, measure
+from autopar.capture.fx import make_backend
+from autopar.report.trace import save_chrome_trace, save_gantt
+from autopar.schedule.simulate import simulate
+from autopar.schedule.timeline import Timeline
 
 
 def median_s(fn, repeat: int) -> float:

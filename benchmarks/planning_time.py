@@ -33,12 +33,12 @@ from typing import Any
 
 import torch
 
-from autopar.cost import CostModel, History
-from autopar.graph import Graph, Node, TensorMeta
-from autopar.machine import Machine, preset
-from autopar.place import place
-from autopar.plan import make_plan
-from autopar.simulate import simulate
+from autopar.cost.model import CostModel, History
+from autopar.ir.graph import Graph, Node, TensorMeta
+from autopar.machine.model import Machine, preset
+from autopar.schedule.place import place
+from autopar.schedule.plan import make_plan
+from autopar.schedule.simulate import simulate
 
 aten = torch.ops.aten
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -35,7 +35,7 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from autopar.bench import Report, fingerprint, machine_label
+from autopar.bench.harness import Report, fingerprint, machine_label
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

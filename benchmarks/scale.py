@@ -6,8 +6,8 @@
 Workloads (inputs on cuda:0, as code written for one GPU has them):
 - ``chains``: g independent chains ``x = x @ w`` (``depth`` products each) on g GPUs. Weak
   scaling: the work per GPU is fixed, so the efficiency at g GPUs is ``T(1) / T(g)``.
-- ``ensemble4``: the four-model ensemble of :mod:`autopar.workloads`, one batch. Strong scaling
-  (fixed work): efficiency ``T(1) / (g T(g))``; four models cannot use more than four GPUs.
+- ``ensemble4``: the four-model ensemble of :mod:`autopar.bench.workloads`, one batch. Strong
+  scaling (fixed work): efficiency ``T(1) / (g T(g))``; four models cannot use more than four GPUs.
 - ``cholesky``: right-looking tiled Cholesky of a T x T tiled SPD matrix written as plain torch
   code on tiles: ``cholesky_ex`` on diagonal tiles (potrf), ``solve_triangular`` below them
   (trsm), ``L_ik @ L_jk^T`` updates (syrk, gemm). Strong scaling. It returns the lower tiles of
@@ -18,10 +18,10 @@ Workloads (inputs on cuda:0, as code written for one GPU has them):
 Policy
 - For each GPU count g this host has, each workload runs as ``autopar.compile(fn,
   devices=["cuda:0", ..., f"cuda:{g-1}"])`` after its result has been checked against eager;
-  eager and autopar are timed with :func:`autopar.bench.measure` (median of ``--repeat``
+  eager and autopar are timed with :func:`autopar.bench.harness.measure` (median of ``--repeat``
   samples, every device synchronized). The compile goes through autopar's own runner, recording
-  the plan it ran, so the "this host" prediction is :func:`autopar.simulate.simulate` of that
-  very plan under this host's cost model (calibrated, or calibrated now).
+  the plan it ran, so the "this host" prediction is :func:`autopar.schedule.simulate.simulate` of
+  that very plan under this host's cost model (calibrated, or calibrated now).
 - Every row, run or not, also has the prediction on the matching preset (``h200x2`` restricted
   to cuda:0 for 1 GPU, ``h200x2``, ``h200x4``, ``h200x8``): :func:`autopar.explain` of the same
   function with the same devices. GPU counts this host lacks appear with that prediction only,
@@ -54,9 +54,9 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from autopar.api import Options, Runner
-from autopar.bench import fingerprint, in_process_compiles, machine_label, measure
-from autopar.units import fmt_seconds
-from autopar.workloads import WORKLOADS
+from autopar.bench.harness import fingerprint, in_process_compiles, machine_label, measure
+from autopar.bench.workloads import WORKLOADS
+from autopar.ir.units import fmt_seconds
 
 SCHEMA = "autopar-scale/1"
 GPU_COUNTS = (1, 2, 4, 8)
@@ -220,7 +220,7 @@ class RecordingRunner(Runner):
 
 def compile_recording(fn: Callable, devices: Sequence[str]) -> tuple[Callable, RecordingRunner]:
     """``autopar.compile(fn, devices=devices)``, with the runner at hand."""
-    from autopar.capture import make_backend
+    from autopar.capture.fx import make_backend
 
     runner = RecordingRunner(Options.parse({"devices": list(devices)}))
     runner.cost_model()  # as autopar.compile: the machine is resolved before tracing
@@ -229,7 +229,7 @@ def compile_recording(fn: Callable, devices: Sequence[str]) -> tuple[Callable, R
 
 def host_prediction(runner: RecordingRunner) -> tuple[float | None, str]:
     """Simulated seconds of the plans the runner ran, under its own cost model."""
-    from autopar.simulate import simulate
+    from autopar.schedule.simulate import simulate
 
     if not runner.plans:
         return None, "no graph captured"
@@ -241,7 +241,7 @@ def host_prediction(runner: RecordingRunner) -> tuple[float | None, str]:
 
 def preset_prediction(case: Case, gpus: int) -> tuple[str, float | None, str]:
     """(preset, predicted seconds or None, why not) of ``case`` on ``gpus`` GPUs of its preset."""
-    from autopar.explain import explain
+    from autopar.report.explain import explain
 
     name = PRESET_FOR[gpus]
     try:

@@ -21,7 +21,7 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from autopar.bench import VARIANTS, collect, write_report
+from autopar.bench.harness import VARIANTS, collect, write_report
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """Test doubles for placement, plans and simulation: small machines and a table-driven cost model.
 
-``FakeCost`` answers the :class:`autopar.cost.CostModel` questions the scheduler asks from a
+``FakeCost`` answers the :class:`autopar.cost.model.CostModel` questions the scheduler asks from a
 table, so that every planned time in a test can be checked by hand.
 """
 
@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from autopar.graph import Graph, Node, TensorMeta
-from autopar.machine import Device, Machine
-from autopar.place import Placement
+from autopar.ir.graph import Graph, Node, TensorMeta
+from autopar.machine.model import Device, Machine
+from autopar.schedule.place import Placement
 
 aten = torch.ops.aten
 MM = aten.mm.default
@@ -162,12 +162,12 @@ def w5(n: int = 50, side: int = 4000) -> Graph:
     return g
 
 
-# -- a plan checker: the invariants of autopar.plan, asserted step by step ---------------------
+# -- a plan checker: the invariants of autopar.schedule.plan, asserted step by step ----------------
 def check_plan(plan: Any) -> None:
-    """Assert every invariant listed in autopar.plan's docstring (dependencies, events, copies,
-    frees, outputs) on the plan's programs alone."""
-    from autopar.plan import Free, Record, Run, Send, Wait
-    from autopar.routing import GraphIndex, home_device, pool, route
+    """Assert every invariant listed in autopar.schedule.plan's docstring (dependencies, events,
+    copies, frees, outputs) on the plan's programs alone."""
+    from autopar.ir.routing import GraphIndex, home_device, pool, route
+    from autopar.schedule.plan import Free, Record, Run, Send, Wait
 
     placement = plan.placement
     dev = placement.device

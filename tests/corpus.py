@@ -983,8 +983,8 @@ def policies_unavailable() -> str | None:
     why = autopar_unavailable()
     if why:
         return why
-    if importlib.util.find_spec("autopar.place") is None:
-        return "autopar.place (the placement policies) does not exist yet"
+    if importlib.util.find_spec("autopar.schedule.place") is None:
+        return "autopar.schedule.place (the placement policies) does not exist yet"
     return None
 
 

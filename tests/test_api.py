@@ -11,8 +11,8 @@ import torch
 
 import autopar
 from autopar.api import Options, parse_devices
-from autopar.capture import from_fx, make_backend
-from autopar.graph import Graph, TensorMeta
+from autopar.capture.fx import from_fx, make_backend
+from autopar.ir.graph import Graph, TensorMeta
 from autopar.runtime import SequentialRunner
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -204,11 +204,11 @@ def _two_chains(on: str) -> Graph:
 
 
 def test_a_plan_that_is_eagers_chain_runs_as_eager_does():
-    from autopar.cost import CostModel
-    from autopar.machine import preset
-    from autopar.place import place
-    from autopar.plan import make_plan
-    from autopar.simulate import runs_as_eager
+    from autopar.cost.model import CostModel
+    from autopar.machine.model import preset
+    from autopar.schedule.place import place
+    from autopar.schedule.plan import make_plan
+    from autopar.schedule.simulate import runs_as_eager
 
     cost = CostModel(preset("h200x2"))
     devices = ("cpu:0", "cuda:0", "cuda:1")
@@ -227,7 +227,7 @@ def test_a_plan_that_is_eagers_chain_runs_as_eager_does():
 
 def test_compiled_graphs_that_gain_nothing_run_as_sequential_runners():
     from autopar.api import Options, Runner
-    from autopar.capture import make_backend
+    from autopar.capture.fx import make_backend
 
     runner = Runner(Options.parse({"devices": "cpu:0"}))
     compiled = torch.compile(lambda x: (x @ x).relu(), backend=make_backend(runner))
@@ -395,7 +395,7 @@ def test_a_placed_plan_under_a_millisecond_is_timed_against_the_plain_call(monke
     predicts ~70 us, so 5 calls each way are timed, and here (fake clock) the plain call is
     faster and keeps the signature; at 1024 (~9 ms) the plan is kept without a trial."""
     from autopar import api
-    from autopar.machine import preset
+    from autopar.machine.model import preset
 
     def branches(x, y):
         return (x @ x).relu(), (y @ y).tanh()
@@ -633,12 +633,12 @@ def test_the_runner_knows_which_gpus_each_way_touches():
     """W3 with host data planned for 2xH200: eager's code uses cuda:0; autopar's plan runs
     5x10x5 on the host (no GPU) and 2048^3 on cuda:0."""
     from autopar.api import Runner
-    from autopar.capture import trace_fake
-    from autopar.cost import CostModel
-    from autopar.machine import preset
-    from autopar.place import place
-    from autopar.plan import make_plan
-    from autopar.workloads import w3_via_gpu
+    from autopar.bench.workloads import w3_via_gpu
+    from autopar.capture.fx import trace_fake
+    from autopar.cost.model import CostModel
+    from autopar.machine.model import preset
+    from autopar.schedule.place import place
+    from autopar.schedule.plan import make_plan
 
     runner = Runner(Options.parse({"devices": "cpu:0"}))  # devices play no part here
     cost = CostModel(preset("h200x2"))
@@ -664,7 +664,7 @@ def test_the_runner_knows_which_gpus_each_way_touches():
 def test_torch_compile_options_convention_reaches_autopar():
     """``torch.compile(fn, backend="autopar", options={...})``, as every backend is given its
     options: validated as autopar.compile's, and one runner serves a set of options."""
-    import autopar.capture as capture
+    import autopar.capture.fx as capture
 
     def two_branches(x, y):
         return (x @ x).relu() + (y @ y).tanh()

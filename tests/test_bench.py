@@ -10,8 +10,8 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from autopar import bench
-from autopar.bench import (
+from autopar.bench import harness as bench
+from autopar.bench.harness import (
     Cell,
     Report,
     Row,
@@ -21,9 +21,9 @@ from autopar.bench import (
     measure_side_by_side,
     run_suite,
 )
-from autopar.commands.bench import bench as bench_command
-from autopar.commands.demo import demo as demo_command
-from autopar.workloads import Workload
+from autopar.bench.workloads import Workload
+from autopar.cli.commands.bench import bench as bench_command
+from autopar.cli.commands.demo import demo as demo_command
 
 
 class FakeClock:

@@ -12,10 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import autopar.calibrate as calibrate_mod
-from autopar.cost import CostModel, History, OpCost
-from autopar.graph import Graph, TensorMeta
-from autopar.machine import (
+import autopar.machine.calibrate as calibrate_mod
+from autopar.cost.model import CostModel, History, OpCost
+from autopar.ir.graph import Graph, TensorMeta
+from autopar.machine.model import (
     Device,
     DeviceProfile,
     LinkProfile,
@@ -354,7 +354,7 @@ def test_preset_history_lives_in_memory_only(tmp_path):
 
 
 def test_detected_machine_history_is_persisted_beside_its_profile(tmp_path):
-    from autopar.machine import detect
+    from autopar.machine.model import detect
 
     m = detect(measure=False)
     cm = CostModel(m)

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from _fakes import by_hand
-from autopar.cost import CostModel
-from autopar.graph import Graph, TensorMeta
-from autopar.machine import preset
-from autopar.plan import Free, Run, Wait, make_plan
+from autopar.cost.model import CostModel
+from autopar.ir.graph import Graph, TensorMeta
+from autopar.machine.model import preset
 from autopar.runtime import Executor, SequentialRunner
 from autopar.runtime import executor as executor_module
 from autopar.runtime.cudagraphs import pays, segments, why_not_capturable
+from autopar.schedule.plan import Free, Run, Wait, make_plan
 from corpus import CASES, autopar_compile, case, run_case
 
 aten = torch.ops.aten

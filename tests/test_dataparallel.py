@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import autopar
 from _steps import bn_inputs, bn_step, mlp_inputs
-from autopar.workloads import w6_train_step
+from autopar.bench.workloads import w6_train_step
 
 CPUS = "cpu:0,cpu:1"
 

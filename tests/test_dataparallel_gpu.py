@@ -8,7 +8,7 @@ import torch
 
 import autopar
 from _steps import bn_inputs, bn_step, mlp_inputs
-from autopar.workloads import w6_train_step
+from autopar.bench.workloads import w6_train_step
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 GPUS = "cuda:0,cuda:1"

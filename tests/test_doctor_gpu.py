@@ -13,7 +13,7 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from autopar.commands.doctor import doctor as doctor_command
+from autopar.cli.commands.doctor import doctor as doctor_command
 from autopar.doctor import DoctorReport, Finding, doctor
 from test_doctor import line_in, line_of
 

@@ -11,10 +11,10 @@ import typer
 from typer.testing import CliRunner
 
 import autopar
-from autopar.capture import Unsupported
-from autopar.commands.explain import explain as explain_command
-from autopar.graphviz import to_dot
-from autopar.trace import save_gantt, to_chrome_trace
+from autopar.capture.fx import Unsupported
+from autopar.cli.commands.explain import explain as explain_command
+from autopar.report.graphviz import to_dot
+from autopar.report.trace import save_gantt, to_chrome_trace
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -92,7 +92,7 @@ def test_code_that_names_cuda_is_explained_on_any_machine():
         return (x.cuda(0) + x.cuda(device="cuda") + x.to(torch.device("cuda", 0))
                 + x.to(torch.device("cuda", index=0)) + x.cuda(torch.device("cuda")))
 
-    from autopar.capture import trace_fake
+    from autopar.capture.fx import trace_fake
 
     g = trace_fake(every_spelling, [torch.rand(3)])
     assert {n.device for n in g.ops} == {"cuda:0"}

@@ -1,5 +1,5 @@
-"""Constant folding at capture (autopar.fold): constants made inside the function become Python
-numbers where that is exact, and results stay eager's bit for bit.
+"""Constant folding at capture (autopar.capture.fold): constants made inside the function become
+Python numbers where that is exact, and results stay eager's bit for bit.
 
 Graphs are checked on what dynamo (or make_fx) really records; the GPU pattern, where dynamo
 keeps ``.item()`` of a constant as a ``_local_scalar_dense`` node, is made on this CPU machine
@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import autopar
-from autopar import fold
-from autopar.capture import capture_by_running, from_fx
-from autopar.graph import LOCAL_SCALAR_DENSE, Graph
+from autopar.capture import fold
+from autopar.capture.fx import capture_by_running, from_fx
+from autopar.ir.graph import LOCAL_SCALAR_DENSE, Graph
 from autopar.runtime import SequentialRunner
 from corpus import w2_scalar_made_inside
 

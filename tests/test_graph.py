@@ -7,7 +7,7 @@ import operator
 import pytest
 import torch
 
-from autopar.graph import INPUT, Graph, GraphError, Node, TensorMeta, op_kind, op_name
+from autopar.ir.graph import INPUT, Graph, GraphError, Node, TensorMeta, op_kind, op_name
 
 aten = torch.ops.aten
 

@@ -8,11 +8,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from _fakes import FakeCost, machine, tensor
-from autopar.graph import Graph
-from autopar.place import place
-from autopar.plan import Record, Run, Send, Wait, make_plan
+from autopar.ir.graph import Graph
 from autopar.runtime.executor import _planned_times
 from autopar.runtime.interleave import interleave
+from autopar.schedule.place import place
+from autopar.schedule.plan import Record, Run, Send, Wait, make_plan
 from test_place_properties import problems
 
 aten = torch.ops.aten

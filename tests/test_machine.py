@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-import autopar.calibrate as calibrate_mod
-from autopar.machine import (
+import autopar.machine.calibrate as calibrate_mod
+from autopar.machine.model import (
     PRESETS,
     SCHEMA_VERSION,
     Device,

@@ -24,10 +24,11 @@ from _fakes import (
     w4,
     w5,
 )
-from autopar.cost import CostModel, History
-from autopar.graph import Graph
-from autopar.machine import preset
-from autopar.place import (
+from autopar.cost.model import CostModel, History
+from autopar.ir.graph import Graph
+from autopar.ir.routing import GraphIndex, copy_time, gc_paused
+from autopar.machine.model import preset
+from autopar.schedule.place import (
     POLICIES,
     Placement,
     Slot,
@@ -36,9 +37,8 @@ from autopar.place import (
     place,
     retime,
 )
-from autopar.plan import make_plan
-from autopar.routing import GraphIndex, copy_time, gc_paused
-from autopar.simulate import simulate
+from autopar.schedule.plan import make_plan
+from autopar.schedule.simulate import simulate
 
 ms, us = 1e-3, 1e-6
 MB = 1_000_000
@@ -160,7 +160,7 @@ def test_tiny_matmul_written_for_the_gpu_runs_on_the_host():
 def test_big_matmul_written_for_the_gpu_stays_eagers_plan():
     """2048^3: the GPU wins; HEFT leaves the moves with their inputs and copies x and y in,
     which is eager's plan (``runs_as_eager``), so the call runs as eager's sequence."""
-    from autopar.simulate import runs_as_eager
+    from autopar.schedule.simulate import runs_as_eager
 
     g = matmul_via_gpu(2048)
     cost = measured_mm_cost(machine(cpus=1, gpus=1))
@@ -597,7 +597,7 @@ def test_the_lookahead_sees_what_a_greedy_choice_commits_the_rest_to():
     """Greedy HEFT keeps ``f`` on the host (1.0 ms against 1.25 ms), then a and b follow it (a
     48 MB copy costs more than their 2 ms) and xg copies 48 MB: 9.9 ms. Choosing by finish
     plus what the consumers still take moves raw (12 MB) to the GPU first: 1.41 ms."""
-    from autopar import place as place_module
+    from autopar.schedule import place as place_module
 
     g, cost = preprocess_then_gpu()
     index = GraphIndex.of(g)

@@ -16,11 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _fakes import CAT, FakeCost, check_plan, machine, tensor
-from autopar.graph import Graph, Node
-from autopar.place import POLICIES, lower_bound, place
-from autopar.plan import make_plan
-from autopar.routing import GraphIndex, pool, route
-from autopar.simulate import peak_memory, simulate
+from autopar.ir.graph import Graph, Node
+from autopar.ir.routing import GraphIndex, pool, route
+from autopar.schedule.place import POLICIES, lower_bound, place
+from autopar.schedule.plan import make_plan
+from autopar.schedule.simulate import peak_memory, simulate
 
 aten = torch.ops.aten
 TIMES = (0.0, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2)

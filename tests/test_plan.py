@@ -18,9 +18,9 @@ from _fakes import (
     two_chains,
     w5,
 )
-from autopar.graph import Graph
-from autopar.place import Placement, place
-from autopar.plan import Free, Record, Run, Send, Wait, make_plan
+from autopar.ir.graph import Graph
+from autopar.schedule.place import Placement, place
+from autopar.schedule.plan import Free, Record, Run, Send, Wait, make_plan
 
 ms, us = 1e-3, 1e-6
 

@@ -9,13 +9,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autopar.cost import CostModel
-from autopar.graph import Graph, Node, TensorMeta
-from autopar.machine import preset
-from autopar.place import Placement, place
-from autopar.plan import Plan, Run, Wait, make_plan
+from autopar.cost.model import CostModel
+from autopar.ir.graph import Graph, Node, TensorMeta
+from autopar.machine.model import preset
 from autopar.runtime import Executor, SequentialRunner, WorkerError
 from autopar.runtime import executor as executor_module
+from autopar.schedule.place import Placement, place
+from autopar.schedule.plan import Plan, Run, Wait, make_plan
 
 aten = torch.ops.aten
 CPUS = ("cpu:0", "cpu:1")

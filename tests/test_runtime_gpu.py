@@ -7,12 +7,12 @@ import pytest
 import torch
 
 import autopar
-from autopar.cost import CostModel
-from autopar.graph import Graph, TensorMeta
-from autopar.machine import preset
-from autopar.place import place
-from autopar.plan import make_plan
+from autopar.cost.model import CostModel
+from autopar.ir.graph import Graph, TensorMeta
+from autopar.machine.model import preset
 from autopar.runtime import Executor, SequentialRunner
+from autopar.schedule.place import place
+from autopar.schedule.plan import make_plan
 
 aten = torch.ops.aten
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

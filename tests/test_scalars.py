@@ -14,13 +14,13 @@ import torch
 
 import autopar
 from _fakes import FakeCost, by_name, devices_of, machine, tensor
-from autopar.capture import from_fx, make_backend
-from autopar.explain import explain_graph
-from autopar.graph import Graph, ScalarMeta
-from autopar.machine import Machine, preset
-from autopar.place import place
-from autopar.routing import GraphIndex
+from autopar.capture.fx import from_fx, make_backend
+from autopar.ir.graph import Graph, ScalarMeta
+from autopar.ir.routing import GraphIndex
+from autopar.machine.model import Machine, preset
+from autopar.report.explain import explain_graph
 from autopar.runtime import SequentialRunner
+from autopar.schedule.place import place
 from corpus import narrow_at_item, w2_scalar_made_inside
 
 aten = torch.ops.aten
@@ -311,7 +311,7 @@ def test_autopar_compile_keeps_scalar_reads_in_one_graph_placed_on_the_host():
 
     runner = Recording(Options.parse({"devices": "cpu:0,cpu:1"}))
     compiled = torch.compile(bound_reused_and_item, backend=make_backend(runner), dynamic=False)
-    from autopar.capture import capturing_scalars
+    from autopar.capture.fx import capturing_scalars
 
     A, B, r0 = *w1_inputs()[:2], torch.tensor(3)
     out = capturing_scalars(compiled)(A, B.clone(), r0)
@@ -345,7 +345,7 @@ def test_explain_by_running_w1_places_the_reads_on_the_host_and_says_so():
 
 
 def test_capturing_scalars_stops_switching_once_not_needed():
-    from autopar.capture import capturing_scalars
+    from autopar.capture.fx import capturing_scalars
 
     seen: list[bool] = []
     need = {"now": True}
@@ -363,7 +363,7 @@ def test_capturing_scalars_stops_switching_once_not_needed():
 
 
 def test_a_dynamo_failure_with_scalars_captured_is_traced_again_without(caplog):
-    from autopar.capture import capturing_scalars
+    from autopar.capture.fx import capturing_scalars
 
     calls: list[bool] = []
 

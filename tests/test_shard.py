@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from _steps import bn_inputs, bn_step, mlp_inputs
-from autopar.capture import relabel_devices
-from autopar.cost import CostModel
+from autopar.bench.workloads import w6_train_step
+from autopar.capture.fx import relabel_devices
+from autopar.cost.model import CostModel
 from autopar.dataparallel import capture_step, choose
-from autopar.graph import Graph, TensorMeta, op_name
-from autopar.place import place
-from autopar.presets import preset
-from autopar.shard import NotShardable, even_sizes, shard
-from autopar.workloads import w6_train_step
+from autopar.ir.graph import Graph, TensorMeta, op_name
+from autopar.machine.presets import preset
+from autopar.passes.shard import NotShardable, even_sizes, shard
+from autopar.schedule.place import place
 
 aten = torch.ops.aten
 
@@ -181,7 +181,7 @@ def test_non_functional_graphs_and_bad_batches_are_refused():
 
 def test_cost_model_splits_w6_over_two_h200s_and_not_a_tiny_batch():
     """Predictions on the h200x2 preset (deterministic numbers, no timing)."""
-    from autopar.workloads import _w6_inputs
+    from autopar.bench.workloads import _w6_inputs
 
     cost = CostModel(preset("h200x2"))
     devices = [d.name for d in cost.machine.devices]
@@ -233,8 +233,8 @@ def test_gpu_sharded_graph_run_on_the_cpu_gives_eager_values_and_identical_repli
 
 def test_benchmark_simulation_of_w6_goes_through_the_data_parallel_pass():
     """W6 at full size on the h200x2 preset: the predicted speed-up meets the goal (1.8x)."""
-    from autopar import bench
-    from autopar.workloads import WORKLOADS
+    from autopar.bench import harness as bench
+    from autopar.bench.workloads import WORKLOADS
 
     sim, timeline = bench.simulate(WORKLOADS["W6"], "h200x2")
     assert sim.error is None and sim.speedup >= 1.8
@@ -245,7 +245,7 @@ def test_benchmark_simulation_of_w6_goes_through_the_data_parallel_pass():
 def small_chunks(monkeypatch):
     """Partial sums over 48 bytes reduced in row chunks of about 48 bytes, at most 2 (as
     W6's 128 MB dW1 is at full size): dW1 (5 x 6 floats, 120 bytes) in 2, dW2 (3 x 5) too."""
-    import autopar.shard as mod
+    import autopar.passes.shard as mod
 
     monkeypatch.setattr(mod, "REDUCE_CHUNK_BYTES", 48)
     monkeypatch.setattr(mod, "MAX_REDUCE_CHUNKS", 2)

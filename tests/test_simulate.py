@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from _fakes import FakeCost, by_name, chains_cost, machine, op, tensor, two_chains, w5
-from autopar.graph import Graph
-from autopar.place import place
-from autopar.plan import Plan, Record, Run, Send, Wait, make_plan
-from autopar.simulate import peak_memory, simulate
-from autopar.timeline import Span
+from autopar.ir.graph import Graph
+from autopar.schedule.place import place
+from autopar.schedule.plan import Plan, Record, Run, Send, Wait, make_plan
+from autopar.schedule.simulate import peak_memory, simulate
+from autopar.schedule.timeline import Span
 
 ms = 1e-3
 MB = 1_000_000

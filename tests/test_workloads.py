@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.workloads import SIZES, WORKLOADS, Workload, home_of, select
+from autopar.bench.workloads import SIZES, WORKLOADS, Workload, home_of, select
 
 HAS_CUDA = torch.cuda.is_available()
 N_GPUS = torch.cuda.device_count()

@@ -9,11 +9,11 @@ from __future__ import annotations
 import torch
 
 from .api import Options, compile, parse_devices
-from .capture import autopar_backend
+from .capture.fx import autopar_backend
 from .dataparallel import data_parallel
 from .doctor import DoctorReport, Finding, doctor
-from .explain import ExplainReport, explain
-from .graph import Graph, Node, TensorMeta
+from .ir.graph import Graph, Node, TensorMeta
+from .report.explain import ExplainReport, explain
 
 __all__ = ["DoctorReport", "ExplainReport", "Finding", "Graph", "Node", "Options", "TensorMeta",
            "compile", "data_parallel", "doctor", "explain", "parse_devices"]

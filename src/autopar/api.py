@@ -11,17 +11,17 @@ Policy
   cores idle.
 - The compiled callable is ``torch.compile(fn, backend=<autopar>)``: every graph dynamo
   captures goes through :func:`make_runner` (place, plan, run); anything autopar can't
-  represent runs eagerly for that graph (see :mod:`autopar.capture`). Shapes: the first call's
+  represent runs eagerly for that graph (see :mod:`autopar.capture.fx`). Shapes: the first call's
   are static; when a later call brings new ones and dynamo makes the graph dynamic, each
-  concrete signature gets its own static graph at its first call (:mod:`autopar.shapes`).
+  concrete signature gets its own static graph at its first call (:mod:`autopar.capture.shapes`).
   (``dynamic=False`` would do the same through dynamo, at ~4 us a call: it patches dynamo's
   config around every call, while a static graph costs autopar nothing after capture.) It is
   traced with
   ``.item()`` and tensor slice bounds kept in the graph (dynamo's ``capture_scalar_outputs``,
   switched on around each call), so that they are placed instead of breaking the graph.
 - Nothing to gain, nothing added: while every graph autopar built for a function runs as eager
-  does (:func:`~autopar.simulate.runs_as_eager`: eager's placement, nothing to overlap, nothing
-  fused), a call whose argument signature was seen before calls the function itself, without
+  does (:func:`~autopar.schedule.simulate.runs_as_eager`: eager's placement, nothing to overlap,
+  nothing fused), a call whose argument signature was seen before calls the function itself, without
   dynamo (:func:`_plain_when_nothing_to_gain`): dynamo's own per-call cost is more than a
   small function's whole eager call on a GPU host. Where capture folded constants, or a placed
   plan predicts a call under a millisecond, a few calls each way are timed first, and the
@@ -44,8 +44,8 @@ from typing import Any
 
 import torch
 
-from .graph import LOCAL_SCALAR_DENSE, Graph
-from .simulate import TRIAL_MAX_S
+from .ir.graph import LOCAL_SCALAR_DENSE, Graph
+from .schedule.simulate import TRIAL_MAX_S
 
 __all__ = ["Options", "compile", "parse_devices"]
 
@@ -148,7 +148,7 @@ class Runner:
     executor. If any of that fails, the graph runs sequentially on eager's devices and the
     reason is logged once: never a wrong result. A plan that is eager's own placement with
     nothing to overlap runs as eager's sequence of ops too
-    (:func:`~autopar.simulate.runs_as_eager`); its executor stays in ``executors`` with
+    (:func:`~autopar.schedule.simulate.runs_as_eager`); its executor stays in ``executors`` with
     ``runs_as`` saying so. One machine and cost model serve every graph.
     """
 
@@ -157,7 +157,8 @@ class Runner:
         self._cost: Any = None
         self.executors: list[Any] = []  # every graph's executor, in the order they were built
         self.graphs = 0  # graphs handed to this runner
-        self.folded = 0  # ...of them, those capture had already computed part of (autopar.fold)
+        # ...of them, those capture had already computed part of (autopar.capture.fold)
+        self.folded = 0
         self.reads_scalars = False  # whether any of them reads a value to the host (.item())
 
     def planned_s(self) -> float:
@@ -169,7 +170,7 @@ class Runner:
         """GPU indices eager's code touches in this runner's graphs, and those autopar's calls
         touch (a plan's programs, copy destinations and output devices; eager's for a graph
         run as eager's sequence); None where a graph has no executor (planning failed)."""
-        from .plan import Send
+        from .schedule.plan import Send
 
         if len(self.executors) < self.graphs:
             return None
@@ -192,7 +193,7 @@ class Runner:
     @property
     def planned(self) -> int:
         """Of the graphs handed to this runner, how many the executor runs (the others run as
-        eager does: :func:`~autopar.simulate.runs_as_eager`, or placement failed)."""
+        eager does: :func:`~autopar.schedule.simulate.runs_as_eager`, or placement failed)."""
         return sum(e.runs_as == "executor" for e in self.executors)
 
     def cost_model(self) -> Any:
@@ -200,8 +201,8 @@ class Runner:
         if self._cost is None:
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-            from .cost import CostModel
-            from .machine import load_machine
+            from .cost.model import CostModel
+            from .machine.model import load_machine
 
             workers = sum(d.startswith("cpu") for d in self.options.devices) or 1
             with unset_fake_temporarily():  # a backend runs inside tracing: measure for real
@@ -210,12 +211,12 @@ class Runner:
         return self._cost
 
     def __call__(self, graph: Graph, phase: str) -> Callable:
-        from .fusion import prefer_fused
-        from .place import place
-        from .plan import make_plan
+        from .passes.fusion import prefer_fused
         from .runtime import Executor, SequentialRunner
         from .runtime.executor import fusion_devices
-        from .simulate import runs_as_eager
+        from .schedule.place import place
+        from .schedule.plan import make_plan
+        from .schedule.simulate import runs_as_eager
 
         options = self.options
         self.graphs += 1
@@ -260,7 +261,7 @@ def make_runner(options: Options) -> Runner:
 
 def _tracing(executor: Any, path: str) -> Callable:
     """Run ``executor`` and write the Chrome trace of its latest call to ``path``."""
-    from .trace import save_chrome_trace
+    from .report.trace import save_chrome_trace
 
     def run(args: Sequence[Any]) -> Any:
         out = executor(args)
@@ -286,7 +287,7 @@ def compile(fn: Callable, **options: Any) -> Callable:
     if not callable(fn):
         raise TypeError(
             f"autopar.compile expects a function or nn.Module, got {type(fn).__name__}")
-    from .capture import capturing_scalars, make_backend
+    from .capture.fx import capturing_scalars, make_backend
 
     opts = Options.parse(options)
     runner = make_runner(opts)
@@ -455,8 +456,8 @@ def _rounded(seconds: list[float]) -> list[float]:
 def _plain_when_nothing_to_gain(fn: Callable, compiled: Callable, runner: Runner) -> Callable:
     """``compiled``, except that a call whose signature (:func:`_signature`) was seen before
     calls ``fn`` itself while every graph autopar built for the function runs as eager does
-    (:func:`~autopar.simulate.runs_as_eager`, or graphs autopar can't represent): running it
-    through dynamo would only add dynamo's own per-call cost (tens of microseconds on a GPU
+    (:func:`~autopar.schedule.simulate.runs_as_eager`, or graphs autopar can't represent): running
+    it through dynamo would only add dynamo's own per-call cost (tens of microseconds on a GPU
     host, more than a small function's whole eager call) to eager's sequence of ops. Graph
     breaks, and calls dynamo runs without any graph (a frame it skips, e.g. one another
     ``torch.compile`` of the same function found nothing to capture in), don't matter: dynamo
@@ -468,7 +469,7 @@ def _plain_when_nothing_to_gain(fn: Callable, compiled: Callable, runner: Runner
     Where the plain call might still win, the next ``2 * TRIAL_CALLS`` calls of a signature
     alternate between both ways, timed (:class:`_Trial`: host time, and the GPU work each
     call queued, measured with CUDA events, no sync), and the faster median keeps that
-    signature from then on: where capture folded constants (:mod:`autopar.fold`: ``a1 * A +
+    signature from then on: where capture folded constants (:mod:`autopar.capture.fold`: ``a1 * A +
     a1 ** 2`` computed as ``A * 10.0 + 100.0``, which the plain call computes again), and
     where a placed plan predicts a call under ``TRIAL_MAX_S``, so that dynamo's per-call cost
     is a large part of it (W2 on 2xH200: 44.5 us through dynamo and a fused kernel, 28.1 us

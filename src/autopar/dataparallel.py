@@ -25,12 +25,12 @@ Policy and invariants
   values, detached.
 - k and devices: the graph is placed unsplit, and split over the home device (where the batch
   lives) and the next k-1 devices of its kind in ``devices``, for every k; the one with the
-  least predicted time runs, "don't split" included (see :mod:`autopar.shard` for the pass,
-  :mod:`autopar.place` for the timing). The host may still run whole, unsplit ops.
+  least predicted time runs, "don't split" included (see :mod:`autopar.passes.shard` for the pass,
+  :mod:`autopar.schedule.place` for the timing). The host may still run whole, unsplit ops.
 - Replicas: a parameter's copy on another device is kept between calls and made again only
   when the parameter changed outside the step (its ``_version`` or storage differ from what
   the step itself left). The graph computes each replica's next value on its own device (the
-  update repeated there on all-reduced gradients, see :mod:`autopar.shard`), so replicas stay
+  update repeated there on all-reduced gradients, see :mod:`autopar.passes.shard`), so replicas stay
   resident and current with no broadcast.
 - One compiled graph per argument signature (shapes, dtypes, devices, requires_grad, the
   non-tensor arguments). Anything that can't be captured or sharded runs eagerly, with one
@@ -47,9 +47,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .capture import Unsupported, from_fx
-from .graph import Graph, Node
-from .shard import NotShardable, Sharded, shard, torch_device
+from .capture.fx import Unsupported, from_fx
+from .ir.graph import Graph, Node
+from .passes.shard import NotShardable, Sharded, shard, torch_device
 
 __all__ = ["Choice", "DataParallelStep", "StepGraph", "StepPrediction", "capture_step", "choose",
            "data_parallel", "predict_step"]
@@ -185,9 +185,9 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
            policy: str = "heft", shards: int | None = None) -> Choice:
     """Place ``step`` unsplit and split over the first k same-kind devices (home first) for
     each k, and keep the one predicted fastest; ``shards`` forces k (1: don't split). A split
-    whose big partial sums are reduced in chunks (:mod:`autopar.shard`) is also placed with
+    whose big partial sums are reduced in chunks (:mod:`autopar.passes.shard`) is also placed with
     every sum reduced at once (key ``"<devices> at once"``): the model picks."""
-    from .place import place
+    from .schedule.place import place
 
     devices, same_kind = _shard_devices(batch, cost, devices, shards)
     ks = range(1, len(same_kind) + 1) if shards is None else [shards]
@@ -289,8 +289,8 @@ class DataParallelStep:
         return {inputs[j]: 0 for j in rest if tensors[j].shape[0] == n}
 
     def _compile(self, args: Sequence[Any]) -> _Compiled:
-        from .plan import make_plan
         from .runtime import Executor
+        from .schedule.plan import make_plan
 
         step = capture_step(self.fn, args)
         cost = self.runner.cost_model()
@@ -381,15 +381,15 @@ def predict_step(fn: Callable, args: Sequence[Any], machine: Any,
     Machine), without running it: tensors built on the CPU are taken to live on ``inputs_on``.
     """
     from .api import Options
-    from .cost import CostModel
-    from .machine import load_machine
-    from .place import place
-    from .plan import make_plan
-    from .simulate import simulate
+    from .cost.model import CostModel
+    from .machine.model import load_machine
+    from .schedule.place import place
+    from .schedule.plan import make_plan
+    from .schedule.simulate import simulate
 
     step = capture_step(fn, args)
     if inputs_on is not None:
-        from .capture import relabel_devices
+        from .capture.fx import relabel_devices
 
         relabel_devices(step.graph, "cpu", inputs_on)
     cost = CostModel(load_machine(machine))

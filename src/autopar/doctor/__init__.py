@@ -2,7 +2,7 @@
 
 ``doctor(fn, *args)`` calls ``fn`` as eager PyTorch would and reports, per source line, every
 hazard below with its count per call, its cost per call (measured where it can be timed, else
-estimated by :class:`autopar.cost.CostModel`), a concrete fix and the time the fix would save.
+estimated by :class:`autopar.cost.model.CostModel`), a concrete fix and the time the fix would save.
 ``doctor_file("user.py")`` does the same for the functions of a file (``autopar doctor``).
 
 Hazards (``Finding.kind`` / ``Finding.subkind``)
@@ -43,7 +43,7 @@ How it watches
   argument, a constant, a copy, scalar-only ops on such). And which values were made by a copy
   from another device (for ping-pong). Both are reset at the start of each watched call.
 
-Costs and savings (per event; the model is :class:`autopar.cost.CostModel` of the machine)
+Costs and savings (per event; the model is :class:`autopar.cost.model.CostModel` of the machine)
 - sync that reads a value: costs its measured wall time on a real GPU, else the model's host time
   of ``_local_scalar_dense`` (launch + kernel + host sync) plus the pageable transfer of the rest
   of what is read; saves all of it.
@@ -92,10 +92,9 @@ from typing import Any
 
 import torch
 
-from ..cost import CostModel
-from ..findings import FIXES, DoctorError, DoctorReport, Finding
-from ..machine import Machine, load_machine
-from ..userfile import UserFileError, example_args, load_module, needs_args, targets
+from ..cost.model import CostModel
+from ..machine.model import Machine, load_machine
+from ..report.userfile import UserFileError, example_args, load_module, needs_args, targets
 from .beliefs import (
     _device_name,
     _Devices,
@@ -103,6 +102,7 @@ from .beliefs import (
     _is_gpu,
     _tensors,
 )
+from .findings import FIXES, DoctorError, DoctorReport, Finding
 from .watch import (
     _Event,
     _Watch,
@@ -255,7 +255,7 @@ def doctor(fn: Callable[..., Any], *args: Any, machine: Machine | str | None = N
            cost_model: CostModel | None = None) -> DoctorReport:
     """Run ``fn(*args)`` eagerly while watching, and report its hazards (module docstring).
 
-    ``machine``: whose costs to estimate with: a :class:`~autopar.machine.Machine`, a preset
+    ``machine``: whose costs to estimate with: a :class:`~autopar.machine.model.Machine`, a preset
     name, or None / "auto" (this host; ``h200x2`` when simulating). ``inputs_on``: simulate:
     argument tensors on the host are taken to live on this GPU (e.g. "cuda:0"); a preset with
     GPUs on a host without CUDA simulates too. ``repeat``: timed calls and watched calls.

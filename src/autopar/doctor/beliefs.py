@@ -18,9 +18,9 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..cost import CostModel
-from ..graph import Graph, Node, TensorMeta
-from ..machine import Machine, load_machine
+from ..cost.model import CostModel
+from ..ir.graph import Graph, Node, TensorMeta
+from ..machine.model import Machine, load_machine
 
 _aten = torch.ops.aten
 

@@ -17,9 +17,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..findings import DoctorError, short_path
-from ..graph import Node, TensorMeta, op_kind, op_name
-from ..units import fmt_bytes, fmt_seconds
+from ..ir.graph import Node, TensorMeta, op_kind, op_name
+from ..ir.units import fmt_bytes, fmt_seconds
 from .beliefs import (
     _device_name,
     _Devices,
@@ -31,6 +30,7 @@ from .beliefs import (
     _tensors,
     _user_frame,
 )
+from .findings import DoctorError, short_path
 
 _aten = torch.ops.aten
 

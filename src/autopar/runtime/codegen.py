@@ -8,8 +8,8 @@ Policy
 - A *slot* holds one value on one device: ``(node, device)``. A Send fills the destination's slot.
 - Ops with a ``device=`` argument (factories, ``_to_copy``) get the device they were placed on.
 - A ``_to_copy`` that only moves a value to the device it was placed on, whose input arrived
-  there by a Send, is the Send itself: no second copy (as :mod:`autopar.place` assumes). One
-  placed in its input's pool that may hand the input on (:attr:`GraphIndex.passthrough`) is
+  there by a Send, is the Send itself: no second copy (as :mod:`autopar.schedule.place` assumes).
+  One placed in its input's pool that may hand the input on (:attr:`GraphIndex.passthrough`) is
   that input: no copy at all.
 - A :class:`~autopar.runtime.fuse.Fused` step (a region Inductor compiled) is one line that
   calls its kernel on the region's inputs and stores its outputs; a :class:`Call` step (a
@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from ..graph import Node, op_name
-from ..plan import Free, Record, Run, Send, Step, Wait
-from ..routing import pool
+from ..ir.graph import Node, op_name
+from ..ir.routing import pool
+from ..schedule.plan import Free, Record, Run, Send, Step, Wait
 from .fuse import Fused
 
 _PLAIN = (int, float, bool, str, type(None))
@@ -143,7 +143,7 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
     ``source_of(value, device)``: the device whose slot a reader on ``device`` takes ``value``
     from (its own, after a copy; the producer's, for values shared without a copy).
     ``free_moves``: pure-move ``_to_copy`` nodes that are no op of their own: their Send did the
-    work, or they hand on their input (:func:`autopar.routing.is_free_move`). ``traced``: also
+    work, or they hand on their input (:func:`autopar.ir.routing.is_free_move`). ``traced``: also
     time every op (``rt.begin`` / ``rt.end``: host clock on CPU workers, CUDA events on GPUs),
     for measured Timelines. ``eager_devices``: keep every op's own ``device=`` argument (the
     sequential runner: ops run where eager runs them).

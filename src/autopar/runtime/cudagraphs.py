@@ -45,9 +45,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..graph import Node, TensorMeta, op_name
-from ..plan import Free, Run
-from ..routing import GraphIndex, kind_of
+from ..ir.graph import Node, TensorMeta, op_name
+from ..ir.routing import GraphIndex, kind_of
+from ..schedule.plan import Free, Run
 from .codegen import Call, Program, SlotTable, build_program
 from .fuse import Fused, is_view
 

@@ -46,10 +46,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..graph import Node, op_name
-from ..plan import Free, Plan, Run, Send, Wait
-from ..routing import GraphIndex, is_free_move, pool, route
-from ..timeline import Span, Timeline
+from ..ir.graph import Node, op_name
+from ..ir.routing import GraphIndex, is_free_move, pool, route
+from ..schedule.plan import Free, Plan, Run, Send, Wait
+from ..schedule.timeline import Span, Timeline
 from .callerstate import CallerState
 from .codegen import Call, Program, SlotTable, build_program
 from .cudagraphs import CudaGraphBackend, GraphSegment, capture_segments
@@ -374,7 +374,7 @@ _GRAPH_BACKEND = CudaGraphBackend()
 
 
 class Executor:
-    """Runs a :class:`~autopar.plan.Plan`: ``executor(args) -> outputs``.
+    """Runs a :class:`~autopar.schedule.plan.Plan`: ``executor(args) -> outputs``.
 
     ``fuse``: which programs get their fusible regions compiled by Inductor (see
     :func:`fusion_devices` and :mod:`autopar.runtime.fuse`); off by default here, the
@@ -389,7 +389,7 @@ class Executor:
     def __init__(self, plan: Plan, trace: bool = False, fuse: bool | str = False,
                  cuda_graphs: bool | str = False, interleaved: bool = True) -> None:
         self.plan = plan
-        self.runs_as = "executor"  # or "eager's sequence" (autopar.simulate.runs_as_eager)
+        self.runs_as = "executor"  # or "eager's sequence" (autopar.schedule.simulate.runs_as_eager)
         self.cuda_graphs = cuda_graphs
         self.trace = trace
         self.last_timeline: Timeline | None = None

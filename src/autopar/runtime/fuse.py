@@ -8,7 +8,7 @@ Policy
   reduction ops (a lone ``mm`` gains nothing from Inductor).
 - Fusible: an ATen op (or ``getitem`` of one) with tensor outputs that mutates nothing, draws
   no random numbers (Inductor's RNG is not eager's), is no free device move (a copy or a
-  hand-on: :func:`~autopar.routing.is_free_move`),
+  hand-on: :func:`~autopar.ir.routing.is_free_move`),
   reads only values that live in this device's memory pool (a host scalar a GPU kernel takes
   as an argument stays with the plain ops), and neither reads nor makes float16 or bfloat16
   values: Inductor computes those in float32 inside a kernel and rounds where eager's kernels
@@ -49,9 +49,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from ..graph import Node, TensorMeta, op_name
-from ..plan import Free, Run, Step
-from ..routing import GraphIndex, is_free_move, kind_of, pool
+from ..ir.graph import Node, TensorMeta, op_name
+from ..ir.routing import GraphIndex, is_free_move, kind_of, pool
+from ..schedule.plan import Free, Run, Step
 
 __all__ = ["MIN_FUSED_OPS", "Fused", "FusedKernel", "cpu_fusion_unavailable", "fuse_program",
            "regions"]

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..graph import Graph, Node
-from ..plan import Free, Plan, Run, Step
+from ..ir.graph import Graph, Node
+from ..schedule.plan import Free, Plan, Run, Step
 from .codegen import SlotTable, build_program
 
 _SPACE = "cpu:0"  # one slot space: values stay wherever eager put them

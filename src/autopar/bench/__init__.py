@@ -1,0 +1,1 @@
+"""Benchmarks: the timing primitive, the workloads, the harness and its report."""

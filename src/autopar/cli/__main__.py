@@ -1,0 +1,5 @@
+"""``python -m autopar.cli``: the ``autopar`` command line."""
+
+from autopar.cli import app
+
+app()

@@ -1,0 +1,40 @@
+"""``autopar calibrate``: measure this machine's devices and links, save and print the profile."""
+
+from __future__ import annotations
+
+import typer
+
+__all__ = ["calibrate"]
+
+
+def calibrate(
+    quick: bool = typer.Option(True, "--quick/--full",
+                               help="Quick (<= 20 s) or full measurement of this host."),
+    show: bool = typer.Option(False, "--show", help="Print the current profile; measure nothing."),
+    as_json: bool = typer.Option(False, "--json", help="Print the profile as JSON."),
+    machine: str = typer.Option("auto", "--machine",
+                                help="\"auto\" (this host) or a preset name, shown as is."),
+) -> None:
+    """Measure this machine's devices and links, save the profile, print it."""
+    import json
+
+    from rich.console import Console
+
+    from autopar.machine.calibrate import profile_tables
+    from autopar.machine.model import PRESETS, detect, preset
+
+    if machine != "auto":
+        if machine not in PRESETS:
+            raise typer.BadParameter(f"unknown machine {machine!r}; presets: {sorted(PRESETS)}",
+                                     param_hint="--machine")
+        profile = preset(machine).profile  # a machine not at hand can only be shown
+    elif show:
+        profile = detect(measure=False).profile
+    else:
+        profile = detect(calibrate="quick" if quick else "full").profile
+    if as_json:
+        typer.echo(json.dumps(profile.to_json(), indent=1))
+        return
+    console = Console()
+    for table in profile_tables(profile):
+        console.print(table)

@@ -1,0 +1,79 @@
+"""``autopar explain FILE.py:FUNC``: where each op would run, why, and the predicted time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+__all__ = ["explain"]
+
+
+def explain(
+    target: Annotated[str, typer.Argument(
+        help="FILE.py:FUNC, the function to explain.", show_default=False)],
+    machine: Annotated[str, typer.Option(
+        "--machine", "-m", help="auto (this host) or a preset: h200x2, h200x8, a100x4-pcie, "
+                                "cpu-only. Nothing runs, so any preset works anywhere.")] = "auto",
+    inputs_on: Annotated[str | None, typer.Option(
+        "--inputs-on", help="Device of the machine where CPU-built example inputs are taken "
+                            "to live, e.g. cuda:0.")] = None,
+    inputs: Annotated[str, typer.Option(
+        "--inputs", help="Function in FILE returning the example inputs.")] = "example_inputs",
+    policy: Annotated[str, typer.Option(
+        "--policy", help="heft, single or round_robin.")] = "heft",
+    run: Annotated[bool, typer.Option(
+        "--run", help="If FUNC can't be traced with fake inputs (it reads tensor values or "
+                      "calls backward()), capture it by running it once on this host.")] = False,
+    json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    trace: Annotated[Path | None, typer.Option(
+        "--trace", help="Write the predicted timeline as a Chrome/Perfetto trace here.")] = None,
+    png: Annotated[Path | None, typer.Option(
+        "--png", help="Write a Gantt chart of the predicted timeline (and eager's) here.")] = None,
+    graph: Annotated[Path | None, typer.Option(
+        "--graph", help="Write the placed graph here: .dot, or .svg/.png with Graphviz.")] = None,
+) -> None:
+    """Explain how autopar would place FUNC's ops on a machine: a table of ops, devices,
+    predicted times and reasons; predicted time against eager's; the critical path."""
+    from autopar.capture.fx import Unsupported
+    from autopar.report.explain import explain as run_explain
+    from autopar.report.userfile import UserFileError, example_args, load_module, needs_args
+
+    file, _, func = target.rpartition(":")
+    if not file or not func:
+        raise typer.BadParameter("write FILE.py:FUNC, e.g. model.py:step", param_hint="TARGET")
+    path = Path(file)
+    try:
+        module = load_module(path)
+        fn = getattr(module, func, None)
+        if not callable(fn):
+            raise UserFileError(f"{path} has no function {func!r}")
+        args = example_args(module, path, func, provider=inputs) if needs_args(fn) else ()
+        report = run_explain(fn, *args, machine=machine, policy=policy, inputs_on=inputs_on,
+                             run=run)
+    except (UserFileError, Unsupported, ValueError) as e:
+        typer.echo(f"autopar explain: {e}", err=True)
+        raise typer.Exit(2) from None
+    written = []
+    if trace is not None:
+        from autopar.report.trace import save_chrome_trace
+
+        written.append(save_chrome_trace(report.timeline, trace, report.plan.graph,
+                                         extra=[report.eager_timeline]))
+    if png is not None:
+        from autopar.report.trace import save_gantt
+
+        written.append(save_gantt(report.timeline, png, predicted=report.eager_timeline,
+                                  title=f"{report.graph_name}: {report.policy} vs eager",
+                                  labels=(f"{report.policy}, predicted", "eager, predicted")))
+    if graph is not None:
+        from autopar.report.graphviz import render
+
+        written.append(render(report.plan.placement, graph, report.critical_nodes))
+    if json:
+        typer.echo(report.to_json())
+    else:
+        typer.echo(report.to_text())
+        for p in written:
+            typer.echo(f"wrote {p}")

@@ -1,0 +1,1 @@
+"""The graph vocabulary every stage shares: nodes and values, where values live, units."""

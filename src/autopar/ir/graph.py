@@ -1,0 +1,558 @@
+"""The IR: a dataflow graph of ATen ops, in topological order.
+
+Every later stage (cost, place, plan, simulate, runtime, views) reads this and nothing else.
+
+Policy and invariants
+- A :class:`Graph` is a list of :class:`Node` in topological order: graph inputs (``op is INPUT``)
+  come first, in call order; every op node refers only to nodes before it. ``outputs`` is a flat
+  tuple of nodes or Python constants, in the order the compiled function returns them.
+- A node's inputs are the nodes found (via pytree) in its ``args`` and ``kwargs``; users are derived
+  from the node list (:meth:`Graph.users`), never stored, so they cannot drift.
+- A node's ``meta`` describes its output: one :class:`TensorMeta`, a tuple of them for ops that
+  return several tensors (read through ``operator.getitem`` nodes), a :class:`ScalarMeta` for a
+  Python number (``aten._local_scalar_dense``: ``.item()`` and tensor slice bounds; arithmetic on
+  such numbers; runtime asserts), or ``None`` for ``getitem`` of a non-tensor. ``meta.device`` is
+  the torch device string eager PyTorch produces the value on; a Python number lives on the host.
+- ``reads``, ``writes`` and ``aliases`` come from the op schema's alias annotations, never from
+  guesses, computed once when the node is made: ``writes`` are inputs the op mutates
+  (``Tensor(a!)``), ``aliases`` are inputs the output is a view of (``Tensor(a)``), ``reads`` are
+  all node inputs (``Node.inputs``).
+- ``flops`` come from ``torch.utils.flop_counter``'s formulas (0 where it has none: such ops are
+  costed by bytes).
+- Nothing here imports CUDA-only code or knows how fast a device is.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import textwrap
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry
+
+__all__ = [
+    "INPUT",
+    "LOCAL_SCALAR_DENSE",
+    "Graph",
+    "GraphError",
+    "GraphTotals",
+    "Node",
+    "ScalarMeta",
+    "TensorMeta",
+    "annotated_args",
+    "op_kind",
+    "op_name",
+]
+
+INPUT = "input"
+"""The ``op`` of a graph-input node."""
+
+LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
+"""The op that reads a tensor's value to the host (``.item()``, a tensor slice bound)."""
+
+
+class GraphError(ValueError):
+    """A graph violates one of the invariants in this module's docstring."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """Shape, dtype, strides and eager device of one tensor value."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    stride: tuple[int, ...]
+    device: str
+    nbytes: int
+
+    @staticmethod
+    def of(t: torch.Tensor) -> TensorMeta:
+        """Metadata of a real, fake or meta tensor (shapes must be concrete)."""
+        shape = tuple(int(s) for s in t.shape)
+        numel = 1
+        for s in shape:
+            numel *= s
+        return TensorMeta(
+            shape=shape,
+            dtype=t.dtype,
+            stride=tuple(int(s) for s in t.stride()),
+            device=str(t.device),
+            nbytes=numel * t.element_size(),
+        )
+
+    @staticmethod
+    def make(
+        shape: Sequence[int], dtype: torch.dtype = torch.float32, device: str = "cpu"
+    ) -> TensorMeta:
+        """Metadata of a contiguous tensor: for graphs built by hand (tests, benchmarks)."""
+        shape = tuple(shape)
+        stride, acc = [], 1
+        for s in reversed(shape):
+            stride.append(acc)
+            acc *= max(s, 1)
+        numel = 1
+        for s in shape:
+            numel *= s
+        itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
+        return TensorMeta(shape, dtype, tuple(reversed(stride)), device, numel * itemsize)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def as_meta_tensor(self) -> torch.Tensor:
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device="meta")
+
+    def __str__(self) -> str:
+        dt = str(self.dtype).removeprefix("torch.")
+        short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64",
+                 "int64": "i64", "int32": "i32", "bool": "b8"}.get(dt, dt)
+        return f"{short}[{','.join(map(str, self.shape))}]"
+
+
+@dataclass(frozen=True, slots=True)
+class ScalarMeta:
+    """A Python number (or ``None``, for an assert) that the host computes: no tensor, no copies.
+
+    ``type``: ``"int"``, ``"float"``, ``"bool"`` or ``"none"``.
+    """
+
+    type: str
+
+    @staticmethod
+    def of(value: Any) -> ScalarMeta:
+        """Metadata of a traced value: an int, float or bool (symbolic or not), or None."""
+        for kinds, name in (((bool, torch.SymBool), "bool"), ((int, torch.SymInt), "int"),
+                            ((float, torch.SymFloat), "float")):
+            if isinstance(value, kinds):
+                return ScalarMeta(name)
+        if value is None:
+            return ScalarMeta("none")
+        raise TypeError(f"not a Python scalar: {type(value).__name__}")
+
+    def __str__(self) -> str:
+        return self.type
+
+
+Meta = TensorMeta | tuple[TensorMeta | None, ...] | ScalarMeta | None
+
+
+@dataclass(eq=False, slots=True)
+class Node:
+    """One value of the graph: a graph input, or one ATen op applied to earlier nodes.
+
+    Nodes hash and compare by identity. ``id`` is the node's position in its graph.
+    """
+
+    id: int
+    op: Any  # INPUT, a torch OpOverload, or operator.getitem
+    args: tuple = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    meta: Meta = None
+    flops: int = 0
+    name: str = ""
+    source: str | None = None  # "file.py:123" of the user's line, when known
+    reads: tuple[Node, ...] = ()
+    writes: tuple[Node, ...] = ()
+    aliases: tuple[Node, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.reads and self.op is not INPUT:
+            self.reads, self.writes, self.aliases = _schema_effects(self.op, self.args,
+                                                                    self.kwargs)
+
+    @property
+    def inputs(self) -> tuple[Node, ...]:
+        """Distinct nodes this node consumes, in argument order (its ``reads``)."""
+        return self.reads
+
+    @property
+    def is_input(self) -> bool:
+        return self.op is INPUT
+
+    @property
+    def tensor_metas(self) -> tuple[TensorMeta, ...]:
+        if isinstance(self.meta, TensorMeta):
+            return (self.meta,)
+        if isinstance(self.meta, tuple):
+            return tuple(m for m in self.meta if m is not None)
+        return ()
+
+    @property
+    def out_bytes(self) -> int:
+        """Bytes this node writes (0 for views: they write nothing)."""
+        if self.aliases or self.op is operator.getitem:
+            return 0
+        return sum(m.nbytes for m in self.tensor_metas)
+
+    @property
+    def in_bytes(self) -> int:
+        return sum(m.nbytes for n in self.inputs for m in n.tensor_metas)
+
+    @property
+    def device(self) -> str | None:
+        """The device eager PyTorch produces this value on (the first output's)."""
+        metas = self.tensor_metas
+        return metas[0].device if metas else None
+
+    @property
+    def kind(self) -> str:
+        return "input" if self.is_input else op_kind(self.op)
+
+    def __repr__(self) -> str:
+        return f"%{self.name or self.id}"
+
+
+def op_name(op: Any) -> str:
+    """Short printable name: ``aten.mm``, ``getitem``, ``input``."""
+    if op is INPUT:
+        return "input"
+    if isinstance(op, torch._ops.OpOverload):
+        name = f"{op.namespace}.{op._schema.name.split('::')[-1]}"
+        return name if op._overloadname == "default" else f"{name}.{op._overloadname}"
+    return getattr(op, "__name__", str(op))
+
+
+_VIEW_LIKE = {"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::expand", "aten::t",
+              "aten::permute", "aten::transpose", "aten::slice", "aten::select", "aten::squeeze",
+              "aten::unsqueeze", "aten::alias", "aten::detach", "aten::as_strided"}
+
+
+def op_kind(op: Any) -> str:
+    """A coarse family used for totals, pictures and the cost model's fallbacks.
+
+    One of: input, getitem, view, matmul (has a FLOP formula), random, pointwise, reduction,
+    copy, other.
+    """
+    if op is INPUT:
+        return "input"
+    if op is operator.getitem:
+        return "getitem"
+    if not isinstance(op, torch._ops.OpOverload):
+        return "other"
+    schema = op._schema
+    if schema.name in _VIEW_LIKE or any(
+        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
+    ):
+        return "view"
+    if op.overloadpacket in flop_registry or op.overloadpacket in _LINALG_FLOPS:
+        return "matmul"
+    tags = op.tags
+    if torch.Tag.nondeterministic_seeded in tags:
+        return "random"
+    if torch.Tag.pointwise in tags:
+        return "pointwise"
+    if torch.Tag.reduction in tags:
+        return "reduction"
+    if schema.name in {"aten::_to_copy", "aten::copy", "aten::copy_", "aten::clone"}:
+        return "copy"
+    return "other"
+
+
+def _schema_effects(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, tuple, tuple]:
+    """(reads, writes, aliases) of an op call, from its schema's alias annotations."""
+    def nodes_in(x: Any) -> list[Node]:
+        return [leaf for leaf in tree_flatten(x)[0] if isinstance(leaf, Node)]
+
+    reads = tuple(dict.fromkeys(nodes_in((args, kwargs))))
+    if op is operator.getitem:
+        return reads, (), reads
+    if not isinstance(op, torch._ops.OpOverload):
+        return reads, (), ()
+    writes: list[Node] = []
+    aliases: list[Node] = []
+    out_sets = {
+        s for r in op._schema.returns if r.alias_info is not None for s in r.alias_info.after_set
+    }
+    for info, value in annotated_args(op, args, kwargs):
+        found = nodes_in(value)
+        if info.is_write:
+            writes += found
+        if out_sets & set(info.before_set):
+            aliases += found
+    return reads, tuple(dict.fromkeys(writes)), tuple(dict.fromkeys(aliases))
+
+
+def annotated_args(op: Any, args: tuple, kwargs: dict) -> Iterator[tuple[Any, Any]]:
+    """``(alias_info, value)`` of each argument of an ATen op call that its schema annotates
+    (written in place, or aliased by an output), whatever kind of node ``args`` hold."""
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.alias_info is not None:
+            yield arg.alias_info, (kwargs.get(arg.name) if arg.kwarg_only or i >= len(args)
+                                   else args[i])
+
+
+def _cholesky_flops(a: tuple[int, ...], b: tuple[int, ...] | None) -> float:
+    n = a[-1]
+    return math.prod(a[:-2]) * n**3 / 3
+
+
+def _solve_triangular_flops(a: tuple[int, ...], b: tuple[int, ...] | None) -> float:
+    return a[-1] * math.prod(b or ())  # n^2 per right-hand side of length n
+
+
+_LINALG_FLOPS: dict[Any, Callable[[tuple[int, ...], tuple[int, ...] | None], float]] = {
+    torch.ops.aten.linalg_cholesky_ex: _cholesky_flops,
+    torch.ops.aten.linalg_solve_triangular: _solve_triangular_flops,
+}
+"""Formulas torch.utils.flop_counter lacks: LAPACK-style factorizations and solves (n^3/3 for
+Cholesky; n^2 per right-hand side for a triangular solve)."""
+
+
+def _flops(op: Any, args: tuple, kwargs: dict, meta: Meta) -> int:
+    """FLOPs by torch.utils.flop_counter's formula for ``op`` (or :data:`_LINALG_FLOPS`'), 0
+    when it has none."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return 0
+    if op.overloadpacket in _LINALG_FLOPS:
+        shapes = [x.meta.shape if isinstance(x, Node) and isinstance(x.meta, TensorMeta)
+                  else None for x in args[:2]]
+        if not shapes or shapes[0] is None:
+            return 0
+        b = shapes[1] if len(shapes) > 1 else None
+        return int(_LINALG_FLOPS[op.overloadpacket](shapes[0], b))
+    if op.overloadpacket not in flop_registry:
+        return 0
+
+    def as_tensor(x: Any) -> Any:
+        if isinstance(x, Node):
+            m = x.meta
+            return m.as_meta_tensor() if isinstance(m, TensorMeta) else x
+        return x
+
+    def out_tensor(m: Any) -> Any:
+        return m.as_meta_tensor() if isinstance(m, TensorMeta) else m
+
+    out = tree_map(out_tensor, meta) if isinstance(meta, tuple) else out_tensor(meta)
+    try:
+        return int(flop_registry[op.overloadpacket](
+            *tree_map(as_tensor, args), **tree_map(as_tensor, kwargs), out_val=out))
+    except Exception:  # a formula that can't take these shapes: cost by bytes instead
+        return 0
+
+
+@dataclass(frozen=True)
+class GraphTotals:
+    nodes: int
+    flops: int
+    bytes: int
+    ops_by_kind: dict[str, int]
+
+    def __str__(self) -> str:
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(self.ops_by_kind.items()))
+        return (f"{self.nodes} ops, {self.flops / 1e9:.3g} GFLOP, "
+                f"{self.bytes / 1e6:.3g} MB written ({kinds})")
+
+
+class Graph:
+    """Inputs, nodes in topological order, and outputs. Build with :meth:`input` / :meth:`call`."""
+
+    def __init__(self, name: str = "graph") -> None:
+        self.name = name
+        self.nodes: list[Node] = []
+        self.outputs: tuple[Any, ...] = ()
+        # capture computed some of the function's ops already (autopar.capture.fold)
+        self.folded = False
+
+    # -- building ---------------------------------------------------------------------------
+    def input(self, meta: Meta, name: str = "") -> Node:
+        """Append a graph input (all inputs must come before any op)."""
+        if self.nodes and not self.nodes[-1].is_input:
+            raise GraphError(f"input {name!r} added after op nodes: add all inputs first")
+        node = Node(len(self.nodes), INPUT, meta=meta, name=name or f"in{len(self.nodes)}")
+        self.nodes.append(node)
+        return node
+
+    def call(
+        self,
+        op: Any,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        meta: Meta = None,
+        *,
+        name: str = "",
+        source: str | None = None,
+        flops: int | None = None,
+    ) -> Node:
+        """Append ``op(*args, **kwargs)``; ``meta`` is inferred on the meta device when omitted."""
+        kwargs = dict(kwargs or {})
+        if meta is None:
+            meta = _infer_meta(op, args, kwargs)
+        node = Node(
+            id=len(self.nodes), op=op, args=tuple(args), kwargs=kwargs, meta=meta,
+            flops=_flops(op, args, kwargs, meta) if flops is None else flops,
+            name=name or str(len(self.nodes)), source=source,
+        )
+        self.nodes.append(node)
+        return node
+
+    def set_outputs(self, outputs: Sequence[Any]) -> None:
+        self.outputs = tuple(outputs)
+
+    # -- derived views ----------------------------------------------------------------------
+    @property
+    def inputs(self) -> list[Node]:
+        return [n for n in self.nodes if n.is_input]
+
+    @property
+    def ops(self) -> list[Node]:
+        return [n for n in self.nodes if not n.is_input]
+
+    @property
+    def output_nodes(self) -> list[Node]:
+        return list(dict.fromkeys(o for o in self.outputs if isinstance(o, Node)))
+
+    def users(self) -> dict[Node, list[Node]]:
+        """Consumers of each node, in topological order."""
+        users: dict[Node, list[Node]] = {n: [] for n in self.nodes}
+        for n in self.nodes:
+            for i in n.inputs:
+                users[i].append(n)
+        return users
+
+    def last_uses(self) -> dict[Node, Node | None]:
+        """For each node, the last node that reads it (None: only an output, or unused).
+
+        One reverse pass. A view keeps its base alive: the base's last use is the view's.
+        """
+        last: dict[Node, Node | None] = {}
+        for n in reversed(self.nodes):
+            for i in n.inputs:
+                if i not in last:
+                    last[i] = n
+        # a base lives as long as the views of it: propagate from views to bases
+        for n in reversed(self.nodes):
+            end = last.get(n)
+            for base in n.aliases:
+                if end is not None and (last.get(base) is None or last[base].id < end.id):
+                    last[base] = end
+        outs = set(self.output_nodes)
+        for n in self.nodes:
+            if n in outs:
+                last[n] = None
+            else:
+                last.setdefault(n, None)
+        return last
+
+    # -- checks and reports -----------------------------------------------------------------
+    def verify(self) -> None:
+        """Raise :class:`GraphError` unless every invariant of this module holds."""
+        seen: set[Node] = set()
+        inputs_done = False
+        for pos, n in enumerate(self.nodes):
+            if n.id != pos:
+                raise GraphError(f"node {n!r} has id {n.id} but stands at position {pos}")
+            if n.is_input:
+                if inputs_done:
+                    raise GraphError(f"input {n!r} stands after op nodes")
+            else:
+                inputs_done = True
+                for i in n.inputs:
+                    if i not in seen:
+                        raise GraphError(
+                            f"node {n!r} ({op_name(n.op)}) uses {i!r} before it is defined "
+                            "(not topologically ordered, or a cycle)")
+                if n.meta is None and n.op is not operator.getitem:
+                    raise GraphError(f"node {n!r} ({op_name(n.op)}) has no output metadata")
+            seen.add(n)
+        for o in self.outputs:
+            if isinstance(o, Node) and o not in seen:
+                raise GraphError(f"output {o!r} is not a node of this graph")
+
+    def totals(self) -> GraphTotals:
+        ops = self.ops
+        return GraphTotals(
+            nodes=len(ops),
+            flops=sum(n.flops for n in ops),
+            bytes=sum(n.out_bytes for n in ops),
+            ops_by_kind=dict(Counter(n.kind for n in ops)),
+        )
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self.nodes)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __str__(self) -> str:
+        return self.format()
+
+    def format(self, annotate: Callable[[Node], str] | None = None) -> str:
+        """Readable listing; ``annotate(node)`` may add a column (e.g. a placement)."""
+        def arg(a: Any) -> str:
+            if isinstance(a, Node):
+                return repr(a)
+            if isinstance(a, (list, tuple)):
+                return "[" + ", ".join(arg(x) for x in a) + "]"
+            return repr(a)
+
+        def meta_str(m: Meta) -> str:
+            if isinstance(m, TensorMeta):
+                return f"{m}@{m.device}"
+            if isinstance(m, ScalarMeta):
+                return f"{m}@host"
+            if isinstance(m, tuple):
+                return "(" + ", ".join(meta_str(x) for x in m) + ")"
+            return "-"
+
+        ins = ", ".join(f"{n!r}: {meta_str(n.meta)}" for n in self.inputs)
+        lines = [f"graph {self.name}({ins}):"]
+        for n in self.ops:
+            call = f"{op_name(n.op)}(" + ", ".join(
+                [arg(a) for a in n.args] + [f"{k}={arg(v)}" for k, v in n.kwargs.items()]) + ")"
+            cols = [f"  {n!r} = {call}", meta_str(n.meta)]
+            if n.flops:
+                cols.append(f"{n.flops / 1e9:.3g} GFLOP")
+            if annotate is not None:
+                cols.append(annotate(n))
+            if n.source:
+                cols.append(f"# {n.source}")
+            lines.append("  ".join(cols))
+        lines += textwrap.wrap(f"return ({', '.join(arg(o) for o in self.outputs)})", width=96,
+                               initial_indent="  ", subsequent_indent="          ")
+        lines.append(f"  # {self.totals()}")
+        return "\n".join(lines)
+
+
+def _infer_meta(op: Any, args: tuple, kwargs: dict) -> Meta:
+    """Run ``op`` on meta tensors to learn its output metadata (keeping eager devices)."""
+    if op is operator.getitem:
+        base, idx = args
+        return base.meta[idx] if isinstance(base.meta, tuple) else None
+
+    metas = [leaf.meta for leaf in tree_flatten((args, kwargs))[0]
+             if isinstance(leaf, Node) and isinstance(leaf.meta, TensorMeta)]
+    # as in eager: a 0-dim CPU tensor is a scalar argument; the other tensors decide the device
+    devices = [m.device for m in metas if not (m.shape == () and m.device == "cpu")] or [
+        m.device for m in metas]
+
+    def to_meta(x: Any) -> Any:
+        if isinstance(x, Node):
+            if not isinstance(x.meta, TensorMeta):
+                raise GraphError(f"cannot infer metadata: input {x!r} is not a single tensor")
+            return x.meta.as_meta_tensor()
+        if isinstance(x, torch.device):
+            return torch.device("meta")
+        return x
+
+    out = op(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+    device = str(kwargs.get("device") or (devices[0] if devices else "cpu"))
+
+    def to_info(t: Any) -> TensorMeta | None:
+        if not isinstance(t, torch.Tensor):
+            return None
+        m = TensorMeta.of(t)
+        return TensorMeta(m.shape, m.dtype, m.stride, device, m.nbytes)
+
+    if isinstance(out, (tuple, list)):
+        return tuple(to_info(t) for t in out)
+    return to_info(out)

@@ -1,0 +1,1 @@
+"""The machine model: devices, links, measured profiles, presets, calibration."""

@@ -1,0 +1,1 @@
+"""Choices made on captured graphs and their plans: sharding, fusion."""

@@ -1,0 +1,1 @@
+"""Views of a plan for people: explain, Chrome traces and Gantt charts, graphviz."""

@@ -1,0 +1,1 @@
+"""Placement, per-device programs, and their simulation: what runs where, when."""
