@@ -10,8 +10,10 @@ import pytest
 import torch
 
 import autopar
+from autopar import choose
 from autopar.api import Options, parse_devices
 from autopar.capture.fx import from_fx, make_backend
+from autopar.choose import WAYS
 from autopar.ir.graph import Graph, TensorMeta
 from autopar.runtime import SequentialRunner
 
@@ -253,27 +255,31 @@ def test_a_function_with_nothing_to_gain_runs_as_plain_python_from_its_second_ca
     x = torch.randn(8, 8)
     for _ in range(3):
         torch.testing.assert_close(compiled(x, 2.0), f(x, 2.0))
-    assert compiled.autopar_runner.graphs == 1 and compiled.autopar_runner.planned == 0
+    assert compiled.runner.graphs == 1 and compiled.runner.planned == 0
     assert len(compiled.plain_signatures) == 1
     # one trace by dynamo, two plain calls of the compiled function, three eager references
     assert len(traced) == 1 + 2 + 3
     y = torch.randn(4, 4)  # a new signature: through dynamo first
     compiled(y, 2.0)
     assert len(compiled.plain_signatures) == 2
-    w = torch.randn(8, 8, requires_grad=True)  # autograd would record it: never plain
+    w = torch.randn(8, 8, requires_grad=True)  # can't be keyed: such calls share one entry
     compiled(w, 2.0).sum().backward()
-    compiled(w, 2.0)
-    assert len(compiled.plain_signatures) == 2
+    out = compiled(w, 2.0)
+    assert len(compiled.plain_signatures) == 3 and None in compiled.plain_signatures
+    assert out.grad_fn is not None  # plain calls are eager's: autograd records them
 
 
-def trial_clock(plain_s: float, compiled_s: float):
-    """A fake ``api._clock`` for a trial: read twice a call (start, end), compiled call first,
-    then alternating; each call lasts ``plain_s`` or ``compiled_s``. ``.reads`` counts reads."""
+def trial_clock(**seconds: float):
+    """A fake ``choose._clock`` for a trial over the ways named (in the order the trial runs
+    them: round the ways, in ``choose.WAYS`` order): read twice a call (start, end); each
+    call of a way lasts its seconds. ``.reads`` counts reads."""
+    ways = [w for w in WAYS if w in seconds]
+
     def clock() -> float:
         i = clock.reads
         clock.reads += 1
-        if i % 2:  # the end of call i // 2, plain when that is odd
-            clock.now += plain_s if (i // 2) % 2 else compiled_s
+        if i % 2:  # the end of trial call i // 2
+            clock.now += seconds[ways[(i // 2) % len(ways)]]
         return clock.now
 
     clock.reads, clock.now = 0, 0.0
@@ -308,9 +314,9 @@ def test_the_very_tensors_of_the_latest_plain_call_skip_the_key(monkeypatch):
         gc.collect()
     assert len(keyed) == 4  # new tensors like the remembered ones: no key; a new shape
     assert len(compiled.plain_signatures) == 3  # (5, grad), (5, no grad), and (6, grad)
-    w = torch.randn(6, 10, requires_grad=True)  # autograd would record it: never plain
+    w = torch.randn(6, 10, requires_grad=True)  # can't be keyed: one entry for all such calls
     compiled(w, torch.randn(10, 6)).sum().backward()
-    assert len(keyed) == 5 and len(compiled.plain_signatures) == 3
+    assert len(keyed) == 5 and len(compiled.plain_signatures) == 4
 
 
 def test_the_same_tensors_in_lists_and_tuples_skip_the_key_too(monkeypatch):
@@ -353,7 +359,6 @@ def test_graph_breaks_alone_keep_calls_plain_and_folding_times_both_ways(monkeyp
     ``A * 10.0 + 100.0``), so the next calls of that signature alternate, timed, between
     dynamo and the plain call, and the faster way keeps it (the clock is faked here: each
     compiled call takes 10 s, each plain one 1 s, or the other way round)."""
-    from autopar import api
 
     def broken(x):
         y = (x @ x).relu()
@@ -368,20 +373,20 @@ def test_graph_breaks_alone_keep_calls_plain_and_folding_times_both_ways(monkeyp
     compiled = autopar.compile(broken, devices="cpu:0")
     for _ in range(3):
         torch.testing.assert_close(compiled(x), broken(x))
-    runner = compiled.autopar_runner
+    runner = compiled.runner
     assert (runner.graphs, runner.planned, runner.folded) == (2, 0, 0)
-    assert len(compiled.plain_signatures) == 1 and not compiled.timed_signatures
+    assert len(compiled.plain_signatures) == 1 and not compiled.trials
 
     for plain_faster in (True, False):
-        clock = trial_clock(plain_s=1.0, compiled_s=10.0) if plain_faster else \
-            trial_clock(plain_s=10.0, compiled_s=1.0)
-        monkeypatch.setattr(api, "_clock", clock)
+        clock = trial_clock(eager=1.0, autopar=10.0) if plain_faster else \
+            trial_clock(eager=10.0, autopar=1.0)
+        monkeypatch.setattr(choose, "_clock", clock)
         compiled = autopar.compile(folds, devices="cpu:0")
         torch.testing.assert_close(compiled(x), folds(x))
-        assert compiled.autopar_runner.folded == 1 and len(compiled.timed_signatures) == 1
-        for _ in range(2 * api.TRIAL_CALLS):
+        assert compiled.runner.folded == 1 and len(compiled.trials) == 1
+        for _ in range(2 * choose.TRIAL_CALLS):
             torch.testing.assert_close(compiled(x), folds(x))
-        assert not compiled.timed_signatures
+        assert not compiled.trials
         assert len(compiled.plain_signatures) == (1 if plain_faster else 0)
         used = clock.reads
         torch.testing.assert_close(compiled(x), folds(x))  # settled: no more timing
@@ -389,49 +394,30 @@ def test_graph_breaks_alone_keep_calls_plain_and_folding_times_both_ways(monkeyp
 
 
 @pytest.mark.parametrize("side", [64, 1024])
-def test_a_placed_plan_under_a_millisecond_is_timed_against_the_plain_call(monkeypatch, caplog,
-                                                                           side):
-    """Two branches on two CPU workers (the cpu-only preset splits them): at 64 the plan
-    predicts ~70 us, so 5 calls each way are timed, and here (fake clock) the plain call is
-    faster and keeps the signature; at 1024 (~9 ms) the plan is kept without a trial."""
-    from autopar import api
+def test_a_placed_plan_is_timed_against_the_plain_call_whatever_its_prediction(
+        monkeypatch, caplog, side):
+    """Two branches on two CPU workers (the cpu-only preset splits them): predicted ~70 us at
+    64, ~9 ms at 1024; either way the next calls are a trial (predictions prune, measurement
+    decides), and here (fake clock) the plain call is faster and keeps the signature."""
     from autopar.machine.model import preset
 
     def branches(x, y):
         return (x @ x).relu(), (y @ y).tanh()
 
-    monkeypatch.setattr(api, "_clock", trial_clock(plain_s=1.0, compiled_s=2.0))
+    monkeypatch.setattr(choose, "_clock", trial_clock(eager=1.0, autopar=2.0))
     x, y = torch.randn(side, side), torch.randn(side, side)
     compiled = autopar.compile(branches, devices="cpu:0,cpu:1",
                                machine=preset("cpu-only", cpu_workers=2))
     want = branches(x, y)
-    with caplog.at_level(logging.DEBUG, logger="autopar"):
-        for _ in range(1 + 2 * api.TRIAL_CALLS):
+    with caplog.at_level(logging.INFO, logger="autopar"):
+        for _ in range(1 + 2 * choose.TRIAL_CALLS):
             torch.testing.assert_close(compiled(x, y), want)
-    verdicts = [r.getMessage() for r in caplog.records if "plain calls" in r.getMessage()]
-    assert verdicts == ([f"autopar: branches: plain calls faster for "
-                         f"{api._signature((x, y), {})} (seconds, plain [1.0, 1.0, 1.0, 1.0, "
-                         f"1.0], through autopar [2.0, 2.0, 2.0, 2.0, 2.0])"]
-                        if side == 64 else [])
-    runner = compiled.autopar_runner
-    assert runner.planned == 1
-    assert (runner.planned_s() < api.TRIAL_MAX_S) == (side == 64)
-    assert not compiled.timed_signatures
-    assert len(compiled.plain_signatures) == (side == 64)
-
-
-def test_a_trial_prefers_the_faster_median():
-    from autopar import api
-
-    trial = api._Trial()
-    assert trial.verdict() is None
-    # compiled first, alternating; the first of each way warms up (a slow first plain call)
-    times = (0.1, 500.0, 3.0, 2.0, 3.0, 2.0, 0.1, 2.0, 0.1, 9.0, 3.0, 9.0)
-    assert len(times) == 2 * api.TRIAL_CALLS
-    for t in times:
-        trial.calls.append((trial._count(True) < trial._count(False), t, []))
-    # plain: median 2.0 (5.5 with its warm-up); compiled: median 3.0 (1.55 with its warm-up)
-    assert trial.verdict() is True
+    verdicts = [r.getMessage() for r in caplog.records if " kept for " in r.getMessage()]
+    assert verdicts == [f"autopar: branches: eager kept for shapes ({side}, {side}), "
+                        f"({side}, {side}) (medians: eager 1 s, autopar 2 s)"]
+    assert compiled.runner.planned == 1
+    assert not compiled.trials
+    assert len(compiled.plain_signatures) == 1
 
 
 def test_a_function_another_torch_compile_left_without_a_graph_runs_plain():
@@ -448,19 +434,22 @@ def test_a_function_another_torch_compile_left_without_a_graph_runs_plain():
     compiled = autopar.compile(f, devices="cpu:0")
     for _ in range(3):
         torch.testing.assert_close(compiled(A, torch.empty(4, 3), r0, r1), A[2:6])
-    assert compiled.autopar_runner.graphs == 0
+    assert compiled.runner.graphs == 0
     assert len(compiled.plain_signatures) == 1
 
 
-def test_a_function_autopar_places_keeps_going_through_autopar():
+def test_a_function_autopar_places_keeps_going_through_autopar_where_it_measured_faster(
+        monkeypatch):
+    monkeypatch.setattr(choose, "_clock", trial_clock(eager=2.0, autopar=1.0))
     compiled = autopar.compile(lambda a, b: (a @ a, b @ b), devices="cpu:0,cpu:1",
                                policy="round_robin")
     a, b = torch.randn(64, 64), torch.randn(64, 64)
-    for _ in range(3):
+    for _ in range(2 + 2 * choose.TRIAL_CALLS):
         got = compiled(a, b)
         torch.testing.assert_close(got[0], a @ a)
-    assert compiled.autopar_runner.planned == 1
-    assert not compiled.plain_signatures
+    assert compiled.runner.planned == 1
+    assert not compiled.plain_signatures and compiled.kept_way((a, b)) == "autopar"
+    assert compiled.only is compiled.compiled  # settled: no key is built any more
 
 
 def test_a_dynamic_training_graph_is_placed_per_shape_forward_and_backward():
@@ -510,123 +499,6 @@ def test_the_argument_key_tells_apart_what_decides_a_plan():
     assert _signature((x, [w]), {}) is None  # autograd would record it
     with torch.no_grad():
         assert _signature((x, [w]), {}) is not None
-
-
-def test_a_trial_counts_each_gpus_queued_work_and_waits_for_it(monkeypatch):
-    """A call's time is the longer of its host time and the GPU time between the events
-    recorded around it; no verdict while an event has not completed (no sync is made)."""
-    from autopar import api
-
-    class Event:
-        done = False
-
-        def __init__(self, enable_timing: bool = False) -> None:
-            self.at = None
-
-        def record(self, stream) -> None:
-            self.at = stream.now
-
-        def query(self) -> bool:
-            return Event.done
-
-        def elapsed_time(self, end) -> float:  # milliseconds, as torch's
-            assert Event.done
-            return (end.at - self.at) * 1e3
-
-    class Stream:
-        now = 0.0
-
-    stream = Stream()
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda i: stream)
-    monkeypatch.setattr(api, "_clock", trial_clock(plain_s=1.0, compiled_s=2.0))
-
-    def plain(x):  # its host time is 1 s, but it queues 5 s of GPU work
-        stream.now += 5.0
-        return x
-
-    def compiled(x):  # 2 s on the host, 2 s on the GPU
-        stream.now += 2.0
-        return x
-
-    trial = api._Trial(gpus=(0,))
-    for _ in range(2 * api.TRIAL_CALLS):
-        trial.run(plain, compiled, (1,), {})
-    assert trial.verdict() is None  # the GPU work is still queued
-    Event.done = True
-    assert trial.verdict() is False  # plain: max(1, 5) = 5 s a call; compiled: 2 s
-
-
-def test_a_trial_waits_for_a_gpu_one_call_behind_without_timing_more_calls(monkeypatch):
-    """A GPU runs behind the host: the events of a call complete only once the next call has
-    recorded its own. The trial times ``2 * TRIAL_CALLS`` calls, then runs ``compiled``
-    untimed until those calls' events complete, and gives its verdict then (timing every call
-    while waiting would record new pending events each call: no verdict, ever)."""
-    from autopar import api
-
-    class Event:
-        recorded = 0
-
-        def __init__(self, enable_timing: bool = False) -> None:
-            self.index = None
-
-        def record(self, stream) -> None:
-            self.index = Event.recorded
-            Event.recorded += 1
-
-        def query(self) -> bool:  # complete once two more events were recorded after it
-            return Event.recorded > self.index + 2
-
-        def elapsed_time(self, end) -> float:
-            return 0.0
-
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda i: None)
-    monkeypatch.setattr(api, "_clock", trial_clock(plain_s=1.0, compiled_s=2.0))
-    ran = []
-    trial = api._Trial(gpus=(0,))
-    verdict = None
-    for _ in range(4 * api.TRIAL_CALLS):
-        trial.run(lambda: ran.append("plain"), lambda: ran.append("compiled"), (), {})
-        verdict = trial.verdict()
-        if verdict is not None:
-            break
-        if Event.recorded == 4 * api.TRIAL_CALLS:  # the GPU catches up once the host waits
-            Event.recorded += 2
-    assert verdict is True  # plain 1 s a call, compiled 2 s
-    assert len(trial.calls) == 2 * api.TRIAL_CALLS
-    assert ran[2 * api.TRIAL_CALLS:] == ["compiled"] * (len(ran) - 2 * api.TRIAL_CALLS)
-    assert len(ran) > 2 * api.TRIAL_CALLS  # the verdict did wait for the last events
-
-
-def test_a_trial_times_only_the_gpus_each_way_touches(monkeypatch):
-    """A plan that runs on the host alone is timed by the host clock; the plain call (eager's
-    code) by the host clock and the GPUs eager uses."""
-    from autopar import api
-
-    recorded: list[int] = []
-
-    class Event:
-        def __init__(self, enable_timing: bool = False) -> None:
-            pass
-
-        def record(self, stream) -> None:
-            recorded.append(stream)
-
-        def query(self) -> bool:
-            return True
-
-        def elapsed_time(self, end) -> float:
-            return 0.0
-
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda i: i)
-    monkeypatch.setattr(api, "_clock", trial_clock(plain_s=1.0, compiled_s=2.0))
-    trial = api._Trial(gpus=(0,), compiled_gpus=())
-    trial.run(lambda: None, lambda: None, (), {})  # through compiled: no event
-    assert recorded == []
-    trial.run(lambda: None, lambda: None, (), {})  # plain: before and after, on cuda:0
-    assert recorded == [0, 0]
 
 
 def test_the_runner_knows_which_gpus_each_way_touches():

@@ -9,24 +9,19 @@ Policy
   host's intra-op threads (autopar sets no thread count: in PyTorch that is process-wide
   state, inherited by every thread started later), so a second one pays only where ops leave
   cores idle.
-- The compiled callable is ``torch.compile(fn, backend=<autopar>)``: every graph dynamo
-  captures goes through :func:`make_runner` (place, plan, run); anything autopar can't
-  represent runs eagerly for that graph (see :mod:`autopar.capture.fx`). Shapes: the first call's
-  are static; when a later call brings new ones and dynamo makes the graph dynamic, each
-  concrete signature gets its own static graph at its first call (:mod:`autopar.capture.shapes`).
-  (``dynamic=False`` would do the same through dynamo, at ~4 us a call: it patches dynamo's
-  config around every call, while a static graph costs autopar nothing after capture.) It is
-  traced with
-  ``.item()`` and tensor slice bounds kept in the graph (dynamo's ``capture_scalar_outputs``,
-  switched on around each call), so that they are placed instead of breaking the graph.
-- Nothing to gain, nothing added: while every graph autopar built for a function runs as eager
-  does (:func:`~autopar.schedule.simulate.runs_as_eager`: eager's placement, nothing to overlap,
-  nothing fused), a call whose argument signature was seen before calls the function itself, without
-  dynamo (:func:`_plain_when_nothing_to_gain`): dynamo's own per-call cost is more than a
-  small function's whole eager call on a GPU host. Where capture folded constants, or a placed
-  plan predicts a call under a millisecond, a few calls each way are timed first, and the
-  faster way keeps that signature.
-  Modules, traced functions and calls whose tensors autograd records always go through dynamo.
+- What ``compile`` returns is a :class:`Dispatcher` (for a module: put in its ``forward``):
+  per argument signature it runs the way the measured choice (:mod:`autopar.choose`) kept:
+  the function itself (eager), ``torch.compile(fn)``'s default (Inductor), or autopar's
+  graphs. autopar's way is ``torch.compile(fn, backend=<autopar>)``: every graph dynamo
+  captures goes through :class:`Runner` (place, plan, run); anything autopar can't represent
+  runs eagerly for that graph (see :mod:`autopar.capture.fx`), and a functional graph whose
+  plan fails where eager does not runs as eager's sequence from then on (:class:`_FallsBack`).
+  Shapes: the first call's are static; when a later call brings new ones and dynamo makes the
+  graph dynamic, each concrete signature gets its own static graph at its first call
+  (:mod:`autopar.capture.shapes`). It is traced with ``.item()`` and tensor slice bounds kept
+  in the graph (dynamo's ``capture_scalar_outputs``, switched on around each call), so that
+  they are placed instead of breaking the graph.
+- ``trace`` set: every call is autopar's (the timelines are of its plans).
 """
 
 from __future__ import annotations
@@ -35,8 +30,6 @@ import functools
 import logging
 import os
 import re
-import statistics
-import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
@@ -44,10 +37,10 @@ from typing import Any
 
 import torch
 
+from .choose import WAYS, Trial, candidates, inductor_compiles_for
 from .ir.graph import LOCAL_SCALAR_DENSE, Graph
-from .schedule.simulate import TRIAL_MAX_S
 
-__all__ = ["Options", "compile", "parse_devices"]
+__all__ = ["Dispatcher", "Options", "compile", "dispatcher_of", "parse_devices"]
 
 log = logging.getLogger("autopar")
 
@@ -111,6 +104,7 @@ class Options:
     trace: bool | str = False  # True: record timelines; a path: also write a Chrome trace there
     fuse: bool | str = "auto"  # Inductor fuses each device's regions: "auto" on GPUs, True: all
     cuda_graphs: bool | str = "auto"  # replay GPU segments as CUDA graphs (static shapes)
+    candidates: tuple[str, ...] = WAYS  # the ways the measured choice may keep
 
     @staticmethod
     def parse(options: dict[str, Any]) -> Options:
@@ -131,7 +125,20 @@ class Options:
         cuda_graphs = _tristate(options, "cuda_graphs")
         return Options(devices=devices, policy=policy, machine=options.get("machine"),
                        trace=os.fspath(trace) if isinstance(trace, os.PathLike) else trace,
-                       fuse=fuse, cuda_graphs=cuda_graphs)
+                       fuse=fuse, cuda_graphs=cuda_graphs,
+                       candidates=_candidates(options.get(
+                           "candidates", os.environ.get("AUTOPAR_CANDIDATES", "auto"))))
+
+
+def _candidates(value: Any) -> tuple[str, ...]:
+    if value == "auto":
+        return WAYS
+    items = [v.strip() for v in value.split(",")] if isinstance(value, str) else list(value)
+    unknown = [v for v in items if v not in WAYS]
+    if unknown or not items:
+        raise ValueError(f"candidates must be 'auto' or some of {', '.join(WAYS)}, "
+                         f"not {value!r}")
+    return tuple(w for w in WAYS if w in items)
 
 
 def _tristate(options: dict[str, Any], name: str) -> bool | str:
@@ -160,6 +167,8 @@ class Runner:
         # ...of them, those capture had already computed part of (autopar.capture.fold)
         self.folded = 0
         self.reads_scalars = False  # whether any of them reads a value to the host (.item())
+        self.gpus = _cuda_indices(options.devices)  # GPU indices autopar may use
+        self.inductor_can = inductor_compiles_for(options.devices, options.fuse)
 
     def planned_s(self) -> float:
         """The predicted seconds of one call of every graph the executor runs."""
@@ -245,9 +254,39 @@ class Runner:
                       "nothing to overlap", graph.name)
             executor.runs_as = "eager's sequence"
             return SequentialRunner(graph, plan)
-        if isinstance(options.trace, str):
-            return _tracing(executor, options.trace)
-        return executor
+        run = _tracing(executor, options.trace) if isinstance(options.trace, str) else executor
+        if any(n.writes for n in graph.ops):
+            return run  # a failure may have applied part of the call: it is the user's to see
+        return _FallsBack(run, graph)
+
+
+class _FallsBack:
+    """A functional graph's runner that, where autopar's program fails, runs the graph as
+    eager's sequence of ops from then on, with the reason logged once. A graph that writes
+    nothing has applied nothing when it fails, so running it again is safe; where eager's
+    sequence fails too, that error is the user's, raised as eager raises it."""
+
+    def __init__(self, run: Callable, graph: Graph) -> None:
+        self.run = run
+        self.graph = graph
+        self.plan = getattr(run, "plan", None)  # the plan it runs, as an Executor says
+        self.eager: Callable | None = None
+
+    def __call__(self, args: Sequence[Any]) -> Any:
+        if self.eager is not None:
+            return self.eager(args)
+        try:
+            return self.run(args)
+        except Exception as e:
+            from .runtime import SequentialRunner
+
+            eager = SequentialRunner(self.graph)
+            out = eager(args)  # raises the user's error where eager fails too
+            self.eager = eager
+            log.warning("autopar: %s runs as eager's sequence from now on: its plan failed "
+                        "where eager does not: %s: %s", self.graph.name, type(e).__name__,
+                        _first_line(e))
+            return out
 
 
 def _cuda_indices(devices: Iterable[str]) -> frozenset[int]:
@@ -282,7 +321,9 @@ def compile(fn: Callable, **options: Any) -> Callable:
     compiles the fusible regions of GPU programs; True: of every program, CPU workers too;
     False: every op runs as its own ATen call), ``cuda_graphs`` ("auto": GPU segments with
     static shapes are replayed as CUDA graphs where that pays; True: every capturable one;
-    False: never).
+    False: never), ``candidates`` (the ways the measured choice may keep: "auto" for
+    eager, inductor and autopar, or a list of them, e.g. ``["eager", "autopar"]``; default
+    ``$AUTOPAR_CANDIDATES``; see :mod:`autopar.choose`).
     """
     if not callable(fn):
         raise TypeError(
@@ -294,9 +335,15 @@ def compile(fn: Callable, **options: Any) -> Callable:
     runner.cost_model()  # resolve (and if need be calibrate) the machine now, not mid-trace
     compiled = capturing_scalars(torch.compile(fn, backend=make_backend(runner)),
                                  needed=lambda: not runner.graphs or runner.reads_scalars)
-    if isinstance(fn, torch.nn.Module) or opts.trace:
+    if opts.trace:  # timelines are of autopar's plans: every call is autopar's
         return compiled
-    return _plain_when_nothing_to_gain(fn, compiled, runner)
+    if isinstance(fn, torch.nn.Module):
+        module = fn
+        compiled.forward = Dispatcher(  # type: ignore[method-assign]
+            module.__call__, compiled.forward, runner,
+            inductor=lambda: torch.compile(module).forward, key_extra=lambda: module.training)
+        return compiled
+    return Dispatcher(fn, compiled, runner, inductor=lambda: torch.compile(fn))
 
 
 _PLAIN = (int, float, bool, str, type(None))
@@ -381,169 +428,159 @@ def _same_signature(values: Sequence[Any], refs: Sequence[Any], metas: Sequence[
     return i
 
 
-TRIAL_CALLS = 6
-"""Calls of each way a signature is timed (see :func:`_plain_when_nothing_to_gain`); the first
-of each way warms up and is not counted."""
-
-_clock = time.perf_counter  # the trial's host clock (tests replace it)
 _grad_enabled = torch.is_grad_enabled
 
 
-class _Trial:
-    """Times a signature's calls both ways, alternating: through ``compiled`` and plain.
+class Dispatcher:
+    """What :func:`compile` returns for a function (and puts in a module's ``forward``): each
+    call goes the way the measured choice (:mod:`autopar.choose`) kept for its argument
+    signature (:func:`_signature`; arguments that can't be keyed share one entry).
 
-    The first call each way warms up and is not counted (caches, kernels loaded on first use:
-    on 2xH200, W2's first plain call took 42 ms, the next ones 40-100 us).
-    A call's time is the longer of its host time and, on each GPU the way touches (``gpus``
-    plain, ``compiled_gpus`` through ``compiled``), the time between CUDA events recorded on
-    the current stream before and after it: the GPU work it queued, without syncing anything.
-    A GPU the way leaves idle is not timed: on 2xH200, timed with events on both GPUs, the
-    host-only plan of W3/100x200x100 with host data measured 3.1-5.5 ms a call during its
-    trial (35 us once timed by the suite), and the plain call won the trial. A verdict waits
-    for those events to complete; calls made meanwhile go through ``compiled``, untimed, so
-    that the events waited for are a fixed set (a timed call records new ones, which the GPU
-    has not reached when the verdict is asked for right after it)."""
+    A new signature goes through autopar first (``autopar``: capture, place, plan), so that
+    the candidates can be pruned by what capture found; then, with more than one candidate,
+    its next calls are a :class:`~autopar.choose.Trial`; the verdict is kept and logged.
+    Once one compiled way serves every signature seen and no trial is open, calls go straight
+    to it without a key (``only``): a new shape then runs that way, correctly, unchosen.
 
-    def __init__(self, gpus: Sequence[int] = (), compiled_gpus: Sequence[int] | None = None
+    A call with the very tensors of the latest plain (``eager``) call, held by weak
+    references (in lists and tuples too: no other arguments, the same grad mode), is plain
+    without building its key; a tensor that is not the same object is compared by what the
+    key holds of it (shape, dtype, device; not one autograd records), so a new batch each
+    call with the same weights checks one tensor's metadata. That check allocates nothing: on
+    2xH200 an allocating one (``tuple(map(id, args))``) measured 2.5-4 us a call between a GPU
+    workload's launches, the identity loop ~0.3 us (benchmarks/NOTES.md, cf4708b). A tensor
+    whose shape was changed in place (``resize_``) since keeps its signature: at most a
+    missed choice, never a wrong result, since every way computes eager's function.
+    """
+
+    def __init__(self, fn: Callable, compiled: Callable, runner: Runner,
+                 inductor: Callable[[], Callable], key_extra: Callable[[], Any] | None = None
                  ) -> None:
-        self.gpus = tuple(gpus)
-        self.compiled_gpus = self.gpus if compiled_gpus is None else tuple(compiled_gpus)
-        self.calls: list[tuple[bool, float, list[tuple[Any, Any]]]] = []
-        self.times: dict[bool, list[float]] = {}  # seconds of the timed calls, by plain-ness
+        self.fn = fn  #: the eager way: the function (or the module's ``__call__``) itself
+        self.compiled = compiled  #: the autopar way
+        self.runner = runner
+        self._make_inductor = inductor  # builds torch.compile(fn) at its first use
+        self._inductor: Callable | None = None
+        self.key_extra = key_extra  # what else decides a call's graphs (a module's .training)
+        self.kept: dict[Any, str] = {}  #: signature -> the way that runs it
+        self.trials: dict[Any, Trial] = {}  #: signature -> its open trial
+        self.only: Callable | None = None  #: the one way every call takes, once settled
+        # the latest plain call: its grad mode, weak references to its tensors (in order),
+        # and each tensor's metadata
+        self._last_grad: bool | None = None
+        self._last_refs: list[weakref.ref] = []
+        self._last_metas: list[tuple] = []
+        functools.update_wrapper(self, fn)
 
-    def _count(self, as_plain: bool) -> int:
-        return sum(c[0] == as_plain for c in self.calls)
+    @property
+    def plain_signatures(self) -> set:
+        """The signatures whose calls are plain."""
+        return {k for k, w in self.kept.items() if w == "eager"}
 
-    def _all_timed(self) -> bool:  # plain calls come second: their count is the last to reach
-        return self._count(True) >= TRIAL_CALLS
+    def kept_way(self, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> str | None:
+        """The way kept for calls with these arguments (None while undecided)."""
+        key = _signature(args, kwargs or {})
+        if key is not None and self.key_extra is not None:
+            key = (*key, self.key_extra())
+        return self.kept.get(key)
 
-    def run(self, fn: Callable, compiled: Callable, args: Any, kwargs: Any) -> Any:
-        if self._all_timed():  # waiting for their GPU work
-            return compiled(*args, **kwargs)
-        as_plain = self._count(True) < self._count(False)
-        marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
-                  torch.cuda.current_stream(i))
-                 for i in (self.gpus if as_plain else self.compiled_gpus)]
-        for begin, _, stream in marks:
-            begin.record(stream)
-        start = _clock()
-        out = (fn if as_plain else compiled)(*args, **kwargs)
-        host = _clock() - start
-        for _, end, stream in marks:
-            end.record(stream)
-        self.calls.append((as_plain, host, [(b, e) for b, e, _ in marks]))
+    def way(self, name: str) -> Callable:
+        if name == "eager":
+            return self.fn
+        if name == "autopar":
+            return self.compiled
+        if self._inductor is None:
+            self._inductor = self._make_inductor()
+        return self._inductor
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.only is not None:
+            return self.only(*args, **kwargs)
+        refs = self._last_refs
+        if refs and not kwargs and self._last_grad == _grad_enabled() and \
+                _same_signature(args, refs, self._last_metas, 0, self._last_grad) == len(refs):
+            return self.fn(*args)  # the latest plain call's tensors, or new ones like them
+        key = _signature(args, kwargs)
+        if key is not None and self.key_extra is not None:
+            key = (*key, self.key_extra())
+        way = self.kept.get(key)
+        if way == "eager":
+            if key is not None and not kwargs:
+                self._remember(args)
+            return self.fn(*args, **kwargs)
+        if way is not None:
+            return self.way(way)(*args, **kwargs)
+        trial = self.trials.get(key)
+        if trial is not None:
+            return self._tried(key, trial, args, kwargs)
+        out = self.compiled(*args, **kwargs)  # a new signature: autopar captures it first
+        runner = self.runner
+        ways = candidates(autopar_differs=bool(runner.planned or runner.folded),
+                          inductor_can=runner.inductor_can)
+        ways = tuple(w for w in ways if w in runner.options.candidates)
+        if len(ways) <= 1:
+            self._keep(key, ways[0] if ways else "autopar")
+        else:
+            touched = runner.gpus_touched()
+            eager_gpus, ours = touched if touched is not None else (runner.gpus, runner.gpus)
+            self.trials[key] = Trial({w: ours if w == "autopar" else eager_gpus for w in ways})
         return out
 
-    def verdict(self) -> bool | None:
-        """None while calls remain (or their GPU work is still queued); then whether the
-        plain call was faster (medians)."""
-        if not self._all_timed():
-            return None
-        if not all(end.query() for _, _, marks in reversed(self.calls) for _, end in marks):
-            return None
-        times: dict[bool, list[float]] = {True: [], False: []}
-        for as_plain, host, marks in self.calls[2:]:  # the first call of each way warms up
-            gpu = max((b.elapsed_time(e) / 1e3 for b, e in marks), default=0.0)
-            times[as_plain].append(max(host, gpu))
-        self.times = times
-        return statistics.median(times[True]) < statistics.median(times[False])
+    def _tried(self, key: Any, trial: Trial, args: tuple, kwargs: dict) -> Any:
+        try:
+            out = trial.run(self.way, args, kwargs)
+        except torch._dynamo.exc.TorchDynamoException as e:  # failed compiling: nothing ran
+            way = trial.next_way()
+            if way in (None, "eager"):
+                raise
+            trial.drop(way, f"{type(e).__name__}: {_first_line(e)}")
+            log.warning("autopar: %s: the %s way failed where eager does not, and is left "
+                        "out: %s", _name(self.fn), way, trial.dropped[way])
+            out = self.fn(*args, **kwargs)
+        won = trial.verdict()
+        if won is not None:
+            del self.trials[key]
+            log.info("autopar: %s: %s kept for %s (medians: %s)", _name(self.fn), won,
+                     _describe(key), trial.summary())
+            self._keep(key, won)
+        return out
 
+    def _keep(self, key: Any, way: str) -> None:
+        self.kept[key] = way
+        if not self.trials and len(set(self.kept.values())) == 1 and way != "eager":
+            self.only = self.way(way)  # one compiled way serves every call: no key needed
 
-def _rounded(seconds: list[float]) -> list[float]:
-    return [float(f"{t:.3g}") for t in seconds]
-
-
-def _plain_when_nothing_to_gain(fn: Callable, compiled: Callable, runner: Runner) -> Callable:
-    """``compiled``, except that a call whose signature (:func:`_signature`) was seen before
-    calls ``fn`` itself while every graph autopar built for the function runs as eager does
-    (:func:`~autopar.schedule.simulate.runs_as_eager`, or graphs autopar can't represent): running
-    it through dynamo would only add dynamo's own per-call cost (tens of microseconds on a GPU
-    host, more than a small function's whole eager call) to eager's sequence of ops. Graph
-    breaks, and calls dynamo runs without any graph (a frame it skips, e.g. one another
-    ``torch.compile`` of the same function found nothing to capture in), don't matter: dynamo
-    then runs the function's own Python, as a plain call does. Each new signature goes through
-    ``compiled`` once, so a shape that autopar can speed up is placed; the decision is per
-    signature, not per global state the function reads (a closed-over flag that changes the
-    graph is not seen: such a call runs eagerly, correct, unplaced).
-
-    Where the plain call might still win, the next ``2 * TRIAL_CALLS`` calls of a signature
-    alternate between both ways, timed (:class:`_Trial`: host time, and the GPU work each
-    call queued, measured with CUDA events, no sync), and the faster median keeps that
-    signature from then on: where capture folded constants (:mod:`autopar.capture.fold`: ``a1 * A +
-    a1 ** 2`` computed as ``A * 10.0 + 100.0``, which the plain call computes again), and
-    where a placed plan predicts a call under ``TRIAL_MAX_S``, so that dynamo's per-call cost
-    is a large part of it (W2 on 2xH200: 44.5 us through dynamo and a fused kernel, 28.1 us
-    eager; W3/5x10x5 with host data: 20 us on the host through dynamo, 53 us eager). Both ways
-    give eager's values (folding is bit for bit eager's; a placed plan, within the op's
-    tolerance across devices). A cost model that mispredicts this host then costs at most the
-    trial's calls.
-
-    A call with the very tensors of the latest plain call (the same objects, held by weak
-    references, in lists and tuples too: no other arguments, the same grad mode) is plain
-    without building its key (two_tower passes ten tensors, its key costs 6 us). That
-    check allocates nothing: on 2xH200 an allocating one (``tuple(map(id, args))``, 0.22 us
-    alone) measured 2.5-4 us a call when run between a GPU workload's launches, the identity
-    loop ~0.3 us. A tensor that is not the same object is compared by what the key holds of
-    it (shape, dtype, device; not one autograd records): a new batch each call with the same
-    weights checks one tensor's metadata, not all of them. A tensor whose shape was changed in
-    place (``resize_``, ``t_``) since then keeps its signature, and lists and tuples are not
-    told apart: such a call stays plain, eager's result, at most a missed placement.
-    """
-    plain: set[tuple] = set()
-    trials: dict[tuple, _Trial] = {}
-    # the latest plain call's grad mode, weak references to its tensors (in lists and tuples
-    # too, in order) and each tensor's metadata
-    last: list[Any] = [None, (), ()]
-
-    def remember(args: tuple) -> None:
+    def _remember(self, args: tuple) -> None:
         flat: list[torch.Tensor] = []
         if args and _tensors_in(args, flat):
-            last[:] = [torch.is_grad_enabled(), [weakref.ref(a) for a in flat],
-                       [_meta(a) for a in flat]]
+            self._last_grad = torch.is_grad_enabled()
+            self._last_refs = [weakref.ref(a) for a in flat]
+            self._last_metas = [_meta(a) for a in flat]
 
-    gpus = _cuda_indices(runner.options.devices)
-    placed = [False]  # once a graph runs on the executor, no call is plain again: no key needed
 
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if placed[0]:
-            return compiled(*args, **kwargs)
-        refs = last[1]
-        if refs and not kwargs and last[0] == _grad_enabled() and \
-                _same_signature(args, refs, last[2], 0, last[0]) == len(refs):
-            return fn(*args)  # the latest plain call's tensors, or new ones like them
-        key = _signature(args, kwargs)
-        if key is not None and key in plain:
-            if not kwargs:
-                remember(args)
-            return fn(*args, **kwargs)
-        trial = trials.get(key) if key is not None else None
-        if trial is not None:
-            out = trial.run(fn, compiled, args, kwargs)
-            won = trial.verdict()
-            if won is not None:
-                del trials[key]
-                log.debug("autopar: %s: plain calls %s for %s (seconds, plain %s, through "
-                          "autopar %s)", getattr(fn, "__name__", fn),
-                          "faster" if won else "slower", key,
-                          _rounded(trial.times[True]), _rounded(trial.times[False]))
-                if won:
-                    plain.add(key)
-                elif not trials and not plain:
-                    placed[0] = True  # the only signature goes through dynamo: no key needed
-            return out
-        out = compiled(*args, **kwargs)
-        if runner.planned and (key is None or runner.planned_s() > TRIAL_MAX_S):
-            placed[0] = True
-        elif key is not None:
-            if runner.folded or runner.planned:
-                touched = runner.gpus_touched()
-                trials[key] = _Trial(*touched) if touched is not None else _Trial(gpus)
-            else:
-                plain.add(key)
-        return out
+def dispatcher_of(fn: Any) -> Dispatcher | None:
+    """The :class:`Dispatcher` of what :func:`compile` returned (a module's is its forward)."""
+    for f in (fn, getattr(fn, "forward", None)):
+        if isinstance(f, Dispatcher):
+            return f
+    return None
 
-    call.autopar_runner = runner  # type: ignore[attr-defined]
-    call.plain_signatures = plain  # type: ignore[attr-defined]
-    call.timed_signatures = trials  # type: ignore[attr-defined]
-    return call
+
+def _name(fn: Any) -> str:
+    owner = getattr(fn, "__self__", None)  # a module's __call__: the module's class
+    if isinstance(owner, torch.nn.Module):
+        return type(owner).__name__
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _describe(key: Any) -> str:
+    """A signature for the log: its shapes."""
+    if key is None:
+        return "calls that can't be keyed"
+    shapes = [tuple(k) for k in key if isinstance(k, torch.Size)]
+    return "shapes " + ", ".join(map(str, shapes)) if shapes else "these arguments"

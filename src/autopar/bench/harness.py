@@ -544,15 +544,18 @@ def _used_by_autopar(fn: Callable[..., Any], args: tuple, ctx: Context) -> str:
     function itself, else the devices its placed plans put ops on (eager's devices where every
     graph ran as eager's sequence); for what keeps no such record (``data_parallel``), the
     devices it was given."""
-    runner = getattr(fn, "autopar_runner", None)
-    if runner is None:
-        return ",".join(ctx.devices)
-    from ..api import _signature
+    from ..api import dispatcher_of
 
-    if _signature(args, {}) in getattr(fn, "plain_signatures", ()):
+    d = dispatcher_of(fn)
+    if d is None:
+        return ",".join(ctx.devices)
+    way = d.kept_way(args)
+    if way == "eager":
         return "plain"
-    used = {d for e in runner.executors if e.runs_as == "executor"
-            for d, ops in e.plan.placement.order.items() if ops}
+    if way == "inductor":
+        return "inductor"
+    used = {e for ex in d.runner.executors if ex.runs_as == "executor"
+            for e, ops in ex.plan.placement.order.items() if ops}
     return ",".join(sorted(used)) if used else "eager's"
 
 
@@ -583,8 +586,11 @@ def settle(fn: Callable[..., Any], args: tuple, calls: int) -> None:
     timed trials are over; at most ``SETTLE_CALLS`` calls), as compiling is done before timing
     for ``torch.compile``: samples then time the way it keeps, and the calls per sample are
     chosen from a call of that way, not from a trial's slower one."""
+    from ..api import dispatcher_of
+
+    d = dispatcher_of(fn)
     for _ in range(SETTLE_CALLS):
-        if not getattr(fn, "timed_signatures", None):
+        if d is None or not d.trials:
             return
         _call(fn, args, calls)
 

@@ -1,0 +1,150 @@
+"""The measured choice: which way runs a function's calls, decided per argument signature.
+
+Policy (one place decides "is autopar's plan better than what the user would otherwise run?")
+- The ways (candidates) of a function compiled by :func:`autopar.compile`:
+
+  ``eager``     the function itself, plain Python: no dynamo, eager's ops;
+  ``inductor``  ``torch.compile(fn)`` with its defaults: the graphs fused whole by Inductor on
+                eager's placement (what a user would otherwise pick);
+  ``autopar``   autopar's graphs: placed plans, folded constants, fused regions.
+
+- Predictions prune, measurement decides (:func:`candidates`):
+  ``autopar`` is a candidate only where it can differ from eager's sequence: a graph runs on
+  the executor (placed off eager's devices, overlapped or fused) or capture folded constants;
+  otherwise its calls are eager's ops plus dynamo's per-call cost. ``inductor`` is one where
+  Inductor compiles for the devices involved (any GPU; the host only with a C++ compiler) and
+  fusion is allowed (``fuse`` not False). A lone candidate is kept without timing.
+- A trial (:class:`Trial`): the next calls of a new signature go round the candidates; each
+  way's first call warms up (compiles, loads kernels) and is not counted, then ``TRIAL_CALLS``
+  calls of each are timed. A call's time is the longer of its host time and, on each GPU the
+  way touches, the GPU work it queued (CUDA events, no sync). The fastest median keeps the
+  signature. Every way is a correct one (eager, or dynamo-guarded compiled code), so a trial
+  changes speed, never results beyond the tolerance between eager and a fused kernel.
+- What a call does is what is timed: a training step written as one function (forward,
+  backward, optimizer step) is timed whole; a module's forward, called alone, is its forward.
+- A way that fails where eager would not (an internal or compile error before the function
+  ran) is dropped for that signature, with the reason logged once, and the call runs eagerly.
+
+Glossary: a *way* is a name above; ``Trial.calls`` the timed calls ``(way, host_s, [(begin,
+end) CUDA events])``; ``Trial.times`` each way's counted seconds once decided.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .ir.units import fmt_seconds
+from .runtime.fuse import cpu_fusion_unavailable
+
+__all__ = ["TRIAL_CALLS", "WAYS", "Trial", "candidates"]
+
+log = logging.getLogger("autopar")
+
+WAYS = ("eager", "inductor", "autopar")
+
+TRIAL_CALLS = 6
+"""Calls of each way a signature's trial makes; the first of each warms up and is not counted
+(caches, kernels loaded on first use: on 2xH200, W2's first plain call took 42 ms, the next ones
+40-100 us)."""
+
+_clock = time.perf_counter  # the trial's host clock (tests replace it)
+
+
+def candidates(autopar_differs: bool, inductor_can: bool) -> tuple[str, ...]:
+    """The ways worth a trial, in the order a trial runs them (see the module docstring)."""
+    ways = ["eager"]
+    if inductor_can:
+        ways.append("inductor")
+    if autopar_differs:
+        ways.append("autopar")
+    return tuple(ways)
+
+
+def inductor_compiles_for(devices: Sequence[str], fuse: bool | str) -> bool:
+    """Whether ``torch.compile``'s default (Inductor) is a candidate on ``devices``."""
+    if fuse is False:
+        return False
+    if any(d.startswith("cuda") for d in devices):
+        return True
+    return cpu_fusion_unavailable() is None
+
+
+class Trial:
+    """Times a signature's calls round the ways named in ``gpus`` (way -> the GPU indices it
+    touches: those timed with events; a GPU the way leaves idle is not timed, its events would
+    measure only the host's pace).
+
+    ``run`` calls the next way; ``verdict`` is None until every way's counted calls are timed
+    and their GPU work has completed, then the fastest way. Calls made while the verdict waits
+    for GPU work go to the way timed last, untimed, so that the events waited for are a fixed
+    set."""
+
+    def __init__(self, gpus: Mapping[str, Sequence[int]]) -> None:
+        self.ways = tuple(gpus)
+        self.gpus = {w: tuple(g) for w, g in gpus.items()}
+        self.calls: list[tuple[str, float, list[tuple[Any, Any]]]] = []
+        self.times: dict[str, list[float]] = {}  # counted seconds by way, once decided
+        self.dropped: dict[str, str] = {}  # way -> why it failed
+
+    def next_way(self) -> str | None:
+        """The way whose turn it is, or None once all are timed."""
+        live = [w for w in self.ways if w not in self.dropped]
+        counts = {w: 0 for w in live}
+        for way, _, _ in self.calls:
+            if way in counts:
+                counts[way] += 1
+        way = min(live, key=lambda w: counts[w])
+        return None if counts[way] >= TRIAL_CALLS else way
+
+    def run(self, way_of: Callable[[str], Callable], args: Sequence[Any],
+            kwargs: Mapping[str, Any]) -> Any:
+        """Call the way whose turn it is (``way_of(name)`` gives its callable)."""
+        way = self.next_way()
+        if way is None:  # waiting for the timed calls' GPU work
+            return way_of(self.calls[-1][0])(*args, **kwargs)
+        marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
+                  torch.cuda.current_stream(i)) for i in self.gpus[way]]
+        for begin, _, stream in marks:
+            begin.record(stream)
+        start = _clock()
+        out = way_of(way)(*args, **kwargs)
+        host = _clock() - start
+        for _, end, stream in marks:
+            end.record(stream)
+        self.calls.append((way, host, [(b, e) for b, e, _ in marks]))
+        return out
+
+    def drop(self, way: str, why: str) -> None:
+        """Take ``way`` out of the trial (it failed where eager would not)."""
+        self.dropped[way] = why
+        self.calls = [c for c in self.calls if c[0] != way]
+
+    def verdict(self) -> str | None:
+        """None while calls remain (or their GPU work is still queued); then the way with the
+        fastest median of its counted calls."""
+        if self.next_way() is not None:
+            return None
+        if not all(end.query() for _, _, marks in reversed(self.calls) for _, end in marks):
+            return None
+        times: dict[str, list[float]] = {}
+        seen: dict[str, int] = {}
+        for way, host, marks in self.calls:
+            seen[way] = seen.get(way, 0) + 1
+            if seen[way] == 1:
+                continue  # the first call of each way warms up
+            gpu = max((b.elapsed_time(e) / 1e3 for b, e in marks), default=0.0)
+            times.setdefault(way, []).append(max(host, gpu))
+        self.times = times
+        return min(times, key=lambda w: (statistics.median(times[w]), self.ways.index(w)))
+
+    def summary(self) -> str:
+        """Each way's median, for the log: ``eager 4.1 ms, inductor 2.2 ms``."""
+        parts = [f"{w} {fmt_seconds(statistics.median(t))}" for w, t in self.times.items()]
+        parts += [f"{w} failed ({why})" for w, why in self.dropped.items()]
+        return ", ".join(parts)

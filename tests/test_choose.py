@@ -1,0 +1,243 @@
+"""The measured choice (autopar.choose): candidates, trials, verdicts, failures."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+import autopar
+from autopar import choose
+from autopar.choose import TRIAL_CALLS, Trial, candidates
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+needs_cxx = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                               reason="Inductor's CPU code needs a C++ compiler")
+
+
+def test_candidates_are_pruned_by_what_capture_found():
+    assert candidates(autopar_differs=False, inductor_can=False) == ("eager",)
+    assert candidates(autopar_differs=True, inductor_can=False) == ("eager", "autopar")
+    assert candidates(autopar_differs=False, inductor_can=True) == ("eager", "inductor")
+    assert candidates(autopar_differs=True, inductor_can=True) == ("eager", "inductor",
+                                                                   "autopar")
+    assert not choose.inductor_compiles_for(["cuda:0"], fuse=False)
+    assert choose.inductor_compiles_for(["cpu:0", "cuda:0"], fuse="auto")
+
+
+def test_candidates_option_is_checked():
+    assert autopar.Options.parse({"candidates": "autopar,eager"}).candidates == ("eager",
+                                                                                  "autopar")
+    assert autopar.Options.parse({"candidates": "auto"}).candidates == choose.WAYS
+    with pytest.raises(ValueError, match="candidates must be 'auto' or some of eager"):
+        autopar.Options.parse({"candidates": ["eager", "tvm"]})
+
+
+def _timed(trial: Trial, seconds: list[float]) -> None:
+    """Fill ``trial`` with calls of the given host seconds, in the order it asks for them."""
+    for t in seconds:
+        trial.calls.append((trial.next_way(), t, []))
+
+
+def test_a_trial_goes_round_the_ways_and_keeps_the_fastest_median():
+    trial = Trial({"eager": (), "inductor": (), "autopar": ()})
+    assert trial.verdict() is None
+    # round the ways; the first of each warms up (a slow first inductor call: its compile)
+    per_way = {"eager": [0.1, 3.0, 3.0, 3.0, 3.0, 3.0], "inductor": [900.0, 2.0, 2.0, 9.0, 2.0,
+                                                                     2.0],
+               "autopar": [0.1, 0.5, 9.0, 9.0, 9.0, 9.0]}
+    order = [w for i in range(TRIAL_CALLS) for w in per_way]
+    assert [trial.next_way() for _ in range(1)] == ["eager"]
+    for i, way in enumerate(order):
+        assert trial.next_way() == way
+        trial.calls.append((way, per_way[way][i // 3], []))
+    assert trial.next_way() is None
+    assert trial.verdict() == "inductor"  # medians: eager 3, inductor 2, autopar 9
+    assert trial.summary() == "eager 3 s, inductor 2 s, autopar 9 s"
+
+
+def test_a_tie_keeps_the_earlier_way():
+    trial = Trial({"eager": (), "autopar": ()})
+    _timed(trial, [1.0] * (2 * TRIAL_CALLS))
+    assert trial.verdict() == "eager"
+
+
+class _FakeEvent:
+    """A CUDA event on a fake stream whose clock the test moves."""
+
+    done = False
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.at = None
+
+    def record(self, stream) -> None:
+        self.at = stream.now
+
+    def query(self) -> bool:
+        return _FakeEvent.done
+
+    def elapsed_time(self, end) -> float:  # milliseconds, as torch's
+        return (end.at - self.at) * 1e3
+
+
+class _Stream:
+    now = 0.0
+
+
+def _fake_clock(**seconds: float):
+    ways = [w for w in choose.WAYS if w in seconds]
+
+    def clock() -> float:
+        i = clock.reads
+        clock.reads += 1
+        if i % 2:
+            clock.now += seconds[ways[(i // 2) % len(ways)]]
+        return clock.now
+
+    clock.reads, clock.now = 0, 0.0
+    return clock
+
+
+def test_a_call_is_timed_by_the_longer_of_host_and_queued_gpu_work(monkeypatch):
+    """No verdict while an event has not completed (no sync is made); then eager's 5 s of GPU
+    work a call (1 s of host time) loses to autopar's 2 s."""
+    stream = _Stream()
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda i: stream)
+    monkeypatch.setattr(choose, "_clock", _fake_clock(eager=1.0, autopar=2.0))
+    monkeypatch.setattr(_FakeEvent, "done", False)
+
+    def eager():
+        stream.now += 5.0
+
+    def placed():
+        stream.now += 2.0
+
+    ways = {"eager": eager, "autopar": placed}
+    trial = Trial({"eager": (0,), "autopar": (0,)})
+    for _ in range(2 * TRIAL_CALLS):
+        trial.run(ways.__getitem__, (), {})
+    assert trial.verdict() is None  # the GPU work is still queued
+    monkeypatch.setattr(_FakeEvent, "done", True)
+    assert trial.verdict() == "autopar"
+
+
+def test_a_trial_waits_for_a_gpu_one_call_behind_without_timing_more_calls(monkeypatch):
+    """The events of a call complete only once the next call has recorded its own: after its
+    timed calls the trial runs the way timed last, untimed, until they complete (timing every
+    call while waiting would record new pending events each call: no verdict, ever)."""
+    class Event:
+        recorded = 0
+
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.index = None
+
+        def record(self, stream) -> None:
+            self.index = Event.recorded
+            Event.recorded += 1
+
+        def query(self) -> bool:
+            return Event.recorded > self.index + 2
+
+        def elapsed_time(self, end) -> float:
+            return 0.0
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda i: None)
+    monkeypatch.setattr(choose, "_clock", _fake_clock(eager=1.0, autopar=2.0))
+    ran: list[str] = []
+    ways = {"eager": lambda: ran.append("eager"), "autopar": lambda: ran.append("autopar")}
+    trial = Trial({"eager": (0,), "autopar": (0,)})
+    verdict = None
+    for _ in range(4 * TRIAL_CALLS):
+        trial.run(ways.__getitem__, (), {})
+        verdict = trial.verdict()
+        if verdict is not None:
+            break
+        if Event.recorded == 4 * TRIAL_CALLS:  # the GPU catches up once the host waits
+            Event.recorded += 2
+    assert verdict == "eager"
+    assert len(trial.calls) == 2 * TRIAL_CALLS
+    assert ran[2 * TRIAL_CALLS:] == ["autopar"] * (len(ran) - 2 * TRIAL_CALLS)
+    assert len(ran) > 2 * TRIAL_CALLS
+
+
+def test_a_trial_times_only_the_gpus_each_way_touches(monkeypatch):
+    recorded: list[int] = []
+
+    class Event(_FakeEvent):
+        def record(self, stream) -> None:
+            recorded.append(stream)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda i: i)
+    trial = Trial({"eager": (0,), "autopar": ()})
+    trial.run(lambda w: (lambda: None), (), {})  # eager: before and after, on cuda:0
+    assert recorded == [0, 0]
+    trial.run(lambda w: (lambda: None), (), {})  # autopar, host only: no event
+    assert recorded == [0, 0]
+
+
+def test_a_way_that_fails_compiling_is_left_out_and_the_call_runs_eagerly(monkeypatch, caplog):
+    """Inductor's way raising dynamo's error (here: an internal error) is dropped for that
+    signature, logged once; the call that failed runs eagerly and the trial goes on."""
+    def f(x):
+        return (x * 2).sin() + 1
+
+    def broken_inductor():
+        def fail(*args, **kwargs):
+            raise torch._dynamo.exc.InternalTorchDynamoError("the backend failed")
+        return fail
+
+    monkeypatch.setattr(choose, "_clock", _fake_clock(eager=1.0, inductor=0.5, autopar=2.0))
+    g = autopar.compile(f, candidates="eager,inductor")
+    g._make_inductor = broken_inductor
+    x = torch.randn(8)
+    with caplog.at_level(logging.WARNING, logger="autopar"):
+        for _ in range(1 + 2 * TRIAL_CALLS):
+            torch.testing.assert_close(g(x), f(x))
+    failed = [r.getMessage() for r in caplog.records if "failed where eager does not" in
+              r.getMessage()]
+    assert len(failed) == 1 and "the inductor way" in failed[0]
+    assert g.kept_way((x,)) == "eager"
+
+
+@needs_cxx
+def test_inductor_is_a_candidate_and_wins_where_it_measures_faster(monkeypatch):
+    """``candidates="auto"`` on this host (a C++ compiler: Inductor compiles CPU code): a
+    chain of pointwise ops runs eager, Inductor (torch.compile's default) and nothing of
+    autopar's own (one worker, nothing placed); with Inductor faster on the (fake) clock it is
+    kept, and every call equals eager."""
+    def chain(x):
+        for _ in range(8):
+            x = torch.tanh(x) * 0.5 + x
+        return x
+
+    monkeypatch.setattr(choose, "_clock", _fake_clock(eager=2.0, inductor=1.0))
+    g = autopar.compile(chain, candidates="auto")
+    x = torch.randn(64)
+    for _ in range(2 + 2 * TRIAL_CALLS):
+        torch.testing.assert_close(g(x), chain(x))
+    assert g.kept_way((x,)) == "inductor"
+    assert g.only is not None  # settled: calls go straight to Inductor's function
+
+
+def test_a_module_gets_the_measured_choice_too(monkeypatch):
+    """``autopar.compile(module)``: the module's forward is the dispatcher; its training flag
+    is part of the signature (train and eval trace other graphs)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(8, 2))
+    monkeypatch.setattr(choose, "_clock", _fake_clock(eager=1.0, autopar=2.0))
+    compiled = autopar.compile(model, devices="cpu:0,cpu:1", policy="round_robin")
+    d = autopar.api.dispatcher_of(compiled)
+    assert d is compiled.forward
+    x = torch.randn(4, 8)
+    model.eval()
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x), model(x))
+    model.train()
+    compiled(x).sum().backward()
+    assert len({k[-1] for k in [*d.kept, *d.trials]}) == 2  # eval and train apart
