@@ -1,0 +1,316 @@
+"""Real models, side by side: eager, ``torch.compile`` (default and reduce-overhead) and
+``autopar.compile``, per model and mode, accuracy first.
+
+    python benchmarks/models.py [MODEL ...] [--modes infer,bf16,train] [--size small]
+                                [--json out.json] [--variants eager,compile,autopar]
+
+Modes: ``infer`` (fp32 under ``no_grad``), ``bf16`` (``no_grad`` under
+``torch.autocast(<device>, torch.bfloat16)``), ``train`` (a step with ``torch.optim.AdamW``:
+zero_grad, loss, backward, step, compiled whole). Each (model, mode) runs in a process of its
+own (a crash or a hang costs one row): it checks every variant against eager (pass or fail,
+and why), then times those that passed in interleaved rounds (``measure_side_by_side``), after
+autopar's trials are over (``settle``); ``first_s`` is each variant's first call (for autopar:
+until its choice is settled). The table ends with the pass rate and, per mode, the geomean of
+autopar against eager, against ``torch.compile`` default and against the better of the two.
+Models come from ``autopar.bench.models`` (Hugging Face from small configs; torchvision and
+timm where installed). fp32 with TF32 off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MODES = ("infer", "bf16", "train")
+VARIANTS = ("eager", "compile", "compile-ro", "autopar")
+TOL = {"infer": 2e-3, "bf16": 5e-2, "train": 2e-3}
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _outputs(out: Any) -> list[torch.Tensor]:
+    from autopar.bench.models import flat_tensors
+
+    return [t.detach().float() for t in flat_tensors(out)]
+
+
+def _close(got: list[torch.Tensor], want: list[torch.Tensor], tol: float) -> str | None:
+    if len(got) != len(want):
+        return f"{len(got)} outputs, eager has {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g.shape != w.shape:
+            return f"output {i}: shape {tuple(g.shape)}, eager {tuple(w.shape)}"
+        err = ((g - w).norm() / w.norm().clamp_min(1e-12)).item()
+        if not err <= tol:
+            return f"output {i}: relative error {err:.2e} > {tol:g}"
+    return None
+
+
+def _variant(name: str, fn: Any) -> Any:
+    import autopar
+
+    if name == "eager":
+        return fn
+    if name == "compile":
+        return torch.compile(fn)
+    if name == "compile-ro":
+        return torch.compile(fn, mode="reduce-overhead")
+    return autopar.compile(fn)
+
+
+def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: int | None,
+            length: int, warm: bool = False) -> dict[str, Any]:
+    """One (model, mode): accuracy of each variant against eager, then their times."""
+    from autopar.api import dispatcher_of
+    from autopar.bench.harness import SETTLE_CALLS, in_process_compiles, measure_side_by_side
+    from autopar.bench.models import MODELS, available, inputs_for, loss_of
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    in_process_compiles()
+    m = MODELS[model_name]
+    row: dict[str, Any] = {"model": model_name, "mode": mode, "variants": {}}
+    why = available(m)
+    if why:
+        row["skipped"] = why
+        return row
+    dev = _device()
+    gpus = [torch.cuda.current_device()] if dev == "cuda" else []
+    b = batch or (8 if size == "small" else 3)
+    args, kwargs = inputs_for(m, size, batch=b, length=length, device=dev)
+    base = m.make(size).to(dev)
+    if mode == "train":
+        base.train()
+        for sub in base.modules():  # dropout draws differ between ways: compare without it
+            if isinstance(sub, torch.nn.Dropout):
+                sub.p = 0.0
+    prepared: dict[str, tuple[Any, tuple]] = {}
+    want: list[torch.Tensor] | None = None
+    for name in ["eager", *[v for v in variants if v != "eager"]]:
+        cell: dict[str, Any] = {}
+        row["variants"][name] = cell
+        try:
+            model = copy.deepcopy(base)
+            if mode == "train":
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+                def step(model=model, opt=opt):
+                    opt.zero_grad(set_to_none=True)
+                    loss = loss_of(model(*args, **kwargs))
+                    loss.backward()
+                    opt.step()
+                    return loss.detach()
+                fn = _variant(name, step)
+                call = fn
+            else:
+                compiled = _variant(name, model)
+                ctx = (lambda: torch.autocast(dev, dtype=torch.bfloat16)) if mode == "bf16" \
+                    else None
+
+                def call(compiled=compiled, ctx=ctx):
+                    with torch.no_grad():
+                        if ctx is None:
+                            return compiled(*args, **kwargs)
+                        with ctx():
+                            return compiled(*args, **kwargs)
+            start = time.perf_counter()
+            out = call()
+            if gpus:
+                torch.cuda.synchronize()
+            cell["first_s"] = time.perf_counter() - start
+            got = [out.float()] if mode == "train" else _outputs(out)
+            if name == "eager":
+                want = got
+            else:
+                bad = _close(got, want, TOL[mode])
+                if bad:
+                    cell["fail"] = bad
+                    continue
+            if name == "autopar":  # until its trials are over, as compiling is before timing
+                d = dispatcher_of(fn if mode == "train" else compiled)
+                start = time.perf_counter()
+                for _ in range(SETTLE_CALLS):
+                    if d is None or not d.trials:
+                        break
+                    call()
+                if gpus:
+                    torch.cuda.synchronize()
+                cell["settle_s"] = time.perf_counter() - start
+                cell["first_s"] += cell["settle_s"]
+                cell["kept"] = sorted(set(d.kept.values())) if d is not None else []
+            cell["pass"] = True
+            prepared[name] = (call, ())
+        except Exception as e:  # one variant's failure is its cell's, not the row's
+            cell["fail"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}" \
+                if str(e).strip() else type(e).__name__
+    if warm:  # compiling only: the caches on disk serve the timed pass
+        return row
+    times = measure_side_by_side(prepared, warmup=2, repeat=7, sync_devices=gpus,
+                                 min_sample_s=0.02, min_total_s=0.3)
+    for name, stats in times.items():
+        if isinstance(stats, Exception):
+            row["variants"][name]["fail"] = f"while timing: {type(stats).__name__}: {stats}"
+            row["variants"][name].pop("pass", None)
+        else:
+            row["variants"][name]["median_s"] = stats.median
+    return row
+
+
+def _geomean(xs: list[float]) -> float | None:
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pass rate and per-mode geomeans of autopar against eager, compile and the better."""
+    ran = [r for r in rows if "skipped" not in r and "error" not in r
+           and r["variants"].get("eager", {}).get("pass")]
+    passed = [r for r in ran if r["variants"].get("autopar", {}).get("pass")]
+    out: dict[str, Any] = {"rows": len(ran), "autopar_pass": len(passed)}
+    for mode in MODES:
+        vs: dict[str, list[float]] = {"eager": [], "compile": [], "best": [], "compile-ro": []}
+        for r in passed:
+            if r["mode"] != mode:
+                continue
+            v = r["variants"]
+            a = v["autopar"].get("median_s")
+            e = v["eager"].get("median_s")
+            c = v.get("compile", {}).get("median_s")
+            ro = v.get("compile-ro", {}).get("median_s")
+            if a and e:
+                vs["eager"].append(e / a)
+            if a and c:
+                vs["compile"].append(c / a)
+                vs["best"].append(min(e, c) / a)
+            if a and ro:
+                vs["compile-ro"].append(ro / a)
+        out[mode] = {k: _geomean(x) for k, x in vs.items()}
+    return out
+
+
+def _fmt(s: float | None) -> str:
+    if s is None:
+        return "—"
+    return f"{s * 1e3:.2f} ms" if s >= 1e-3 else f"{s * 1e6:.0f} µs"
+
+
+def table(rows: list[dict[str, Any]], variants: list[str]) -> str:
+    head = "| model | mode | " + " | ".join(variants) + " | autopar / best | kept | first s |"
+    lines = [head, "|" + "---|" * (len(variants) + 5)]
+    for r in rows:
+        if "skipped" in r or "error" in r:
+            lines.append(f"| {r['model']} | {r['mode']} | {r.get('skipped') or r['error']} |")
+            continue
+        v = r["variants"]
+        cells = []
+        for name in variants:
+            c = v.get(name, {})
+            cells.append(_fmt(c.get("median_s")) if c.get("pass") else
+                         f"FAIL: {c.get('fail', '—')[:60]}")
+        e, c, a = (v.get(k, {}).get("median_s") for k in ("eager", "compile", "autopar"))
+        best = min(x for x in (e, c) if x) if (e or c) else None
+        ratio = f"{best / a:.2f}×" if a and best else "—"
+        kept = ",".join(v.get("autopar", {}).get("kept", []))
+        first = " / ".join(f"{v[k]['first_s']:.1f}" for k in ("compile", "autopar")
+                           if "first_s" in v.get(k, {}))
+        lines.append(f"| {r['model']} | {r['mode']} | " + " | ".join(cells)
+                     + f" | {ratio} | {kept} | {first} |")
+    s = summarize(rows)
+    lines.append("")
+    lines.append(f"autopar matches eager on {s['autopar_pass']} of {s['rows']} rows eager ran.")
+    for mode in MODES:
+        g = s[mode]
+        if any(g.values()):
+            parts = [f"{k} {g[k]:.2f}×" for k in ("eager", "compile", "best", "compile-ro")
+                     if g[k]]
+            lines.append(f"{mode}: geomean speed of autopar against " + ", ".join(parts))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    from autopar.bench.models import MODELS
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("models", nargs="*", help=f"default: all of {', '.join(MODELS)}")
+    ap.add_argument("--modes", default="infer,bf16,train")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--size", default="small", choices=["tiny", "small"])
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--length", type=int, default=128)
+    ap.add_argument("--timeout", type=float, default=240.0, help="seconds per (model, mode)")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--warm-jobs", type=int, default=0,
+                    help="first compile every row in this many processes at once (Inductor's "
+                    "caches on disk then serve the timed pass; first_s is then a warm start)")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # model:mode, in a child process
+    ap.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    variants = [v for v in a.variants.split(",") if v]
+    if a.one:
+        model, mode = a.one.split(":")
+        print(json.dumps(run_one(model, mode, a.size, variants, a.batch, a.length, a.warm)))
+        return
+    todo = [(model, mode) for model in a.models or list(MODELS) for mode in a.modes.split(",")]
+
+    def command(model: str, mode: str) -> list[str]:
+        cmd = [sys.executable, __file__, "--one", f"{model}:{mode}", "--size", a.size,
+               "--variants", a.variants, "--length", str(a.length)]
+        return cmd + (["--batch", str(a.batch)] if a.batch else [])
+
+    if a.warm_jobs:
+        from concurrent.futures import ThreadPoolExecutor
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(a.warm_jobs) as pool:
+            list(pool.map(lambda t: subprocess.run(
+                [*command(*t), "--warm"], capture_output=True, timeout=a.timeout), todo))
+        print(f"warm pass: {time.perf_counter() - start:.0f} s", flush=True)
+    rows = []
+    for model, mode in todo:
+        cmd = command(model, mode)
+        start = time.perf_counter()
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            line = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
+            row = json.loads(line) if line.startswith("{") else {
+                "model": model, "mode": mode,
+                "error": f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1][:200]}"
+                if p.stderr.strip() else f"exit {p.returncode}"}
+        except subprocess.TimeoutExpired:
+            row = {"model": model, "mode": mode, "error": f"timed out after {a.timeout:.0f} s"}
+        row["wall_s"] = round(time.perf_counter() - start, 1)
+        rows.append(row)
+        print(f"{model:18s} {mode:6s} {row['wall_s']:6.1f} s  "
+              + (row.get("skipped") or row.get("error") or " ".join(
+                  f"{k}={_fmt(c.get('median_s')) if c.get('pass') else 'FAIL'}"
+                  for k, c in row["variants"].items())), flush=True)
+        if a.json:  # after every row: a run cut short keeps what it measured
+            _write(a.json, rows)
+    print(table(rows, variants))
+    if a.json:
+        _write(a.json, rows)
+
+
+def _write(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"rows": rows, "summary": summarize(rows),
+                                "torch": torch.__version__,
+                                "device": torch.cuda.get_device_name()
+                                if torch.cuda.is_available() else "cpu",
+                                "argv": sys.argv}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

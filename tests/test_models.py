@@ -1,0 +1,200 @@
+"""Real models: Hugging Face models from small configs (no downloads), run through autopar as a
+user would, against eager: outputs (and whether they need grad), gradients, parameters and
+optimizer state.
+
+Most cases run autopar's own way (placed on two logical CPU workers, heft and round_robin)
+beside eager (the suite's ``AUTOPAR_CANDIDATES``), so that what is checked is autopar's
+executor on real graphs: padding masks, odd lengths, grad modes, autocast. A few run the
+defaults, Inductor included (``candidates="auto"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import shutil
+
+import pytest
+import torch
+
+import autopar
+
+transformers = pytest.importorskip("transformers")
+
+from autopar.bench.models import MODELS, flat_tensors, inputs_for, loss_of  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+HF = [n for n, m in MODELS.items() if m.library == "transformers"]
+TWO_WORKERS = {"heft": {"devices": "cpu:0,cpu:1"},
+               "round_robin": {"devices": "cpu:0,cpu:1", "policy": "round_robin"}}
+MODES = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
+CALLS = 4  # the capture, then a trial's calls: autopar's way and eager's, alternating
+
+
+def _same(got: list[torch.Tensor], want: list[torch.Tensor], tol: float = 1e-4) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype and g.device == w.device
+        assert g.requires_grad == w.requires_grad
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+
+
+def _check_inference(name: str, options: dict, mode: str, batch: int = 3, length: int = 11,
+                     tol: float = 1e-4) -> None:
+    m = MODELS[name]
+    model = m.make("tiny")
+    args, kwargs = inputs_for(m, "tiny", batch=batch, length=length)
+    ctx = MODES.get(mode, contextlib.nullcontext)
+    with ctx():
+        want = flat_tensors(model(*args, **kwargs))
+        compiled = autopar.compile(model, **options)
+        for _ in range(CALLS):
+            _same(flat_tensors(compiled(*args, **kwargs)), want, tol)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("policy", list(TWO_WORKERS))
+@pytest.mark.parametrize("name", HF)
+def test_inference_on_two_workers_equals_eager(name, policy, mode):
+    _check_inference(name, TWO_WORKERS[policy], mode)
+
+
+@pytest.mark.parametrize(("name", "batch", "length"),
+                         [("gpt2", 2, 16), ("gpt2", 1, 17), ("bert", 4, 8), ("t5", 2, 16),
+                          ("llama", 5, 7)])
+def test_even_and_odd_lengths_and_batches(name, batch, length):
+    _check_inference(name, TWO_WORKERS["heft"], "no_grad", batch=batch, length=length)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "t5", "vit", "llama", "hf-resnet"])
+def test_bf16_autocast_equals_eager(name):
+    """Under ``torch.autocast("cpu", torch.bfloat16)`` the worker threads cast as the caller's
+    thread does (outputs are bf16 where eager's are, and equal)."""
+    m = MODELS[name]
+    model = m.make("tiny")
+    args, kwargs = inputs_for(m, "tiny")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = flat_tensors(model(*args, **kwargs))
+        compiled = autopar.compile(model, **TWO_WORKERS["round_robin"])
+        for _ in range(CALLS):
+            _same(flat_tensors(compiled(*args, **kwargs)), want, tol=2e-2)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "t5", "vit", "swin", "convnext"])
+def test_forward_and_backward_with_grad_equal_eager(name):
+    m = MODELS[name]
+    model, ref = m.make("tiny"), m.make("tiny")
+    args, kwargs = inputs_for(m, "tiny")
+    compiled = autopar.compile(model, **TWO_WORKERS["heft"])
+    for _ in range(2):
+        model.zero_grad(), ref.zero_grad()
+        out, want = compiled(*args, **kwargs), ref(*args, **kwargs)
+        _same(flat_tensors(out), flat_tensors(want))
+        loss_of(out).backward()
+        loss_of(want).backward()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), n
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_no_grad_outputs_keep_no_autograd_graph():
+    """Under ``no_grad`` on two workers, an output computed on the worker thread has no
+    ``grad_fn`` (eager's doesn't), and under ``inference_mode`` it is an inference tensor."""
+    m = MODELS["bert"]
+    model = m.make("tiny")
+    args, kwargs = inputs_for(m, "tiny")
+    compiled = autopar.compile(model, **TWO_WORKERS["round_robin"])
+    with torch.no_grad():
+        for _ in range(CALLS):
+            assert all(t.grad_fn is None for t in flat_tensors(compiled(*args, **kwargs)))
+    with torch.inference_mode():
+        for _ in range(CALLS):
+            assert all(t.is_inference() for t in flat_tensors(compiled(*args, **kwargs)))
+
+
+def _step_fn(model, opt, kwargs, clip: float | None):
+    def step():
+        opt.zero_grad()
+        loss = loss_of(model(**kwargs))
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        return loss.detach()
+    return step
+
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize(("name", "optimizer", "clip"),
+                         [("gpt2", "adamw", 1.0), ("bert", "adamw-fused", None),
+                          ("hf-resnet", "sgd-momentum", 1.0), ("llama", "sgd-momentum", None)])
+def test_training_steps_with_torch_optim_equal_eager(name, optimizer, clip):
+    """A step as users write it (zero_grad, loss, backward, clip, step) compiled whole: after
+    each step the loss, the parameters and the optimizer's state are eager's."""
+    m = MODELS[name]
+    model = m.make("tiny").train()
+    ref = copy.deepcopy(model)
+    for mod in (model, ref):  # dropout draws differ between ways: train without it
+        for sub in mod.modules():
+            if isinstance(sub, torch.nn.Dropout):
+                sub.p = 0.0
+    opt, ref_opt = OPTIMIZERS[optimizer](model.parameters()), \
+        OPTIMIZERS[optimizer](ref.parameters())
+    _, kwargs = inputs_for(m, "tiny")
+    if m.family == "vision":
+        kwargs = {"pixel_values": inputs_for(m, "tiny")[1]["pixel_values"]}
+    step = autopar.compile(_step_fn(model, opt, kwargs, clip), **TWO_WORKERS["heft"])
+    ref_step = _step_fn(ref, ref_opt, kwargs, clip)
+    for _ in range(3):
+        torch.testing.assert_close(step(), ref_step(), rtol=1e-4, atol=1e-5)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=n)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        for key, value in ref_opt.state[q].items():
+            torch.testing.assert_close(opt.state[p][key], value, rtol=1e-4, atol=1e-5,
+                                       msg=key)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="Inductor's CPU code needs a C++ compiler")
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_defaults_with_inductor_among_the_candidates_equal_eager(name):
+    """``candidates="auto"``: eager, Inductor (torch.compile's default) and autopar's own way
+    are tried; whichever is kept, every call's outputs are eager's."""
+    from autopar.choose import TRIAL_CALLS
+
+    m = MODELS[name]
+    model = m.make("tiny")
+    args, kwargs = inputs_for(m, "tiny")
+    with torch.no_grad():
+        want = flat_tensors(model(*args, **kwargs))
+        compiled = autopar.compile(model, candidates="auto")
+        for _ in range(1 + 3 * TRIAL_CALLS):
+            _same(flat_tensors(compiled(*args, **kwargs)), want, tol=1e-4)
+    d = autopar.api.dispatcher_of(compiled)
+    assert not d.trials and set(d.kept.values()) <= {"eager", "inductor", "autopar"}
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="Inductor's CPU code needs a C++ compiler")
+def test_fused_regions_hand_on_eagers_strides_t5():
+    """T5 with every program's regions compiled by Inductor (``fuse=True``): a region's output
+    that Inductor laid out otherwise reaches the ``view`` after it with eager's strides (it
+    failed with "view size is not compatible with input tensor's size and stride")."""
+    m = MODELS["t5"]
+    model, ref = m.make("tiny"), m.make("tiny")
+    args, kwargs = inputs_for(m, "tiny")
+    compiled = autopar.compile(model, fuse=True, candidates="autopar")
+    out = compiled(*args, **kwargs)
+    want = ref(*args, **kwargs)
+    _same(flat_tensors(out), flat_tensors(want))
+    loss_of(out).backward()
+    loss_of(want).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
