@@ -11,7 +11,8 @@ import torch
 
 import autopar
 from autopar.api import Options, parse_devices
-from autopar.capture.fx import from_fx, make_backend
+from autopar.capture.dynamo import make_backend
+from autopar.capture.fx import from_fx
 from autopar.ir.graph import Graph, TensorMeta
 from autopar.runtime import SequentialRunner
 
@@ -203,7 +204,7 @@ def _two_chains(on: str) -> Graph:
 
 def test_a_plan_that_is_eagers_chain_runs_as_eager_does():
     from autopar.cost.model import CostModel
-    from autopar.machine.model import preset
+    from autopar.machine.presets import preset
     from autopar.schedule.place import place
     from autopar.schedule.plan import make_plan
     from autopar.schedule.simulate import runs_as_eager
@@ -225,7 +226,7 @@ def test_a_plan_that_is_eagers_chain_runs_as_eager_does():
 
 def test_compiled_graphs_that_gain_nothing_run_as_sequential_runners():
     from autopar.api import Options, Runner
-    from autopar.capture.fx import make_backend
+    from autopar.capture.dynamo import make_backend
 
     runner = Runner(Options.parse({"devices": "cpu:0"}))
     compiled = torch.compile(lambda x: (x @ x).relu(), backend=make_backend(runner))
@@ -393,7 +394,7 @@ def test_a_placed_plan_under_a_millisecond_is_timed_against_the_plain_call(monke
     predicts ~70 us, so 5 calls each way are timed, and here (fake clock) the plain call is
     faster and keeps the signature; at 1024 (~9 ms) the plan is kept without a trial."""
     from autopar import api
-    from autopar.machine.model import preset
+    from autopar.machine.presets import preset
 
     def branches(x, y):
         return (x @ x).relu(), (y @ y).tanh()
@@ -632,9 +633,9 @@ def test_the_runner_knows_which_gpus_each_way_touches():
     5x10x5 on the host (no GPU) and 2048^3 on cuda:0."""
     from autopar.api import Runner
     from autopar.bench.workloads import w3_via_gpu
-    from autopar.capture.fx import trace_fake
+    from autopar.capture.fake import trace_fake
     from autopar.cost.model import CostModel
-    from autopar.machine.model import preset
+    from autopar.machine.presets import preset
     from autopar.schedule.place import place
     from autopar.schedule.plan import make_plan
 

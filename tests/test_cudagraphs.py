@@ -16,7 +16,7 @@ import torch
 from _fakes import by_hand
 from autopar.cost.model import CostModel
 from autopar.ir.graph import Graph, TensorMeta
-from autopar.machine.model import preset
+from autopar.machine.presets import preset
 from autopar.runtime import Executor, SequentialRunner
 from autopar.runtime import executor as executor_module
 from autopar.runtime.cudagraphs import pays, segments, why_not_capturable

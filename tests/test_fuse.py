@@ -17,7 +17,7 @@ from _fakes import by_hand, w4
 from autopar.cost.model import CostModel
 from autopar.ir.graph import Graph, Node, TensorMeta
 from autopar.ir.routing import GraphIndex
-from autopar.machine.model import preset
+from autopar.machine.presets import preset
 from autopar.passes.fusion import fused_regions, prefer_fused
 from autopar.runtime import Executor, SequentialRunner
 from autopar.runtime import fuse as fuse_module
@@ -283,7 +283,7 @@ def test_regions_with_ops_inductor_decomposes_compile():
     """``t``, ``flip`` and ``linalg_vector_norm`` have decompositions and no lowering of their
     own: the region is decomposed with Inductor's table first, as aot_autograd does."""
     from autopar.api import Options, Runner
-    from autopar.capture.fx import make_backend
+    from autopar.capture.dynamo import make_backend
 
     def f(x, y):
         a = (x.t() + 1.0) * 2.0
@@ -313,7 +313,7 @@ def test_a_graph_that_is_one_region_calls_inductors_function_directly(with_rando
     hands the call to Inductor's function (what ``torch.compile`` runs). A graph with an op
     outside the region (a random op is never fused) needs the program."""
     from autopar.api import Options, Runner
-    from autopar.capture.fx import make_backend
+    from autopar.capture.dynamo import make_backend
 
     def f(x, z):
         y = whole_chain(x) + z
@@ -333,7 +333,7 @@ def test_a_graph_that_is_one_region_calls_inductors_function_directly(with_rando
 @needs_cxx
 def test_the_direct_call_falls_back_to_the_program_when_inductors_function_raises(monkeypatch):
     from autopar.api import Options, Runner
-    from autopar.capture.fx import make_backend
+    from autopar.capture.dynamo import make_backend
 
     runner = Runner(Options.parse({"devices": "cpu:0", "fuse": True}))
     g = torch.compile(whole_chain, backend=make_backend(runner), dynamic=False)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from autopar.cost.model import CostModel
 from autopar.ir.graph import Graph, Node, TensorMeta
-from autopar.machine.model import preset
+from autopar.machine.presets import preset
 from autopar.runtime import Executor, SequentialRunner, WorkerError
 from autopar.runtime import executor as executor_module
 from autopar.schedule.place import Placement, place

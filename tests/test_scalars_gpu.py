@@ -54,7 +54,7 @@ def test_a_cuda_bound_used_three_times_costs_at_most_one_sync_per_call():
     finds the syncs cheaper than a copy), no more syncs than eager. Where dynamo cannot trace
     the bound as a scalar (torch 2.11 on CUDA), the call is traced with graph breaks: xfail."""
     from autopar.api import Options, Runner
-    from autopar.capture.fx import capturing_scalars, make_backend
+    from autopar.capture.dynamo import capturing_scalars, make_backend
 
     A = torch.rand(600, 600, device="cuda")
     B = torch.empty(256, 256, device="cuda")
@@ -109,7 +109,7 @@ def exp_a1_inside(A):
 
 
 def captured_graphs(fn, *args):
-    from autopar.capture.fx import make_backend
+    from autopar.capture.dynamo import make_backend
     from autopar.runtime import SequentialRunner
 
     graphs = []

@@ -41,10 +41,20 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from .capture.dynamo import capturing_scalars, make_backend
+from .cost.model import CostModel
 from .ir.graph import LOCAL_SCALAR_DENSE, Graph
+from .machine.detect import load_machine
 from .machine.model import default_cpu_workers
-from .schedule.simulate import TRIAL_MAX_S
+from .passes.fusion import prefer_fused
+from .report.trace import save_chrome_trace
+from .runtime import Executor, SequentialRunner
+from .runtime.executor import fusion_devices
+from .schedule.place import place
+from .schedule.plan import Send, make_plan
+from .schedule.simulate import TRIAL_MAX_S, runs_as_eager
 
 __all__ = ["Options", "compile", "parse_devices"]
 
@@ -166,8 +176,6 @@ class Runner:
         """GPU indices eager's code touches in this runner's graphs, and those autopar's calls
         touch (a plan's programs, copy destinations and output devices; eager's for a graph
         run as eager's sequence); None where a graph has no executor (planning failed)."""
-        from .schedule.plan import Send
-
         if len(self.executors) < self.graphs:
             return None
         eager: set[str] = set()
@@ -195,11 +203,6 @@ class Runner:
     def cost_model(self) -> Any:
         """The cost model, resolving (and if need be calibrating) the machine on first use."""
         if self._cost is None:
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-            from .cost.model import CostModel
-            from .machine.model import load_machine
-
             workers = sum(d.startswith("cpu") for d in self.options.devices) or 1
             with unset_fake_temporarily():  # a backend runs inside tracing: measure for real
                 machine = load_machine(self.options.machine, cpu_workers=workers)
@@ -207,13 +210,6 @@ class Runner:
         return self._cost
 
     def __call__(self, graph: Graph, phase: str) -> Callable:
-        from .passes.fusion import prefer_fused
-        from .runtime import Executor, SequentialRunner
-        from .runtime.executor import fusion_devices
-        from .schedule.place import place
-        from .schedule.plan import make_plan
-        from .schedule.simulate import runs_as_eager
-
         options = self.options
         self.graphs += 1
         self.folded += graph.folded
@@ -258,8 +254,6 @@ def make_runner(options: Options) -> Runner:
 
 def _tracing(executor: Any, path: str) -> Callable:
     """Run ``executor`` and write the Chrome trace of its latest call to ``path``."""
-    from .report.trace import save_chrome_trace
-
     def run(args: Sequence[Any]) -> Any:
         out = executor(args)
         if executor.last_timeline is not None:
@@ -284,7 +278,6 @@ def compile(fn: Callable, **options: Any) -> Callable:
     if not callable(fn):
         raise TypeError(
             f"autopar.compile expects a function or nn.Module, got {type(fn).__name__}")
-    from .capture.fx import capturing_scalars, make_backend
 
     opts = Options.parse(options)
     runner = make_runner(opts)

@@ -25,7 +25,9 @@ from typing import Any
 from ..ir.graph import Graph, Node
 from ..ir.routing import GraphIndex, kind_of, pool, route
 from ..runtime.fuse import fusible, regions
+from ..schedule.place import place
 from ..schedule.plan import Plan, make_plan
+from ..schedule.simulate import simulate
 
 __all__ = ["FusedCost", "fused_regions", "prefer_fused"]
 
@@ -93,9 +95,6 @@ def prefer_fused(plan: Plan, graph: Graph, cost: Any, devices: Sequence[str],
                  fusing: Sequence[str]) -> Plan:
     """``plan``, or eager's placement planned, whichever is predicted faster once the programs
     of ``fusing`` (GPUs) are fused."""
-    from ..schedule.place import place
-    from ..schedule.simulate import simulate
-
     if not fusing:
         return plan
     eager = make_plan(place(graph, cost, policy="single", devices=tuple(devices)), cost)

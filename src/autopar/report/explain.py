@@ -24,16 +24,20 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from io import StringIO
 from typing import Any
 
 import torch
 
-from ..capture.fx import Unsupported, capture_by_running, relabel_devices, trace_fake
+from ..capture.fake import capture_by_running, relabel_devices, trace_fake
+from ..capture.fx import Unsupported
 from ..cost.model import CostModel, reads_to_host
 from ..ir.graph import Graph, Node, op_name
 from ..ir.routing import GraphIndex, free_move_on
 from ..ir.units import fmt_seconds
-from ..machine.model import Machine, load_machine
+from ..machine.detect import load_machine
+from ..machine.model import Machine
+from ..runtime.sequential import SequentialRunner
 from ..schedule.place import Placement, place
 from ..schedule.plan import Plan, make_plan
 from ..schedule.simulate import TRIAL_MAX_S, runs_as_eager, simulate
@@ -95,10 +99,8 @@ class ExplainReport:
         return json.dumps(self.to_dict(), indent=2)
 
     def to_text(self, max_rows: int = 60) -> str:
-        from io import StringIO
-
-        from rich.console import Console
-        from rich.table import Table
+        from rich.console import Console  # lazy: start-up cost
+        from rich.table import Table  # lazy: start-up cost
 
         devices = sorted({d for r in self.rows for d in r.times})
         table = Table(title=f"{self.graph_name} on {self.machine} ({self.policy})")
@@ -273,7 +275,7 @@ def explain(fn: Callable, *args: Any, machine: Machine | str | None = None,
             raise Unsupported(f"{e}; pass run=True (--run) to capture it by running it once "
                               "on this host") from e
         why = str(e)
-    graphs = capture_by_running(fn, args)
+    graphs = capture_by_running(fn, args, SequentialRunner)
     if not graphs:
         raise Unsupported(f"running {getattr(fn, '__name__', fn)!r} made no graph to explain")
     if torch_device and torch_device != "cpu":

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..ir.graph import Node, TensorMeta, op_name
 from ..ir.routing import GraphIndex, is_free_move, kind_of, pool
@@ -71,7 +72,7 @@ _CACHE: dict[tuple, Callable[[list], Any]] = {}
 def cpu_fusion_unavailable() -> str | None:
     """Why Inductor can't compile CPU code here (it needs a C++ compiler), or None."""
     try:
-        from torch._inductor import config
+        from torch._inductor import config  # lazy: slow to import
 
         names = [c for c in config.cpp.cxx if c]
     except Exception as e:  # pragma: no cover - Inductor's config moved
@@ -153,10 +154,9 @@ def _layout(inputs: list) -> tuple:
 def _inductor(gm: torch.fx.GraphModule, inputs: list) -> Callable[[list], Any]:
     """Inductor's compiled function of ``gm`` (a functional ATen graph, as aot_autograd hands
     Inductor): ``fn(list) -> tuple``, a boxed call that empties the list it is given."""
-    from torch._inductor import config as inductor_config
-    from torch._inductor.compile_fx import compile_fx_inner
-    from torch._inductor.decomposition import select_decomp_table
-    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch._inductor import config as inductor_config  # lazy: slow to import
+    from torch._inductor.compile_fx import compile_fx_inner  # lazy: slow to import
+    from torch._inductor.decomposition import select_decomp_table  # lazy: slow to import
 
     # Inductor lowers decomposed graphs: aot_autograd applies its table before handing one over
     # (an op with a decomposition, such as aten.t, has no lowering of its own).
