@@ -48,13 +48,14 @@ from .cost.model import CostModel
 from .ir.graph import LOCAL_SCALAR_DENSE, Graph
 from .machine.detect import load_machine
 from .machine.model import default_cpu_workers
-from .passes.fusion import prefer_fused
+from .passes.cudagraphs import capture_rule
+from .passes.fusion import fusion_devices, prefer_fused, regions_to_fuse
 from .report.trace import save_chrome_trace
 from .runtime import Executor, SequentialRunner
-from .runtime.executor import fusion_devices
 from .schedule.place import place
-from .schedule.plan import Send, make_plan
+from .schedule.plan import make_plan
 from .schedule.simulate import TRIAL_MAX_S, runs_as_eager
+from .schedule.steps import Send
 
 __all__ = ["Options", "compile", "parse_devices"]
 
@@ -222,8 +223,9 @@ class Runner:
             if options.policy == "heft":  # HEFT prices ops one by one; fusion changes that
                 fusing = fusion_devices(options.devices, options.fuse)
                 plan = prefer_fused(plan, graph, cost, options.devices, fusing)
-            executor = Executor(plan, trace=bool(options.trace), fuse=options.fuse,
-                                cuda_graphs=options.cuda_graphs,
+            executor = Executor(plan, trace=bool(options.trace),
+                                fuse=regions_to_fuse(plan, options.fuse),
+                                cuda_graphs=capture_rule(options.cuda_graphs),
                                 cpu_threads=cost.machine.cpu_threads)
             as_eager = not (options.trace or executor.fused or executor.segments) and \
                 runs_as_eager(plan, cost, options.devices)

@@ -55,6 +55,7 @@ from .cost.model import CostModel
 from .ir.graph import Node
 from .machine.detect import load_machine
 from .passes.dataparallel import Choice, choose, shard_devices
+from .passes.fusion import regions_to_fuse
 from .passes.shard import NotShardable, Sharded, torch_device
 from .runtime import Executor
 from .schedule.place import place
@@ -131,8 +132,10 @@ class DataParallelStep:
         try:
             choice = choose(step, batch, cost, self.options.devices,
                             policy=self.options.policy, shards=self.shards)
-            run = Executor(make_plan(choice.placement, cost), trace=bool(self.options.trace),
-                           fuse=self.options.fuse, cpu_threads=cost.machine.cpu_threads)
+            plan = make_plan(choice.placement, cost)
+            run = Executor(plan, trace=bool(self.options.trace),
+                           fuse=regions_to_fuse(plan, self.options.fuse),
+                           cpu_threads=cost.machine.cpu_threads)
         except (Unsupported, NotShardable):
             raise
         except Exception as e:  # planning failed: eager, as for any graph (see autopar.api)

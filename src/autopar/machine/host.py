@@ -7,6 +7,8 @@ import json
 import os
 import platform
 import re
+import shutil
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,8 @@ from .model import (
     _write_json_atomic,
 )
 
-__all__ = ["cache_dir", "host_info", "load_profile", "profile_path", "save_profile"]
+__all__ = ["cache_dir", "cpu_fusion_unavailable", "host_info", "load_profile", "profile_path",
+           "save_profile"]
 
 
 # -- host discovery and fingerprint ----------------------------------------------------------
@@ -110,3 +113,18 @@ def load_profile(path: Path, fingerprint: str | None = None) -> Profile:
     except json.JSONDecodeError as e:
         raise ProfileError(f"{path} is not valid JSON (corrupt or truncated): {e}") from None
     return Profile.from_json(data, fingerprint)
+
+
+# -- what this host can compile ---------------------------------------------------------
+@cache
+def cpu_fusion_unavailable() -> str | None:
+    """Why Inductor can't compile CPU code here (it needs a C++ compiler), or None."""
+    try:
+        from torch._inductor import config  # lazy: slow to import
+
+        names = [c for c in config.cpp.cxx if c]
+    except Exception as e:  # pragma: no cover - Inductor's config moved
+        return f"Inductor's C++ compiler setting is unreadable: {type(e).__name__}: {e}"
+    if not any(shutil.which(c) for c in names):
+        return f"no C++ compiler for Inductor's CPU code (looked for {', '.join(names)})"
+    return None

@@ -39,8 +39,9 @@ from ..machine.detect import load_machine
 from ..machine.model import Machine
 from ..runtime.sequential import SequentialRunner
 from ..schedule.place import Placement, place
-from ..schedule.plan import Plan, make_plan
+from ..schedule.plan import make_plan
 from ..schedule.simulate import TRIAL_MAX_S, runs_as_eager, simulate
+from ..schedule.steps import Plan
 from ..schedule.timeline import Timeline
 
 __all__ = ["ExplainReport", "Row", "critical_path", "explain", "explain_graph"]

@@ -51,7 +51,7 @@ from ..ir.routing import (
     value_bytes,
 )
 from .place import place
-from .plan import Free, Plan, Record, Run, Send, Wait
+from .steps import Free, Plan, Record, Run, Send, Wait
 from .timeline import Span, Timeline
 
 __all__ = ["EAGER_OVERLAP_GAIN", "peak_memory", "runs_as_eager", "simulate"]
