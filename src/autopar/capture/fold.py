@@ -70,7 +70,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.node import map_aggregate, map_arg
 
-from ..ir.graph import LOCAL_SCALAR_DENSE, annotated_args
+from ..ir.graph import LOCAL_SCALAR_DENSE, annotated_args, plain
 from ..ir.ops import SCALAR_FUNCTIONS, SIZE_OPS, known_number
 
 log = logging.getLogger("autopar")
@@ -201,7 +201,7 @@ class _Fold:
             return x
 
         device = kwargs.pop("device", None)
-        args, kwargs = _thaw(map_aggregate((args, kwargs), leaf))
+        args, kwargs = plain(map_aggregate((args, kwargs), leaf))
         if not ok[0] or not (device is None or isinstance(device, torch.device)):
             return None
         if device is not None:
@@ -266,17 +266,6 @@ class _Fold:
 
 
 # -- pieces ----------------------------------------------------------------------------------
-
-def _thaw(x: Any) -> Any:
-    """fx's immutable containers as plain ones (ops take lists)."""
-    if isinstance(x, list):
-        return [_thaw(v) for v in x]
-    if isinstance(x, tuple):
-        return tuple(_thaw(v) for v in x)
-    if isinstance(x, dict):
-        return {k: _thaw(v) for k, v in x.items()}
-    return x
-
 
 def _written(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The nodes ``node`` may write into: its mutable arguments (``copy_(input, c)`` writes
@@ -371,7 +360,7 @@ def _fold_scalar(node: torch.fx.Node) -> Any:
         return known_number(node.meta.get("val"))
     if node.all_input_nodes:
         return None
-    args, kwargs = _thaw(node.args), _thaw(dict(node.kwargs))
+    args, kwargs = plain(node.args), plain(dict(node.kwargs))
     if not all(isinstance(a, _PLAIN) for a in (*args, *kwargs.values())):
         return None
     if target is _ASSERT:
@@ -511,7 +500,7 @@ def _propagate(graph: torch.fx.Graph, gm: torch.fx.GraphModule,
             args = map_arg(node.args, lambda n: env[n])
             kwargs = map_arg(node.kwargs, lambda n: env[n])
             with mode:
-                new = node.target(*_thaw(args), **_thaw(dict(kwargs)))  # type: ignore[operator]
+                new = node.target(*plain(args), **plain(dict(kwargs)))  # type: ignore[operator]
         else:
             return False
         env[node] = new

@@ -43,7 +43,7 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from ..ir.graph import LOCAL_SCALAR_DENSE, Graph, Node, ScalarMeta, TensorMeta
+from ..ir.graph import LOCAL_SCALAR_DENSE, Graph, Node, ScalarMeta, TensorMeta, plain
 from ..ir.ops import SCALAR_FUNCTIONS, SCALAR_OPS, SIZE_OPS, known_number
 from .fold import fold_constants
 
@@ -144,15 +144,8 @@ def from_fx(gm: torch.fx.GraphModule, name: str = "graph") -> tuple[Graph, list[
                                   meta=meta, name=f"{fx_node.name}_to_device")
 
     def convert(x: Any, what: str) -> Any:
-        if isinstance(x, torch.fx.Node):
-            return env[x]
-        if isinstance(x, torch.fx.immutable_collections.immutable_list | list):
-            return [convert(v, what) for v in x]
-        if isinstance(x, tuple):
-            return tuple(convert(v, what) for v in x)
-        if isinstance(x, dict):
-            return {k: convert(v, what) for k, v in x.items()}
-        return _check_constant(x, what)
+        return plain(x, lambda v: env[v] if isinstance(v, torch.fx.Node)
+                     else _check_constant(v, what))
 
     reads: dict[torch.fx.Node, Node] = {}  # tensor -> its _local_scalar_dense: one read
     for fx_node in gm.graph.nodes:

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_map_only
 
 from ..ir.graph import Node, op_name
 from ..ir.regions import inputs_of, outputs_of
@@ -177,22 +178,12 @@ def build_gm(nodes: Sequence[Node], inputs: Sequence[Node], outputs: Sequence[No
     g = torch.fx.Graph()
     env: dict[Node, torch.fx.Node] = {v: g.placeholder(f"in{i}") for i, v in enumerate(inputs)}
 
-    def arg(x: Any) -> Any:
-        if isinstance(x, Node):
-            return env[x]
-        if isinstance(x, list):
-            return [arg(v) for v in x]
-        if isinstance(x, tuple):
-            return tuple(arg(v) for v in x)
-        if isinstance(x, dict):
-            return {k: arg(v) for k, v in x.items()}
-        return x
-
     for n in nodes:
         kwargs = dict(n.kwargs)
         if "device" in kwargs:
             kwargs["device"] = torch_device
-        env[n] = g.call_function(n.op, arg(tuple(n.args)), arg(kwargs))
+        env[n] = g.call_function(n.op, *tree_map_only(Node, env.__getitem__,
+                                                      (tuple(n.args), kwargs)))
     g.output(tuple(env[o] for o in outputs))
     return torch.fx.GraphModule({}, g)
 
