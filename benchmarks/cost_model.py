@@ -44,7 +44,9 @@ from torch.utils._pytree import tree_map
 
 from autopar.cost.model import CostModel, History
 from autopar.ir.graph import Graph, Node, TensorMeta
-from autopar.machine.model import Machine, detect, host_info
+from autopar.machine.detect import detect
+from autopar.machine.host import host_info
+from autopar.machine.model import Machine
 
 aten = torch.ops.aten
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import autopar
-from autopar.bench.harness import measure
+from autopar.bench.measure import measure
 
 
 def branch(x: torch.Tensor, steps: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import autopar
 
-from autopar.bench.harness import in_process_compiles, measure
+from autopar.bench.measure import in_process_compiles, measure
 from autopar.bench.workloads import WORKLOADS, w6_data_parallel, w6_train_step
 from autopar.dataparallel import predict_step
 from autopar.ir.units import fmt_seconds

@@ -39,7 +39,8 @@ from typing import Any
 import torch
 
 import autopar
-from autopar.bench.harness import Stats, in_process_compiles, measure_side_by_side, settle
+from autopar.bench.harness import settle
+from autopar.bench.measure import Stats, in_process_compiles, measure_side_by_side
 
 US = 1e6
 

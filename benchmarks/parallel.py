@@ -26,8 +26,8 @@ import torch
 
 import autopar
 from autopar.api import Options, Runner
-from autopar.bench.harness import in_process_compiles, measure
-from autopar.capture.fx import make_backend
+from autopar.bench.measure import in_process_compiles, measure
+from autopar.capture.dynamo import make_backend
 from autopar.report.trace import save_chrome_trace, save_gantt
 from autopar.schedule.simulate import simulate
 from autopar.schedule.timeline import Timeline

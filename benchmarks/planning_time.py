@@ -35,7 +35,8 @@ import torch
 
 from autopar.cost.model import CostModel, History
 from autopar.ir.graph import Graph, Node, TensorMeta
-from autopar.machine.model import Machine, preset
+from autopar.machine.model import Machine
+from autopar.machine.presets import preset
 from autopar.schedule.place import place
 from autopar.schedule.plan import make_plan
 from autopar.schedule.simulate import simulate

@@ -28,9 +28,10 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from autopar.api import Options, Runner
-from autopar.bench.harness import in_process_compiles, resolve_size, sync_all
+from autopar.bench.harness import resolve_size
+from autopar.bench.measure import in_process_compiles, sync_all
 from autopar.bench.workloads import home_of, select
-from autopar.capture.fx import make_backend
+from autopar.capture.dynamo import make_backend
 from autopar.schedule.simulate import simulate
 
 

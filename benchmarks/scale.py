@@ -54,7 +54,8 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from autopar.api import Options, Runner
-from autopar.bench.harness import fingerprint, in_process_compiles, machine_label, measure
+from autopar.bench.harness import fingerprint, machine_label
+from autopar.bench.measure import in_process_compiles, measure
 from autopar.bench.workloads import WORKLOADS
 from autopar.ir.units import fmt_seconds
 
@@ -220,7 +221,7 @@ class RecordingRunner(Runner):
 
 def compile_recording(fn: Callable, devices: Sequence[str]) -> tuple[Callable, RecordingRunner]:
     """``autopar.compile(fn, devices=devices)``, with the runner at hand."""
-    from autopar.capture.fx import make_backend
+    from autopar.capture.dynamo import make_backend
 
     runner = RecordingRunner(Options.parse({"devices": list(devices)}))
     runner.cost_model()  # as autopar.compile: the machine is resolved before tracing

@@ -167,7 +167,7 @@ def check_plan(plan: Any) -> None:
     """Assert every invariant listed in autopar.schedule.plan's docstring (dependencies, events,
     copies, frees, outputs) on the plan's programs alone."""
     from autopar.ir.routing import GraphIndex, home_device, pool, route
-    from autopar.schedule.plan import Free, Record, Run, Send, Wait
+    from autopar.schedule.steps import Free, Record, Run, Send, Wait
 
     placement = plan.placement
     dev = placement.device

@@ -12,7 +12,8 @@ import torch
 import autopar
 from autopar import choose
 from autopar.api import Options, parse_devices
-from autopar.capture.fx import from_fx, make_backend
+from autopar.capture.dynamo import make_backend
+from autopar.capture.fx import from_fx
 from autopar.choose import WAYS
 from autopar.ir.graph import Graph, TensorMeta
 from autopar.runtime import SequentialRunner
@@ -207,7 +208,7 @@ def _two_chains(on: str) -> Graph:
 
 def test_a_plan_that_is_eagers_chain_runs_as_eager_does():
     from autopar.cost.model import CostModel
-    from autopar.machine.model import preset
+    from autopar.machine.presets import preset
     from autopar.schedule.place import place
     from autopar.schedule.plan import make_plan
     from autopar.schedule.simulate import runs_as_eager
@@ -229,7 +230,7 @@ def test_a_plan_that_is_eagers_chain_runs_as_eager_does():
 
 def test_compiled_graphs_that_gain_nothing_run_as_sequential_runners():
     from autopar.api import Options, Runner
-    from autopar.capture.fx import make_backend
+    from autopar.capture.dynamo import make_backend
 
     runner = Runner(Options.parse({"devices": "cpu:0"}))
     compiled = torch.compile(lambda x: (x @ x).relu(), backend=make_backend(runner))
@@ -399,7 +400,7 @@ def test_a_placed_plan_is_timed_against_the_plain_call_whatever_its_prediction(
     """Two branches on two CPU workers (the cpu-only preset splits them): predicted ~70 us at
     64, ~9 ms at 1024; either way the next calls are a trial (predictions prune, measurement
     decides), and here (fake clock) the plain call is faster and keeps the signature."""
-    from autopar.machine.model import preset
+    from autopar.machine.presets import preset
 
     def branches(x, y):
         return (x @ x).relu(), (y @ y).tanh()
@@ -506,9 +507,9 @@ def test_the_runner_knows_which_gpus_each_way_touches():
     5x10x5 on the host (no GPU) and 2048^3 on cuda:0."""
     from autopar.api import Runner
     from autopar.bench.workloads import w3_via_gpu
-    from autopar.capture.fx import trace_fake
+    from autopar.capture.fake import trace_fake
     from autopar.cost.model import CostModel
-    from autopar.machine.model import preset
+    from autopar.machine.presets import preset
     from autopar.schedule.place import place
     from autopar.schedule.plan import make_plan
 
@@ -536,7 +537,7 @@ def test_the_runner_knows_which_gpus_each_way_touches():
 def test_torch_compile_options_convention_reaches_autopar():
     """``torch.compile(fn, backend="autopar", options={...})``, as every backend is given its
     options: validated as autopar.compile's, and one runner serves a set of options."""
-    import autopar.capture.fx as capture
+    import autopar.backend as capture
 
     def two_branches(x, y):
         return (x @ x).relu() + (y @ y).tanh()

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from autopar.capture.fx import make_backend
+from autopar.capture.dynamo import make_backend
 from autopar.runtime import SequentialRunner
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")

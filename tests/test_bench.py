@@ -11,16 +11,8 @@ import typer
 from typer.testing import CliRunner
 
 from autopar.bench import harness as bench
-from autopar.bench.harness import (
-    Cell,
-    Report,
-    Row,
-    Simulated,
-    Stats,
-    measure,
-    measure_side_by_side,
-    run_suite,
-)
+from autopar.bench.harness import Cell, Report, Row, Simulated, run_suite
+from autopar.bench.measure import Stats, measure, measure_side_by_side
 from autopar.bench.workloads import Workload
 from autopar.cli.commands.bench import bench as bench_command
 from autopar.cli.commands.demo import demo as demo_command

@@ -15,15 +15,8 @@ from hypothesis import strategies as st
 import autopar.machine.calibrate as calibrate_mod
 from autopar.cost.model import CostModel, History, OpCost
 from autopar.ir.graph import Graph, TensorMeta
-from autopar.machine.model import (
-    Device,
-    DeviceProfile,
-    LinkProfile,
-    Machine,
-    Profile,
-    link_key,
-    preset,
-)
+from autopar.machine.model import Device, DeviceProfile, LinkProfile, Machine, Profile, link_key
+from autopar.machine.presets import preset
 
 aten = torch.ops.aten
 
@@ -354,7 +347,7 @@ def test_preset_history_lives_in_memory_only(tmp_path):
 
 
 def test_detected_machine_history_is_persisted_beside_its_profile(tmp_path):
-    from autopar.machine.model import detect
+    from autopar.machine.detect import detect
 
     m = detect(measure=False)
     cm = CostModel(m)

@@ -16,11 +16,13 @@ import torch
 from _fakes import by_hand
 from autopar.cost.model import CostModel
 from autopar.ir.graph import Graph, TensorMeta
-from autopar.machine.model import preset
+from autopar.machine.presets import preset
+from autopar.passes.cudagraphs import capture_rule, pays
 from autopar.runtime import Executor, SequentialRunner
 from autopar.runtime import executor as executor_module
-from autopar.runtime.cudagraphs import pays, segments, why_not_capturable
-from autopar.schedule.plan import Free, Run, Wait, make_plan
+from autopar.runtime.cudagraphs import segments, why_not_capturable
+from autopar.schedule.plan import make_plan
+from autopar.schedule.steps import Free, Run, Wait
 from corpus import CASES, autopar_compile, case, run_case
 
 aten = torch.ops.aten
@@ -129,7 +131,7 @@ def stand_in(monkeypatch):
     """CPU workers get graph segments, captured by a :class:`StandInGraphs`."""
     def install(backend: StandInGraphs) -> StandInGraphs:
         monkeypatch.setattr(executor_module, "graph_devices",
-                            lambda devices, mode: [] if mode is False else list(devices))
+                            lambda devices, rule: [] if rule is None else list(devices))
         monkeypatch.setattr(executor_module, "_GRAPH_BACKEND", backend)
         return backend
     return install
@@ -138,7 +140,7 @@ def stand_in(monkeypatch):
 def test_segments_replay_with_static_buffers_and_equal_sequential(cost, stand_in):
     backend = stand_in(StandInGraphs())
     g = split_chain()
-    ex = Executor(make_plan(by_hand(g, {"d": "cpu:1"}), cost), cuda_graphs=True)
+    ex = Executor(make_plan(by_hand(g, {"d": "cpu:1"}), cost), cuda_graphs=capture_rule(True))
     first, second, lone = ex.segments  # cpu:0's two, then cpu:1's exp
     assert "segment" in ex.source()
     assert lone.label == "segment split_chain/cpu:1#0 (1 steps)"
@@ -161,7 +163,7 @@ def test_segments_replay_with_static_buffers_and_equal_sequential(cost, stand_in
 def test_a_failed_capture_stays_on_streams(cost, stand_in, caplog):
     backend = stand_in(StandInGraphs(fail="operation not permitted when stream is capturing"))
     g = split_chain()
-    ex = Executor(make_plan(by_hand(g, {"d": "cpu:1"}), cost), cuda_graphs=True)
+    ex = Executor(make_plan(by_hand(g, {"d": "cpu:1"}), cost), cuda_graphs=capture_rule(True))
     with caplog.at_level(logging.WARNING, logger="autopar"):
         for k in range(3):
             x = torch.randn(4, 8) + k
@@ -182,20 +184,20 @@ def test_uncapturable_and_unpaying_segments_are_never_tried(cost, stand_in):
     r = g.call(aten.rand_like.default, (x,), name="r")
     y = g.call(aten.mul.Tensor, (x, r))
     g.set_outputs([g.call(aten.neg.default, (y,))])
-    ex = Executor(make_plan(by_hand(g, {}), cost), cuda_graphs=True)
+    ex = Executor(make_plan(by_hand(g, {}), cost), cuda_graphs=capture_rule(True))
     assert [s.label for s in ex.segments] == ["segment random_then_chain/cpu:0#0 (4 steps)"]
     assert "rand_like" not in ex.segments[0].program.source
     g2 = Graph("short")
     x2 = g2.input(TensorMeta.make((4, 4)), "x")
     g2.set_outputs([g2.call(aten.relu.default, (g2.call(aten.neg.default, (x2,)),))])
-    short = Executor(make_plan(by_hand(g2, {}), cost), cuda_graphs="auto")
+    short = Executor(make_plan(by_hand(g2, {}), cost), cuda_graphs=capture_rule("auto"))
     assert short.segments == []  # 2 launches < 2 * (1 + 1 copy + 1 clone)
     for _ in range(3):
         ex([torch.randn(4, 4)])
         short([torch.randn(4, 4)])
     assert backend.captures == 1  # the mul and neg after rand_like
     g3 = split_chain()
-    six = Executor(make_plan(by_hand(g3, {}), cost), cuda_graphs="auto")
+    six = Executor(make_plan(by_hand(g3, {}), cost), cuda_graphs=capture_rule("auto"))
     assert len(six.segments) == 1  # 6 launches >= 2 * 3
 
 
@@ -203,8 +205,8 @@ def test_cuda_graphs_false_and_tracing_leave_programs_alone(cost, stand_in):
     stand_in(StandInGraphs())
     plan = make_plan(by_hand(split_chain(), {"d": "cpu:1"}), cost)
     plain = Executor(plan).source()
-    assert Executor(plan, cuda_graphs=False).source() == plain
-    assert Executor(plan, cuda_graphs=True, trace=True).segments == []
+    assert Executor(plan, cuda_graphs=capture_rule(False)).source() == plain
+    assert Executor(plan, cuda_graphs=capture_rule(True), trace=True).segments == []
 
 
 ALIASING = ["returns_views_of_input", "returns_views_of_intermediate", "returns_same_tensor_twice",

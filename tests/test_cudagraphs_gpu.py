@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from autopar.api import Options, Runner
-from autopar.capture.fx import make_backend
+from autopar.capture.dynamo import make_backend
 from autopar.runtime import executor as executor_module
 from autopar.runtime.cudagraphs import CudaGraphBackend
 

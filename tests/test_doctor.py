@@ -16,7 +16,7 @@ from autopar.cli.commands.doctor import doctor as doctor_command
 from autopar.cost.model import CostModel
 from autopar.doctor import DoctorError, DoctorReport, Finding, doctor, doctor_file
 from autopar.ir.graph import Graph, TensorMeta
-from autopar.machine.model import preset
+from autopar.machine.presets import preset
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "w1_w2_user_code.py"
 H200 = CostModel(preset("h200x2", cpu_workers=1))

@@ -92,7 +92,7 @@ def test_code_that_names_cuda_is_explained_on_any_machine():
         return (x.cuda(0) + x.cuda(device="cuda") + x.to(torch.device("cuda", 0))
                 + x.to(torch.device("cuda", index=0)) + x.cuda(torch.device("cuda")))
 
-    from autopar.capture.fx import trace_fake
+    from autopar.capture.fake import trace_fake
 
     g = trace_fake(every_spelling, [torch.rand(3)])
     assert {n.device for n in g.ops} == {"cuda:0"}

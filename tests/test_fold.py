@@ -16,7 +16,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import autopar
 from autopar.capture import fold
-from autopar.capture.fx import capture_by_running, from_fx
+from autopar.capture.fake import capture_by_running
+from autopar.capture.fx import from_fx
 from autopar.ir.graph import LOCAL_SCALAR_DENSE, Graph
 from autopar.runtime import SequentialRunner
 from corpus import w2_scalar_made_inside
@@ -38,7 +39,7 @@ def zero_dim_ops(graph: Graph) -> list[str]:
 
 
 def only_graph(fn, *args) -> Graph:
-    (graph,) = capture_by_running(fn, args)
+    (graph,) = capture_by_running(fn, args, SequentialRunner)
     return graph
 
 

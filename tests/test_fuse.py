@@ -17,19 +17,27 @@ from _fakes import by_hand, w4
 from autopar.cost.model import CostModel
 from autopar.ir.graph import Graph, Node, TensorMeta
 from autopar.ir.routing import GraphIndex
-from autopar.machine.model import preset
-from autopar.passes.fusion import fused_regions, prefer_fused
+from autopar.machine.host import cpu_fusion_unavailable
+from autopar.machine.presets import preset
+from autopar.passes.fusion import (
+    fused_regions,
+    fusible,
+    fusion_devices,
+    prefer_fused,
+    regions,
+    regions_to_fuse,
+)
 from autopar.runtime import Executor, SequentialRunner
 from autopar.runtime import fuse as fuse_module
-from autopar.runtime.executor import fusion_devices
-from autopar.runtime.fuse import Fused, FusedKernel, build_gm, fuse_program, fusible, regions
+from autopar.runtime.fuse import Fused, FusedKernel, build_gm, fuse_program
 from autopar.schedule.place import Placement, place
-from autopar.schedule.plan import Free, Record, Send, Wait, make_plan
+from autopar.schedule.plan import make_plan
+from autopar.schedule.steps import Free, Record, Send, Wait
 from corpus import autopar_compile, case, run_case
 
 aten = torch.ops.aten
-needs_cxx = pytest.mark.skipif(fuse_module.cpu_fusion_unavailable() is not None,
-                               reason=f"{fuse_module.cpu_fusion_unavailable()}")
+needs_cxx = pytest.mark.skipif(cpu_fusion_unavailable() is not None,
+                               reason=f"{cpu_fusion_unavailable()}")
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +115,11 @@ def test_fuse_program_keeps_frees_of_outside_values_and_drops_internal_ones(cost
     g = mixed()
     placement = by_hand(g, {})
     plan = make_plan(placement, cost)
-    steps = fuse_program("cpu:0", plan.programs["cpu:0"], GraphIndex.of(g),
-                         set(g.output_nodes), lambda v: True, placement.device)
+    ix, outputs = GraphIndex.of(g), set(g.output_nodes)
+    found = regions(plan.programs["cpu:0"],
+                    lambda n: fusible(n, "cpu:0", lambda v: True, placement.device), ix.users,
+                    outputs)
+    steps = fuse_program("cpu:0", plan.programs["cpu:0"], found, ix, outputs)
     shown = [f"fused {[n.name for n in s.nodes]} -> {[n.name for n in s.outputs]}"
              if isinstance(s, Fused) else f"{type(s).__name__.lower()} {s.value.name}"
              if isinstance(s, Free) else f"run {s.node.name}" for s in steps]
@@ -121,15 +132,16 @@ def test_fusion_devices_by_option():
     devices = ["cpu:0", "cuda:0", "cuda:1"]
     assert fusion_devices(devices, False) == []
     assert fusion_devices(devices, "auto") == ["cuda:0", "cuda:1"]
-    expect = devices if fuse_module.cpu_fusion_unavailable() is None else devices[1:]
+    expect = devices if cpu_fusion_unavailable() is None else devices[1:]
     assert fusion_devices(devices, True) == expect
 
 
 def test_fuse_false_leaves_the_programs_as_they_were(cost):
     g = mixed()
     plan = make_plan(by_hand(g, {"c": "cpu:1"}), cost)
-    assert Executor(plan, fuse=False).source() == Executor(plan).source()
-    assert "fused" not in Executor(plan, fuse="auto").source()  # no GPU here: nothing fused
+    assert Executor(plan, fuse=regions_to_fuse(plan, False)).source() == Executor(plan).source()
+    auto = Executor(plan, fuse=regions_to_fuse(plan, "auto"))
+    assert "fused" not in auto.source()  # no GPU here: nothing fused
 
 
 def test_options_validate_fuse_and_cuda_graphs():
@@ -160,7 +172,7 @@ def pointwise_graph() -> Graph:
 def test_fused_regions_on_two_workers_equal_sequential(cost, caplog, monkeypatch):
     g = pointwise_graph()
     plan = make_plan(by_hand(g, {"c": "cpu:1"}), cost)
-    ex = Executor(plan, fuse=True)
+    ex = Executor(plan, fuse=regions_to_fuse(plan, True))
     assert [[n.name for n in f.nodes] for f in ex.fused] == [["a", "b"], ["e", "f"]]
     x = torch.randn(8, 8)
     with caplog.at_level(logging.INFO, logger="autopar"):
@@ -177,7 +189,7 @@ def test_fused_regions_on_two_workers_equal_sequential(cost, caplog, monkeypatch
         raise AssertionError("compiled twice")
 
     monkeypatch.setattr(fuse_module, "_inductor", unused)
-    same = Executor(plan, fuse=True)  # a new executor of the same plan: served by the cache
+    same = Executor(plan, fuse=regions_to_fuse(plan, True))  # served by the cache
     same([x])
     assert [f.kernel.status for f in same.fused] == ["compiled", "compiled"]
 
@@ -189,7 +201,8 @@ def test_a_failed_compile_runs_the_region_op_by_op(cost, monkeypatch, caplog):
     monkeypatch.setattr(fuse_module, "_inductor", broken)
     monkeypatch.setattr(fuse_module, "_CACHE", {})  # not the region an earlier test compiled
     g = pointwise_graph()
-    ex = Executor(make_plan(by_hand(g, {"c": "cpu:1"}), cost), fuse=True)
+    plan = make_plan(by_hand(g, {"c": "cpu:1"}), cost)
+    ex = Executor(plan, fuse=regions_to_fuse(plan, True))
     x = torch.randn(8, 8)
     with caplog.at_level(logging.WARNING, logger="autopar"):
         for _ in range(2):
@@ -283,7 +296,7 @@ def test_regions_with_ops_inductor_decomposes_compile():
     """``t``, ``flip`` and ``linalg_vector_norm`` have decompositions and no lowering of their
     own: the region is decomposed with Inductor's table first, as aot_autograd does."""
     from autopar.api import Options, Runner
-    from autopar.capture.fx import make_backend
+    from autopar.capture.dynamo import make_backend
 
     def f(x, y):
         a = (x.t() + 1.0) * 2.0
@@ -313,7 +326,7 @@ def test_a_graph_that_is_one_region_calls_inductors_function_directly(with_rando
     hands the call to Inductor's function (what ``torch.compile`` runs). A graph with an op
     outside the region (a random op is never fused) needs the program."""
     from autopar.api import Options, Runner
-    from autopar.capture.fx import make_backend
+    from autopar.capture.dynamo import make_backend
 
     def f(x, z):
         y = whole_chain(x) + z
@@ -333,7 +346,7 @@ def test_a_graph_that_is_one_region_calls_inductors_function_directly(with_rando
 @needs_cxx
 def test_the_direct_call_falls_back_to_the_program_when_inductors_function_raises(monkeypatch):
     from autopar.api import Options, Runner
-    from autopar.capture.fx import make_backend
+    from autopar.capture.dynamo import make_backend
 
     runner = Runner(Options.parse({"devices": "cpu:0", "fuse": True}))
     g = torch.compile(whole_chain, backend=make_backend(runner), dynamic=False)

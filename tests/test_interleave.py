@@ -12,7 +12,8 @@ from autopar.ir.graph import Graph
 from autopar.runtime.executor import _planned_times
 from autopar.runtime.interleave import interleave
 from autopar.schedule.place import place
-from autopar.schedule.plan import Record, Run, Send, Wait, make_plan
+from autopar.schedule.plan import make_plan
+from autopar.schedule.steps import Record, Run, Send, Wait
 from test_place_properties import problems
 
 aten = torch.ops.aten

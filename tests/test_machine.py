@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 import autopar.machine.calibrate as calibrate_mod
+from autopar.machine.detect import detect, load_machine
+from autopar.machine.host import host_info, load_profile, profile_path, save_profile
 from autopar.machine.model import (
-    PRESETS,
     SCHEMA_VERSION,
     Device,
     DeviceProfile,
@@ -21,16 +22,10 @@ from autopar.machine.model import (
     Profile,
     ProfileError,
     default_profile,
-    detect,
     fingerprint_of,
-    host_info,
     link_key,
-    load_machine,
-    load_profile,
-    preset,
-    profile_path,
-    save_profile,
 )
+from autopar.machine.presets import PRESETS, preset
 
 _REAL_CALIBRATE = calibrate_mod.calibrate
 

@@ -27,7 +27,7 @@ from _fakes import (
 from autopar.cost.model import CostModel, History
 from autopar.ir.graph import Graph
 from autopar.ir.routing import GraphIndex, copy_time, gc_paused
-from autopar.machine.model import preset
+from autopar.machine.presets import preset
 from autopar.schedule.place import (
     POLICIES,
     Placement,

@@ -20,7 +20,8 @@ from _fakes import (
 )
 from autopar.ir.graph import Graph
 from autopar.schedule.place import Placement, place
-from autopar.schedule.plan import Free, Record, Run, Send, Wait, make_plan
+from autopar.schedule.plan import make_plan
+from autopar.schedule.steps import Free, Record, Run, Send, Wait
 
 ms, us = 1e-3, 1e-6
 

@@ -11,11 +11,12 @@ from hypothesis import strategies as st
 
 from autopar.cost.model import CostModel
 from autopar.ir.graph import Graph, Node, TensorMeta
-from autopar.machine.model import preset
+from autopar.machine.presets import preset
 from autopar.runtime import Executor, SequentialRunner, WorkerError
 from autopar.runtime import executor as executor_module
 from autopar.schedule.place import Placement, place
-from autopar.schedule.plan import Plan, Run, Wait, make_plan
+from autopar.schedule.plan import make_plan
+from autopar.schedule.steps import Plan, Run, Wait
 
 aten = torch.ops.aten
 CPUS = ("cpu:0", "cpu:1")

@@ -9,7 +9,7 @@ import torch
 import autopar
 from autopar.cost.model import CostModel
 from autopar.ir.graph import Graph, TensorMeta
-from autopar.machine.model import preset
+from autopar.machine.presets import preset
 from autopar.runtime import Executor, SequentialRunner
 from autopar.schedule.place import place
 from autopar.schedule.plan import make_plan

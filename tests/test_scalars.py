@@ -14,10 +14,12 @@ import torch
 
 import autopar
 from _fakes import FakeCost, by_name, devices_of, machine, tensor
-from autopar.capture.fx import from_fx, make_backend
+from autopar.capture.dynamo import make_backend
+from autopar.capture.fx import from_fx
 from autopar.ir.graph import Graph, ScalarMeta
 from autopar.ir.routing import GraphIndex
-from autopar.machine.model import Machine, preset
+from autopar.machine.model import Machine
+from autopar.machine.presets import preset
 from autopar.report.explain import explain_graph
 from autopar.runtime import SequentialRunner
 from autopar.schedule.place import place
@@ -311,7 +313,7 @@ def test_autopar_compile_keeps_scalar_reads_in_one_graph_placed_on_the_host():
 
     runner = Recording(Options.parse({"devices": "cpu:0,cpu:1"}))
     compiled = torch.compile(bound_reused_and_item, backend=make_backend(runner), dynamic=False)
-    from autopar.capture.fx import capturing_scalars
+    from autopar.capture.dynamo import capturing_scalars
 
     A, B, r0 = *w1_inputs()[:2], torch.tensor(3)
     out = capturing_scalars(compiled)(A, B.clone(), r0)
@@ -345,7 +347,7 @@ def test_explain_by_running_w1_places_the_reads_on_the_host_and_says_so():
 
 
 def test_capturing_scalars_stops_switching_once_not_needed():
-    from autopar.capture.fx import capturing_scalars
+    from autopar.capture.dynamo import capturing_scalars
 
     seen: list[bool] = []
     need = {"now": True}
@@ -363,7 +365,7 @@ def test_capturing_scalars_stops_switching_once_not_needed():
 
 
 def test_a_dynamo_failure_with_scalars_captured_is_traced_again_without(caplog):
-    from autopar.capture.fx import capturing_scalars
+    from autopar.capture.dynamo import capturing_scalars
 
     calls: list[bool] = []
 

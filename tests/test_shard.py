@@ -1,6 +1,6 @@
 """The sharding pass on CPU: exact shard shapes, replicas, reductions, what is left unsplit.
 
-Graphs come from :func:`autopar.dataparallel.capture_step` (a whole training step traced on
+Graphs come from :func:`autopar.capture.step.capture_step` (a whole training step traced on
 fake tensors); those meant for GPUs are captured on the CPU and relabelled to ``cuda:0``.
 """
 
@@ -13,11 +13,12 @@ import torch
 
 from _steps import bn_inputs, bn_step, mlp_inputs
 from autopar.bench.workloads import w6_train_step
-from autopar.capture.fx import relabel_devices
+from autopar.capture.fake import relabel_devices
+from autopar.capture.step import capture_step
 from autopar.cost.model import CostModel
-from autopar.dataparallel import capture_step, choose
 from autopar.ir.graph import Graph, TensorMeta, op_name
 from autopar.machine.presets import preset
+from autopar.passes.dataparallel import choose
 from autopar.passes.shard import NotShardable, even_sizes, shard
 from autopar.schedule.place import place
 

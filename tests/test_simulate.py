@@ -7,8 +7,9 @@ import pytest
 from _fakes import FakeCost, by_name, chains_cost, machine, op, tensor, two_chains, w5
 from autopar.ir.graph import Graph
 from autopar.schedule.place import place
-from autopar.schedule.plan import Plan, Record, Run, Send, Wait, make_plan
+from autopar.schedule.plan import make_plan
 from autopar.schedule.simulate import peak_memory, simulate
+from autopar.schedule.steps import Plan, Record, Run, Send, Wait
 from autopar.schedule.timeline import Span
 
 ms = 1e-3

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .api import Options, compile, parse_devices
-from .capture.fx import autopar_backend
+from .backend import autopar_backend
 from .dataparallel import data_parallel
 from .doctor import DoctorReport, Finding, doctor
 from .ir.graph import Graph, Node, TensorMeta
@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 
 
 def _register_backend() -> None:
-    from torch._dynamo import list_backends, register_backend
+    from torch._dynamo import list_backends, register_backend  # lazy: slow to import
 
     if "autopar" not in list_backends(exclude_tags=()):
         register_backend(autopar_backend, name="autopar")

@@ -36,9 +36,21 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from .capture.dynamo import capturing_scalars, make_backend
 from .choose import WAYS, Trial, candidates, inductor_compiles_for
+from .cost.model import CostModel
 from .ir.graph import LOCAL_SCALAR_DENSE, Graph
+from .machine.detect import load_machine
+from .passes.cudagraphs import capture_rule
+from .passes.fusion import fusion_devices, prefer_fused, regions_to_fuse
+from .report.trace import save_chrome_trace
+from .runtime import Executor, SequentialRunner
+from .schedule.place import place
+from .schedule.plan import make_plan
+from .schedule.simulate import runs_as_eager
+from .schedule.steps import Send
 
 __all__ = ["Dispatcher", "Options", "compile", "dispatcher_of", "parse_devices"]
 
@@ -179,8 +191,6 @@ class Runner:
         """GPU indices eager's code touches in this runner's graphs, and those autopar's calls
         touch (a plan's programs, copy destinations and output devices; eager's for a graph
         run as eager's sequence); None where a graph has no executor (planning failed)."""
-        from .schedule.plan import Send
-
         if len(self.executors) < self.graphs:
             return None
         eager: set[str] = set()
@@ -208,11 +218,6 @@ class Runner:
     def cost_model(self) -> Any:
         """The cost model, resolving (and if need be calibrating) the machine on first use."""
         if self._cost is None:
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-            from .cost.model import CostModel
-            from .machine.model import load_machine
-
             workers = sum(d.startswith("cpu") for d in self.options.devices) or 1
             with unset_fake_temporarily():  # a backend runs inside tracing: measure for real
                 machine = load_machine(self.options.machine, cpu_workers=workers)
@@ -220,13 +225,6 @@ class Runner:
         return self._cost
 
     def __call__(self, graph: Graph, phase: str) -> Callable:
-        from .passes.fusion import prefer_fused
-        from .runtime import Executor, SequentialRunner
-        from .runtime.executor import fusion_devices
-        from .schedule.place import place
-        from .schedule.plan import make_plan
-        from .schedule.simulate import runs_as_eager
-
         options = self.options
         self.graphs += 1
         self.folded += graph.folded
@@ -239,8 +237,9 @@ class Runner:
             if options.policy == "heft":  # HEFT prices ops one by one; fusion changes that
                 fusing = fusion_devices(options.devices, options.fuse)
                 plan = prefer_fused(plan, graph, cost, options.devices, fusing)
-            executor = Executor(plan, trace=bool(options.trace), fuse=options.fuse,
-                                cuda_graphs=options.cuda_graphs)
+            executor = Executor(plan, trace=bool(options.trace),
+                                fuse=regions_to_fuse(plan, options.fuse),
+                                cuda_graphs=capture_rule(options.cuda_graphs))
             as_eager = not (options.trace or executor.fused or executor.segments) and \
                 runs_as_eager(plan, cost, options.devices)
         except Exception as e:
@@ -269,8 +268,10 @@ class _FallsBack:
     def __init__(self, run: Callable, graph: Graph) -> None:
         self.run = run
         self.graph = graph
-        self.plan = getattr(run, "plan", None)  # the plan it runs, as an Executor says
         self.eager: Callable | None = None
+
+    def __getattr__(self, name: str) -> Any:  # what the runner it wraps says (plan, segments)
+        return getattr(self.run, name)
 
     def __call__(self, args: Sequence[Any]) -> Any:
         if self.eager is not None:
@@ -278,8 +279,6 @@ class _FallsBack:
         try:
             return self.run(args)
         except Exception as e:
-            from .runtime import SequentialRunner
-
             eager = SequentialRunner(self.graph)
             out = eager(args)  # raises the user's error where eager fails too
             self.eager = eager
@@ -300,8 +299,6 @@ def make_runner(options: Options) -> Runner:
 
 def _tracing(executor: Any, path: str) -> Callable:
     """Run ``executor`` and write the Chrome trace of its latest call to ``path``."""
-    from .report.trace import save_chrome_trace
-
     def run(args: Sequence[Any]) -> Any:
         out = executor(args)
         if executor.last_timeline is not None:
@@ -328,7 +325,6 @@ def compile(fn: Callable, **options: Any) -> Callable:
     if not callable(fn):
         raise TypeError(
             f"autopar.compile expects a function or nn.Module, got {type(fn).__name__}")
-    from .capture.fx import capturing_scalars, make_backend
 
     opts = Options.parse(options)
     runner = make_runner(opts)

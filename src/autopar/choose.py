@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from .ir.units import fmt_seconds
-from .runtime.fuse import cpu_fusion_unavailable
+from .machine.host import cpu_fusion_unavailable
 
 __all__ = ["TRIAL_CALLS", "WAYS", "Trial", "candidates"]
 

@@ -47,40 +47,24 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .capture.fx import Unsupported, from_fx
-from .ir.graph import Graph, Node
-from .passes.shard import NotShardable, Sharded, shard, torch_device
+from .api import Options, make_runner
+from .capture.fake import relabel_devices
+from .capture.fx import Unsupported
+from .capture.step import StepGraph, capture_step
+from .cost.model import CostModel
+from .ir.graph import Node
+from .machine.detect import load_machine
+from .passes.dataparallel import Choice, choose, shard_devices
+from .passes.fusion import regions_to_fuse
+from .passes.shard import NotShardable, Sharded, torch_device
+from .runtime import Executor
+from .schedule.place import place
+from .schedule.plan import make_plan
+from .schedule.simulate import simulate
 
-__all__ = ["Choice", "DataParallelStep", "StepGraph", "StepPrediction", "capture_step", "choose",
-           "data_parallel", "predict_step"]
+__all__ = ["DataParallelStep", "StepPrediction", "data_parallel", "predict_step"]
 
 log = logging.getLogger("autopar")
-
-_COPY_ = torch.ops.aten.copy_.default
-
-
-@dataclass
-class StepGraph:
-    """One traced step: a functional graph over the step's tensor arguments.
-
-    ``graph.outputs`` are, in order: the step's own outputs (``n_outputs`` of them, flattened),
-    the ``.grad`` of each index in ``grads``, and the new value of each index in ``mutated``.
-    """
-
-    graph: Graph
-    n_outputs: int
-    out_spec: Any
-    grads: list[int]
-    mutated: list[int]
-    params: list[int]
-
-    @property
-    def updates(self) -> dict[Node, Node]:
-        """Each mutated input and the node of its new value."""
-        first = self.n_outputs + len(self.grads)
-        inputs = self.graph.inputs
-        return {inputs[j]: self.graph.outputs[first + k] for k, j in enumerate(self.mutated)}
-
 
 def _signature(leaves: Sequence[Any], spec: Any) -> tuple:
     def one(x: Any) -> Any:
@@ -89,152 +73,6 @@ def _signature(leaves: Sequence[Any], spec: Any) -> tuple:
         return ("C", type(x).__name__, x if isinstance(x, int | float | bool | str | None)
                 else id(x))
     return (str(spec), tuple(one(x) for x in leaves))
-
-
-def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None) -> StepGraph:
-    """Trace ``fn(*args)`` (forward, backward, update) into one functional :class:`StepGraph`.
-
-    Nothing is computed and nothing of ``args`` changes: the trace runs on fake tensors.
-    """
-    from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-    leaves, spec = tree_flatten(tuple(args))
-    tensor_at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    tensors = [leaves[i] for i in tensor_at]
-    params = [j for j, t in enumerate(tensors) if t.requires_grad and t.is_leaf]
-    held = [j for j in params if tensors[j].grad is not None]
-    if held:
-        raise Unsupported(f"argument tensor {held[0]} has a .grad already: the step would add "
-                          "into it; set it to None (optimizer.zero_grad()) before the step")
-    found: dict[str, Any] = {}
-
-    def flat(*ts: torch.Tensor) -> list[torch.Tensor]:
-        full = list(leaves)
-        for i, t in zip(tensor_at, ts):
-            full[i] = t
-        out = fn(*tree_unflatten(full, spec))
-        outs, out_spec = tree_flatten(out)
-        bad = [o for o in outs if not isinstance(o, torch.Tensor)]
-        if bad:
-            raise Unsupported(f"the step returns a {type(bad[0]).__name__}; only tensors are "
-                              "captured")
-        grads = [j for j in params if ts[j].grad is not None]
-        found.update(n=len(outs), spec=out_spec, grads=grads)
-        return [o.detach() for o in outs] + [ts[j].grad for j in grads]
-
-    def refuse_optimizer(opt: Any, *_: Any) -> None:
-        raise Unsupported(f"the step calls {type(opt).__name__}.step(): torch.optim optimizers "
-                          "hold the parameters themselves, which the trace can't follow; write "
-                          "the update on the step's arguments (p -= lr * p.grad)")
-
-    hook = register_optimizer_step_pre_hook(refuse_optimizer)
-    try:
-        gm = make_fx(flat, tracing_mode="fake")(*tensors)
-        plain = [t.detach() for t in tensors]
-        gm = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="fake")(*plain)
-    except Unsupported:
-        raise
-    except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise Unsupported(f"can't trace the step: {type(e).__name__}: {first}") from e
-    finally:
-        hook.remove()
-    graph, constants = from_fx(gm, name or getattr(fn, "__name__", "step"))
-    if constants:
-        raise Unsupported(f"the step reads {len(constants)} tensor(s) that are not arguments "
-                          "(pass parameters and buffers as arguments)")
-    mutated = _take_input_copies(graph)
-    return StepGraph(graph, found["n"], found["spec"], found["grads"], mutated, params)
-
-
-def _take_input_copies(graph: Graph) -> list[int]:
-    """Remove the trailing ``copy_(input, value)`` nodes; their values become outputs."""
-    inputs = graph.inputs
-    mutated: list[int] = []
-    values: list[Node] = []
-    users = graph.users()
-    while graph.nodes and graph.nodes[-1].op is _COPY_:
-        node = graph.nodes[-1]
-        target, value = node.args[:2]
-        if not target.is_input or users[node] or node in graph.output_nodes:
-            raise Unsupported(f"{node!r} writes a value that is not a step argument")
-        graph.nodes.pop()
-        mutated.insert(0, inputs.index(target))
-        values.insert(0, value)
-    writers = [n for n in graph.ops if n.writes]
-    if writers:
-        raise Unsupported(f"{writers[0]!r} writes in place in the middle of the step")
-    graph.set_outputs([*graph.outputs, *values])
-    graph.verify()
-    return mutated
-
-
-@dataclass
-class Choice:
-    """What :func:`choose` picked: the placement that runs, the sharded graph (None: unsplit)
-    and the predicted seconds of every candidate (key ``"unsplit"`` or the devices joined by
-    commas)."""
-
-    placement: Any
-    sharded: Sharded | None
-    predicted: dict[str, float]
-
-
-def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence[str], *,
-           policy: str = "heft", shards: int | None = None) -> Choice:
-    """Place ``step`` unsplit and split over the first k same-kind devices (home first) for
-    each k, and keep the one predicted fastest; ``shards`` forces k (1: don't split). A split
-    whose big partial sums are reduced in chunks (:mod:`autopar.passes.shard`) is also placed with
-    every sum reduced at once (key ``"<devices> at once"``): the model picks."""
-    from .schedule.place import place
-
-    devices, same_kind = _shard_devices(batch, cost, devices, shards)
-    ks = range(1, len(same_kind) + 1) if shards is None else [shards]
-    best: Choice | None = None
-    predicted: dict[str, float] = {}
-    for k in ks:
-        if k == 1:
-            placed, sharded = place(step.graph, cost, policy=policy, devices=devices), None
-            label = "unsplit"
-            candidates = [(label, placed, sharded)]
-        else:
-            try:
-                chunked = shard(step.graph, batch, same_kind[:k], updates=step.updates)
-                forms = [("", chunked)]
-                if chunked.reduced_in_chunks:
-                    forms.append((" at once", shard(step.graph, batch, same_kind[:k],
-                                                    updates=step.updates, reduce_chunks=1)))
-            except NotShardable as e:
-                if shards is not None:
-                    raise
-                log.info("autopar: %s not split over %d devices: %s", step.graph.name, k, e)
-                continue
-            label = ",".join(same_kind[:k])
-            candidates = [(label + suffix, place(s.graph, cost, policy=policy, devices=devices,
-                                                 pins=s.pins), s) for suffix, s in forms]
-        for label, placed, sharded in candidates:
-            predicted[label] = placed.predicted_s
-            if best is None or placed.predicted_s < best.placement.predicted_s:
-                best = Choice(placed, sharded, predicted)
-    assert best is not None
-    return best
-
-
-def _shard_devices(batch: dict[Node, int], cost: Any, devices: Sequence[str],
-                   shards: int | None) -> tuple[list[str], list[str]]:
-    """The devices to place on (home added) and those that may take a shard (home first, then
-    the others of its kind), checking ``shards`` against them."""
-    devices = list(devices)
-    home = cost.machine.home(next(iter(batch)).device).name
-    if home not in devices:
-        devices.insert(0, home)
-    kind = home.split(":")[0]
-    same_kind = [home] + [d for d in devices if d != home and d.split(":")[0] == kind]
-    if shards is not None and not 1 <= shards <= len(same_kind):
-        raise ValueError(f"shards={shards}: between 1 and {len(same_kind)} devices of the "
-                         f"home's kind ({', '.join(same_kind)}) can take a shard")
-    return devices, same_kind
 
 
 @dataclass
@@ -255,8 +93,6 @@ class DataParallelStep:
 
     def __init__(self, fn: Callable, options: Any, batch_argnums: Sequence[int] | None,
                  shards: int | None = None) -> None:
-        from .api import make_runner
-
         self.fn = fn
         self.options = options
         self.batch_argnums = None if batch_argnums is None else tuple(batch_argnums)
@@ -289,18 +125,16 @@ class DataParallelStep:
         return {inputs[j]: 0 for j in rest if tensors[j].shape[0] == n}
 
     def _compile(self, args: Sequence[Any]) -> _Compiled:
-        from .runtime import Executor
-        from .schedule.plan import make_plan
-
         step = capture_step(self.fn, args)
         cost = self.runner.cost_model()
         batch = self._batch(step, args)
-        _shard_devices(batch, cost, self.options.devices, self.shards)  # the user's mistakes
+        shard_devices(batch, cost, self.options.devices, self.shards)  # the user's mistakes
         try:
             choice = choose(step, batch, cost, self.options.devices,
                             policy=self.options.policy, shards=self.shards)
-            run = Executor(make_plan(choice.placement, cost), trace=bool(self.options.trace),
-                           fuse=self.options.fuse)
+            plan = make_plan(choice.placement, cost)
+            run = Executor(plan, trace=bool(self.options.trace),
+                           fuse=regions_to_fuse(plan, self.options.fuse))
         except (Unsupported, NotShardable):
             raise
         except Exception as e:  # planning failed: eager, as for any graph (see autopar.api)
@@ -380,17 +214,8 @@ def predict_step(fn: Callable, args: Sequence[Any], machine: Any,
     """What :func:`data_parallel` would do with ``fn(*args)`` on ``machine`` (a preset name or a
     Machine), without running it: tensors built on the CPU are taken to live on ``inputs_on``.
     """
-    from .api import Options
-    from .cost.model import CostModel
-    from .machine.model import load_machine
-    from .schedule.place import place
-    from .schedule.plan import make_plan
-    from .schedule.simulate import simulate
-
     step = capture_step(fn, args)
     if inputs_on is not None:
-        from .capture.fx import relabel_devices
-
         relabel_devices(step.graph, "cpu", inputs_on)
     cost = CostModel(load_machine(machine))
     devices = [d.name for d in cost.machine.devices]
@@ -414,6 +239,5 @@ def data_parallel(fn: Callable, *, batch_argnums: Sequence[int] | None = None,
         raise TypeError(f"data_parallel expects a function, got {type(fn).__name__}")
     if shards is not None and (not isinstance(shards, int) or shards < 1):
         raise ValueError(f"shards must be a positive int or None, not {shards!r}")
-    from .api import Options
 
     return DataParallelStep(fn, Options.parse(options), batch_argnums, shards)

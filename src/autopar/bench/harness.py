@@ -1,23 +1,14 @@
-"""The timing harness: measure a callable, run workloads' variants side by side, report them.
+"""The harness: run workloads' variants side by side, check and time them, report them.
 
 Policy
-- :func:`measure` warms up, then takes ``repeat`` samples. A sample is ``inner`` calls between
-  two synchronizations of *every* CUDA device (``torch.cuda.synchronize()`` alone waits for the
-  current device only), read with ``perf_counter``: wall time, host overheads and hidden syncs
-  included, as a user sees it. ``inner`` is chosen so that a sample lasts at least
-  ``min_sample_s``: microsecond workloads are not drowned by the clock and the sync. It reports
-  the median and the 10th and 90th percentiles of the per-call time. With ``min_total_s``, a
-  variant whose ``repeat`` samples would time less than that takes more (up to
-  ``MAX_SAMPLES``): a median of 5 one-millisecond samples moved by 25% on 2xH200 when one
-  spell of the machine fell on 2 of them, and 50 such samples cost 50 ms.
+- Timing is :mod:`autopar.bench.measure`'s (:func:`~autopar.bench.measure.measure`).
 - :func:`run_suite` runs each workload's variants in one process, one after the other. Eager's
   output on fresh inputs is the reference; each variant gets its own fresh inputs (same seed),
   is prepared (compiled, or the hand-tuned setup done), called ``workload.calls`` times and
   checked against the reference; only a variant that matches is timed. A variant that fails
   becomes a cell holding its error (one that does not apply here, the reason it was skipped):
   the suite goes on.
-- Timing is interleaved (:func:`measure_side_by_side`): after every variant is warmed up, each
-  round takes one sample of each, so a slow spell of a shared machine falls on all of them.
+- Timing is interleaved (:func:`~autopar.bench.measure.measure_side_by_side`).
 - Variants are a table, :data:`VARIANTS`: name -> prepare(workload, context, inputs) ->
   (callable, inputs). Dynamo is reset before each workload, so that one workload's cache never
   serves (or exhausts the recompile limit of) another; within a workload, torch.compile's and
@@ -36,13 +27,10 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import os
 import platform
 import socket
-import statistics
 import sys
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -51,153 +39,31 @@ from typing import Any
 
 import torch
 
+import autopar
+
+from ..api import dispatcher_of, parse_devices
+from ..dataparallel import predict_step
 from ..ir.units import fmt_seconds
+from ..machine.host import host_info
+from ..machine.presets import PRESETS
+from ..report.explain import explain
+from ..report.trace import save_gantt
+from .measure import (
+    SUITE_MIN_TOTAL_S,
+    Prepared,
+    Stats,
+    in_process_compiles,
+    measure_side_by_side,
+    sync_all,
+)
 from .workloads import SIZES, WORKLOADS, Workload, home_of, select
 
-__all__ = ["SCHEMA", "VARIANTS", "Cell", "Context", "Report", "Row", "Simulated", "Stats",
-           "collect", "fingerprint", "gpus_of", "machine_label", "measure", "run_suite", "settle",
-           "simulate", "sync_all", "write_report"]
+__all__ = ["SCHEMA", "VARIANTS", "Cell", "Context", "Report", "Row", "Simulated",
+           "collect", "fingerprint", "gpus_of", "machine_label", "run_suite", "settle",
+           "simulate", "write_report"]
 
 SCHEMA = "autopar-bench/1"
 TOLERANCE = 1.05  # "within 5%"
-
-
-# -- measuring ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Stats:
-    """Per-call seconds over ``n`` samples."""
-
-    median: float
-    p10: float
-    p90: float
-    n: int
-
-    @staticmethod
-    def of(samples: Sequence[float]) -> Stats:
-        if not samples:
-            raise ValueError("Stats.of needs at least one sample")
-        s = sorted(samples)
-        return Stats(statistics.median(s), _percentile(s, 0.10), _percentile(s, 0.90), len(s))
-
-
-def _percentile(sorted_samples: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    pos = q * (len(sorted_samples) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_samples) - 1)
-    return sorted_samples[lo] + (sorted_samples[hi] - sorted_samples[lo]) * (pos - lo)
-
-
-def sync_all(devices: Iterable[int] | None = None) -> None:
-    """Wait for every CUDA device (or those listed) to finish its queued work."""
-    if devices is None:
-        if not torch.cuda.is_available():
-            return
-        devices = range(torch.cuda.device_count())
-    for i in devices:
-        torch.cuda.synchronize(i)
-
-
-Prepared = tuple[Callable[..., Any], tuple]
-
-
-def measure(fn: Callable[..., Any], *args: Any, warmup: int = 3, repeat: int = 10,
-            sync_devices: Sequence[int] | None = None, inner: int | None = None,
-            min_sample_s: float = 1e-3, budget_s: float | None = None,
-            clock: Callable[[], float] = time.perf_counter) -> Stats:
-    """Time ``fn(*args)``: median and percentiles of per-call seconds.
-
-    ``sync_devices``: CUDA device indices to synchronize around each sample (None: all of them).
-    ``inner``: calls per sample (None: enough for ``min_sample_s``). ``budget_s``: with ``inner``
-    None, fewer samples (at least 3) when ``repeat`` of them would take longer than this.
-    """
-    result = measure_side_by_side(
-        {"fn": (fn, args)}, warmup=warmup, repeat=repeat, sync_devices=sync_devices,
-        inner=inner, min_sample_s=min_sample_s, budget_s=budget_s, clock=clock)["fn"]
-    if isinstance(result, Exception):
-        raise result
-    return result
-
-
-def in_process_compiles() -> None:
-    """Have Inductor compile in this process (``compile_threads = 1``) from now on.
-
-    Its default pool of compile worker processes starts after the first compile and keeps
-    every core busy for seconds: host code measured then runs up to ~300x slower (2xH200 host:
-    a 4 MB host copy 23 us -> 8 ms), whichever variant is being timed. Benchmarks call this
-    before they compile anything, so ``torch.compile`` and autopar are timed on a quiet host."""
-    from torch._inductor import config
-
-    config.compile_threads = 1
-
-
-def measure_side_by_side(prepared: dict[str, Prepared], *, warmup: int = 3, repeat: int = 10,
-                         sync_devices: Sequence[int] | None = None, inner: int | None = None,
-                         min_sample_s: float = 1e-3, budget_s: float | None = None,
-                         min_total_s: float = 0.0,
-                         clock: Callable[[], float] = time.perf_counter
-                         ) -> dict[str, Stats | Exception]:
-    """Time several callables in interleaved rounds (a sample of each per round), so that a
-    slow spell of the machine falls on all of them alike. Each starts its samples with the
-    intra-op thread count the harness had. A callable that raises gets its exception."""
-    def sync() -> None:
-        sync_all(sync_devices)
-
-    threads = torch.get_num_threads()
-    plans: dict[str, tuple[int, int]] = {}  # name -> (calls per sample, samples)
-    out: dict[str, Stats | Exception] = {}
-    for name, (fn, args) in prepared.items():
-        try:
-            for _ in range(warmup):
-                fn(*args)
-            sync()
-            plans[name] = (inner, repeat) if inner else _plan(
-                fn, args, sync, clock, min_sample_s, repeat, budget_s, min_total_s)
-        except Exception as e:
-            out[name] = e
-    samples: dict[str, list[float]] = {name: [] for name in plans}
-    for round_ in range(max((n for _, n in plans.values()), default=0)):
-        for name, (calls, n) in plans.items():
-            if round_ >= n or name in out:
-                continue
-            fn, args = prepared[name]
-            if torch.get_num_threads() != threads:
-                torch.set_num_threads(threads)
-            try:
-                t0 = clock()
-                for _ in range(calls):
-                    fn(*args)
-                sync()
-                samples[name].append((clock() - t0) / calls)
-            except Exception as e:
-                out[name] = e
-    for name in plans:
-        out.setdefault(name, Stats.of(samples[name]))
-    return {name: out[name] for name in prepared}
-
-
-def _plan(fn: Callable[..., Any], args: tuple, sync: Callable[[], None],
-          clock: Callable[[], float], min_sample_s: float, repeat: int,
-          budget_s: float | None, min_total_s: float = 0.0) -> tuple[int, int]:
-    """Calls per sample (a sample lasts at least ``min_sample_s``) and samples (at least
-    ``repeat``, or enough to time ``min_total_s`` in all, up to ``MAX_SAMPLES``; then within
-    ``budget_s``, at least 3), from one timed call."""
-    t0 = clock()
-    fn(*args)
-    sync()
-    first = max(clock() - t0, 1e-9)
-    calls = 1 if first >= min_sample_s else min(10_000, math.ceil(min_sample_s / first))
-    sample = first * calls
-    repeat = max(repeat, min(MAX_SAMPLES, math.ceil(min_total_s / sample)))
-    if budget_s is not None:
-        repeat = max(3, min(repeat, int(budget_s / sample)))
-    return calls, repeat
-
-
-MAX_SAMPLES = 200
-"""The most samples ``min_total_s`` asks for."""
-SUITE_MIN_TOTAL_S = 0.05
-"""The suite's ``min_total_s``: each variant of a workload is timed for at least this long."""
 
 
 # -- results -----------------------------------------------------------------------------------
@@ -384,10 +250,10 @@ class Report:
         return head + body + _goals(self)
 
     def to_rich(self) -> Any:
-        from rich.console import Group
-        from rich.markup import escape
-        from rich.table import Table
-        from rich.text import Text
+        from rich.console import Group  # lazy: start-up cost
+        from rich.markup import escape  # lazy: start-up cost
+        from rich.table import Table  # lazy: start-up cost
+        from rich.text import Text  # lazy: start-up cost
 
         table = Table(title=self.title())
         headers = self.headers()
@@ -439,8 +305,6 @@ def _goals(report: Report) -> str:
 def fingerprint(command: Sequence[str] | None = None) -> dict[str, Any]:
     """What a result was measured on, and how: host, CPU, GPUs, versions, date, command."""
     try:
-        from ..machine.model import host_info
-
         info = dict(host_info())
     except Exception:  # machine discovery must never stop a benchmark
         info = {"cpu_model": platform.processor() or platform.machine(),
@@ -505,8 +369,6 @@ def _torch_compile(w: Workload, ctx: Context, inputs: tuple) -> Prepared:
 
 
 def _autopar(w: Workload, ctx: Context, inputs: tuple) -> Prepared:
-    import autopar
-
     if w.whole_step:
         return autopar.data_parallel(w.eager, devices=list(ctx.devices)), inputs
     return autopar.compile(w.eager, devices=list(ctx.devices)), inputs
@@ -544,8 +406,6 @@ def _used_by_autopar(fn: Callable[..., Any], args: tuple, ctx: Context) -> str:
     function itself, else the devices its placed plans put ops on (eager's devices where every
     graph ran as eager's sequence); for what keeps no such record (``data_parallel``), the
     devices it was given."""
-    from ..api import dispatcher_of
-
     d = dispatcher_of(fn)
     if d is None:
         return ",".join(ctx.devices)
@@ -586,8 +446,6 @@ def settle(fn: Callable[..., Any], args: tuple, calls: int) -> None:
     timed trials are over; at most ``SETTLE_CALLS`` calls), as compiling is done before timing
     for ``torch.compile``: samples then time the way it keeps, and the calls per sample are
     chosen from a call of that way, not from a trial's slower one."""
-    from ..api import dispatcher_of
-
     d = dispatcher_of(fn)
     for _ in range(SETTLE_CALLS):
         if d is None or not d.trials:
@@ -643,8 +501,6 @@ def run_suite(workloads: Sequence[Workload], variants: Sequence[str] = tuple(VAR
               repeat: int = 10, budget_s: float | None = 2.0,
               progress: Callable[[str], None] | None = None) -> list[Row]:
     """Run every variant of every workload in this process, side by side; a row each."""
-    from ..api import parse_devices
-
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variant(s) {', '.join(unknown)}; valid: {', '.join(VARIANTS)}")
@@ -677,10 +533,6 @@ def simulate(w: Workload, machine: str) -> tuple[Simulated, Any]:
     if w.explain_inputs_on is None:
         return Simulated(label, error=w.explain_note or "not explainable"), None
     try:
-        from ..report.explain import explain
-    except Exception as e:
-        return Simulated(label, error=f"explain unavailable ({_short(e, 60)})"), None
-    try:
         inputs = w.make_inputs(("cpu",), "full")
         report = explain(w.eager, *inputs, machine=machine, inputs_on=w.explain_inputs_on)
     except Exception as e:
@@ -692,8 +544,6 @@ def simulate(w: Workload, machine: str) -> tuple[Simulated, Any]:
 def _simulate_step(w: Workload, machine: str, label: str) -> tuple[Simulated, Any]:
     """A whole training step, as :func:`autopar.data_parallel` would run it."""
     try:
-        from ..dataparallel import predict_step
-
         got = predict_step(w.eager, w.make_inputs(("cpu",), "full"),
                            None if machine == "auto" else machine,
                            inputs_on=w.explain_inputs_on)
@@ -703,13 +553,8 @@ def _simulate_step(w: Workload, machine: str, label: str) -> tuple[Simulated, An
 
 
 def save_timeline_png(timeline: Any, path: Path, title: str) -> Path | None:
-    """A Gantt PNG of ``timeline`` through ``autopar.report.trace`` (None when that is
-    unavailable)."""
+    """A Gantt PNG of ``timeline`` through ``autopar.report.trace`` (None without a timeline)."""
     if timeline is None:
-        return None
-    try:
-        from ..report.trace import save_gantt
-    except Exception:
         return None
     path.parent.mkdir(parents=True, exist_ok=True)
     return save_gantt(timeline, path, title=title)
@@ -727,8 +572,6 @@ def resolve_size(size: str, n_gpus: int) -> str:
 
 def gpus_of(machine: str) -> int:
     """GPUs of a preset, or of this host for "auto"."""
-    from ..machine.model import PRESETS
-
     if machine == "auto":
         return torch.cuda.device_count()
     spec = PRESETS.get(machine)
@@ -749,8 +592,6 @@ def collect(names: Iterable[str] | None = None, *, size: str = "auto",
     Returns the report and the simulated Timelines by workload name. Workloads this host can't
     run (too few GPUs) appear with their simulated cells only.
     """
-    from ..api import parse_devices
-
     devs = parse_devices(devices)
     n_gpus = sum(d.startswith("cuda") for d in devs)
     size = resolve_size(size, n_gpus)

@@ -39,6 +39,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .measure import measure
+
 __all__ = ["SIZES", "WORKLOADS", "Workload", "home_of", "select"]
 
 SEED = 20261130
@@ -200,8 +202,6 @@ def w3_faster(x, y, where):
 
 
 def _time_once(fn: Callable[[], Any], reps: int = 5) -> float:
-    from .harness import measure
-
     return measure(fn, warmup=2, repeat=reps).median
 
 

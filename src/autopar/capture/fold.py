@@ -67,10 +67,11 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.node import map_aggregate, map_arg
 
-from ..ir.graph import LOCAL_SCALAR_DENSE, annotated_args
-from .fx import _SCALAR_FUNCTIONS, _SIZE_OPS, _known_number
+from ..ir.graph import LOCAL_SCALAR_DENSE, annotated_args, plain
+from ..ir.ops import SCALAR_FUNCTIONS, SIZE_OPS, known_number
 
 log = logging.getLogger("autopar")
 
@@ -109,8 +110,6 @@ _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.layout, torch.me
 def fold_constants(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """``gm`` with its constants folded (see the module docstring), or ``gm`` itself when there
     is nothing to fold or anything goes wrong."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     try:
         with unset_fake_temporarily():  # the backend runs inside fake tensor tracing
             folded = _Fold(gm, fold_reads=True).run()
@@ -168,7 +167,7 @@ class _Fold:
         if not (isinstance(val, torch.Tensor) and val.layout == torch.strided
                 and not val.is_complex()):
             return
-        shape = [_known_number(s) for s in val.shape]
+        shape = [known_number(s) for s in val.shape]
         if any(s is None for s in shape) or val.numel() > MAX_NUMEL:
             return
         remote = val.device.type != "cpu" or any(n in self.remote for n in inputs)
@@ -202,7 +201,7 @@ class _Fold:
             return x
 
         device = kwargs.pop("device", None)
-        args, kwargs = _thaw(map_aggregate((args, kwargs), leaf))
+        args, kwargs = plain(map_aggregate((args, kwargs), leaf))
         if not ok[0] or not (device is None or isinstance(device, torch.device)):
             return None
         if device is not None:
@@ -257,7 +256,7 @@ class _Fold:
             return None
         graph.lint()
         try:  # its Python code is generated when it first runs: from_fx only reads the graph
-            from torch.fx._lazy_graph_module import _LazyGraphModule as Module
+            from torch.fx._lazy_graph_module import _LazyGraphModule as Module  # private
         except ImportError:
             Module = torch.fx.GraphModule
         folded = Module(self.gm, graph, class_name=type(self.gm).__name__)
@@ -268,22 +267,11 @@ class _Fold:
 
 # -- pieces ----------------------------------------------------------------------------------
 
-def _thaw(x: Any) -> Any:
-    """fx's immutable containers as plain ones (ops take lists)."""
-    if isinstance(x, list):
-        return [_thaw(v) for v in x]
-    if isinstance(x, tuple):
-        return tuple(_thaw(v) for v in x)
-    if isinstance(x, dict):
-        return {k: _thaw(v) for k, v in x.items()}
-    return x
-
-
 def _written(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The nodes ``node`` may write into: its mutable arguments (``copy_(input, c)`` writes
     the input, not ``c``); every input of a callable that is not an ATen op or arithmetic."""
     target = node.target
-    if node.op != "call_function" or target is operator.getitem or target in _SCALAR_FUNCTIONS:
+    if node.op != "call_function" or target is operator.getitem or target in SCALAR_FUNCTIONS:
         return []
     if not isinstance(target, torch._ops.OpOverload):
         return node.all_input_nodes
@@ -305,7 +293,7 @@ def _evaluable(target: Any) -> bool:
                 or torch.Tag.nondeterministic_seeded in tags
                 or torch.Tag.nondeterministic_bitwise in tags
                 or torch.Tag.dynamic_output_shape in tags
-                or target is LOCAL_SCALAR_DENSE or target in _SIZE_OPS)
+                or target is LOCAL_SCALAR_DENSE or target in SIZE_OPS)
 
 
 def _exact_everywhere(node: torch.fx.Node) -> bool:
@@ -341,7 +329,7 @@ def _read(value: torch.Tensor, val: Any) -> Any:
     kinds = ((bool, torch.SymBool), (int, torch.SymInt), (float, torch.SymFloat))
     if not any(type(number) is kind and isinstance(val, (kind, sym)) for kind, sym in kinds):
         return None
-    known = _known_number(val)
+    known = known_number(val)
     if known is not None and known != number:
         return None
     return number
@@ -368,11 +356,11 @@ def _fold_scalar(node: torch.fx.Node) -> Any:
     if node.op != "call_function":
         return None
     target = node.target
-    if target in _SIZE_OPS:
-        return _known_number(node.meta.get("val"))
+    if target in SIZE_OPS:
+        return known_number(node.meta.get("val"))
     if node.all_input_nodes:
         return None
-    args, kwargs = _thaw(node.args), _thaw(dict(node.kwargs))
+    args, kwargs = plain(node.args), plain(dict(node.kwargs))
     if not all(isinstance(a, _PLAIN) for a in (*args, *kwargs.values())):
         return None
     if target is _ASSERT:
@@ -383,9 +371,9 @@ def _fold_scalar(node: torch.fx.Node) -> Any:
         except Exception:
             return None  # fails as eager would: left to fail when it runs
         return _DROPPED
-    if target in _SCALAR_FUNCTIONS:
+    if target in SCALAR_FUNCTIONS:
         number = target(*args, **kwargs)  # type: ignore[operator]
-        known = _known_number(node.meta.get("val"))
+        known = known_number(node.meta.get("val"))
         if not isinstance(number, bool | int | float) or (known is not None and known != number):
             return None
         return number
@@ -434,7 +422,7 @@ def _fold_operand(node: torch.fx.Node, values: dict[torch.fx.Node, torch.Tensor]
 
 
 def _static_ints(xs: Any) -> tuple[int, ...] | None:
-    out = tuple(_known_number(x) for x in xs)
+    out = tuple(known_number(x) for x in xs)
     return None if any(not isinstance(v, int) for v in out) else out  # type: ignore[return-value]
 
 
@@ -457,7 +445,7 @@ def _signature(v: Any) -> Any:
     """A comparable summary of a static traced value; None where anything is symbolic."""
     if isinstance(v, torch.Tensor):
         shape, stride = _static_ints(v.shape), _static_ints(v.stride())
-        offset = _known_number(v.storage_offset())
+        offset = known_number(v.storage_offset())
         if shape is None or stride is None or not isinstance(offset, int):
             return None
         return ("tensor", shape, stride, offset, v.dtype, v.device)
@@ -466,7 +454,7 @@ def _signature(v: Any) -> Any:
         return None if any(p is None for p in parts) else ("seq", *parts)
     if v is None:
         return ("none",)
-    number = _known_number(v)
+    number = known_number(v)
     if number is None:
         return None
     return (type(number).__name__, number)
@@ -474,7 +462,7 @@ def _signature(v: Any) -> Any:
 
 def _fake_like(mode: Any, v: torch.Tensor) -> torch.Tensor | None:
     shape, stride = _static_ints(v.shape), _static_ints(v.stride())
-    offset = _known_number(v.storage_offset())
+    offset = known_number(v.storage_offset())
     if shape is None or stride is None or not isinstance(offset, int):
         return None
     with mode:
@@ -491,8 +479,6 @@ def _propagate(graph: torch.fx.Graph, gm: torch.fx.GraphModule,
                numbers: dict[torch.fx.Node, Any]) -> bool:
     """Compute every node's traced value again with the folded numbers, in a fake tensor mode
     without symbols; check the static ones, update the symbolic ones. False if it can't."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     mode = FakeTensorMode()
     env: dict[torch.fx.Node, Any] = {}
     updates: dict[torch.fx.Node, Any] = {}
@@ -514,7 +500,7 @@ def _propagate(graph: torch.fx.Graph, gm: torch.fx.GraphModule,
             args = map_arg(node.args, lambda n: env[n])
             kwargs = map_arg(node.kwargs, lambda n: env[n])
             with mode:
-                new = node.target(*_thaw(args), **_thaw(dict(kwargs)))  # type: ignore[operator]
+                new = node.target(*plain(args), **plain(dict(kwargs)))  # type: ignore[operator]
         else:
             return False
         env[node] = new

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 log = logging.getLogger("autopar")
 
@@ -80,8 +81,6 @@ class PerShape:
         return run([args[i] for i in tensors])
 
     def _build(self, args: list, key: tuple) -> tuple[list[int], Run | None]:
-        from torch.fx.experimental.proxy_tensor import make_fx
-
         tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         label = f"{self.label}#{len(self.runs) + 1}"
         shapes = ", ".join(str(list(args[i].shape)) for i in tensors)

@@ -23,6 +23,3 @@ app = typer.Typer(
 for name, command in (("demo", demo), ("bench", bench), ("calibrate", calibrate),
                       ("explain", explain), ("doctor", doctor)):
     app.command(name)(command)
-
-if __name__ == "__main__":
-    app()

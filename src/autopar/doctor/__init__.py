@@ -93,7 +93,8 @@ from typing import Any
 import torch
 
 from ..cost.model import CostModel
-from ..machine.model import Machine, load_machine
+from ..machine.detect import load_machine
+from ..machine.model import Machine
 from ..report.userfile import UserFileError, example_args, load_module, needs_args, targets
 from .beliefs import (
     _device_name,

@@ -20,7 +20,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..cost.model import CostModel
 from ..ir.graph import Graph, Node, TensorMeta
-from ..machine.model import Machine, load_machine
+from ..machine.detect import load_machine
+from ..machine.model import Machine
 
 _aten = torch.ops.aten
 

@@ -556,3 +556,18 @@ def _infer_meta(op: Any, args: tuple, kwargs: dict) -> Meta:
     if isinstance(out, (tuple, list)):
         return tuple(to_info(t) for t in out)
     return to_info(out)
+
+
+def plain(x: Any, leaf: Callable[[Any], Any] = lambda v: v) -> Any:
+    """``x`` with every list, tuple and dict in it rebuilt as a plain one (fx's immutable
+    containers become lists and dicts: ops take lists), each other value mapped by ``leaf``.
+
+    ``torch.utils._pytree.tree_map`` and ``torch.fx.node.map_aggregate`` keep fx's immutable
+    containers (and namedtuples), so they would not do here."""
+    if isinstance(x, list):
+        return [plain(v, leaf) for v in x]
+    if isinstance(x, tuple):
+        return tuple(plain(v, leaf) for v in x)
+    if isinstance(x, dict):
+        return {k: plain(v, leaf) for k, v in x.items()}
+    return leaf(x)

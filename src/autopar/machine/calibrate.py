@@ -37,7 +37,7 @@ Policy
 - CPU curves are measured with torch's current thread count, recorded as ``threads``, and again
   with one thread (``"<curve>@1t"``, matmuls up to 1024^3), so that a CPU worker owning some of
   the threads can be costed between the two (:class:`~autopar.machine.model.DeviceProfile`).
-- Nothing here decides anything: it returns a Profile; :func:`autopar.machine.model.detect` caches
+- Nothing here decides anything: it returns a Profile; :func:`autopar.machine.detect.detect` caches
   it.
 """
 
@@ -54,8 +54,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from autopar.ir.units import fmt_seconds
+from autopar.machine.host import host_info
 from autopar.machine.model import (
     DeviceProfile,
     GiB,
@@ -63,7 +65,6 @@ from autopar.machine.model import (
     Profile,
     _now,
     fingerprint_of,
-    host_info,
     link_key,
 )
 
@@ -497,14 +498,12 @@ def _gpu_sync_costs(mode: _Mode) -> tuple[float, float]:
 # -- the whole calibration -------------------------------------------------------------------
 def calibrate(mode: str = "quick", *, host: dict[str, Any] | None = None,
               progress: Progress | None = None) -> Profile:
-    """Measure this host and return its Profile (not saved: :func:`autopar.machine.model.detect` and
-    ``autopar calibrate`` do that). ``mode``: ``"quick"`` (<= 20 s), ``"full"``, or ``"smoke"``
+    """Measure this host and return its Profile (not saved: :func:`autopar.machine.detect.detect`
+    and ``autopar calibrate`` do that). ``mode``: ``"quick"`` (<= 20 s), ``"full"``, or ``"smoke"``
     (a seconds-long pass over every code path, rough numbers, for tests).
 
     Safe to call from inside ``torch.compile``'s tracing (a backend asking for its machine):
     an active fake-tensor mode is set aside, or every timed op would do no work."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     with unset_fake_temporarily(), torch.no_grad():
         return _calibrate(mode, host, progress)
 
@@ -563,9 +562,9 @@ def _distinct_models(n_gpus: int) -> list[int]:
 @contextlib.contextmanager
 def console_progress(transient: bool = True) -> Iterator[Progress]:
     """A rich progress bar on stderr, as a :data:`Progress` callback."""
-    from rich.console import Console
-    from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
-    from rich.progress import Progress as Bar
+    from rich.console import Console  # lazy: start-up cost
+    from rich.progress import BarColumn, TextColumn, TimeElapsedColumn  # lazy: start-up cost
+    from rich.progress import Progress as Bar  # lazy: start-up cost
 
     bar = Bar(TextColumn("calibrating"), BarColumn(), TextColumn("{task.description}"),
               TimeElapsedColumn(), console=Console(stderr=True), transient=transient)
@@ -589,7 +588,7 @@ def _si(x: float, unit: str) -> str:
 
 def profile_tables(profile: Profile) -> list[Any]:
     """Rich tables of a profile: devices, links, and the machine-wide costs."""
-    from rich.table import Table
+    from rich.table import Table  # lazy: start-up cost
 
     dev = Table(title=f"autopar profile {profile.fingerprint} ({profile.source}, "
                       f"{profile.created or 'built in'})")

@@ -1,7 +1,8 @@
 """The machine model: which devices there are, and how fast each one and each link is.
 
 Everything autopar decides rests on predicted time; this module holds the numbers the cost model
-reads. Nothing here measures (that is :mod:`autopar.machine.calibrate`) or costs an op (that is
+reads. Nothing here measures (that is :mod:`autopar.machine.calibrate`), looks at this host
+(:mod:`autopar.machine.host`, :mod:`autopar.machine.detect`) or costs an op (that is
 :mod:`autopar.cost.model`).
 
 Glossary
@@ -48,13 +49,8 @@ import hashlib
 import json
 import math
 import os
-import platform
-import re
-import socket
-import sys
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -70,19 +66,11 @@ __all__ = [
     "Machine",
     "Profile",
     "ProfileError",
-    "cache_dir",
     "check_envelope",
     "default_cpu_workers",
     "default_profile",
-    "detect",
     "fingerprint_of",
-    "host_info",
     "link_key",
-    "load_machine",
-    "load_profile",
-    "profile_path",
-    "save_profile",
-    "with_profile",
 ]
 
 SCHEMA_VERSION = 1
@@ -542,101 +530,7 @@ def default_cpu_workers(cores: int) -> int:
     return 2 if cores >= 4 else 1
 
 
-# -- host discovery and fingerprint ----------------------------------------------------------
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown cpu"
-
-
-def _host_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))  # cores this process may use (containers, taskset)
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-def _driver_version() -> str:
-    try:
-        text = Path("/proc/driver/nvidia/version").read_text()
-    except OSError:
-        return "none"
-    m = re.search(r"Kernel Module\s+(?:for\s+\S+\s+)?([\d.]+)", text)
-    return m.group(1) if m else text.splitlines()[0].strip()
-
-
-def _gpus() -> list[dict[str, Any]]:
-    """Name, memory and SM count of each visible GPU (none without CUDA)."""
-    if not torch.cuda.is_available():
-        return []
-    out = []
-    for i in range(torch.cuda.device_count()):
-        p = torch.cuda.get_device_properties(i)
-        out.append({"name": p.name, "memory_bytes": int(p.total_memory),
-                    "sm_count": int(p.multi_processor_count)})
-    return out
-
-
-def _peer_pairs(n_gpus: int) -> frozenset[tuple[str, str]]:
-    if n_gpus < 2:
-        return frozenset()
-    return frozenset((f"cuda:{i}", f"cuda:{j}") for i in range(n_gpus) for j in range(n_gpus)
-                     if i != j and torch.cuda.can_device_access_peer(i, j))
-
-
-def host_info() -> dict[str, Any]:
-    """What makes this host's numbers what they are: the fingerprint's inputs."""
-    return {
-        "cpu_model": _cpu_model(),
-        "cores": _host_cores(),
-        "gpus": [g["name"] for g in _gpus()],
-        "driver": _driver_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda or "none",
-    }
-
-
-def fingerprint_of(host: Mapping[str, Any]) -> str:
-    """Stable 16-hex-digit hash of :func:`host_info`'s dict."""
-    blob = json.dumps(dict(host), sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
-
-
-# -- files -----------------------------------------------------------------------------------
-def cache_dir() -> Path:
-    env = os.environ.get("AUTOPAR_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "autopar"
-
-
-def profile_path(fingerprint: str) -> Path:
-    return cache_dir() / f"profile-{fingerprint}.json"
-
-
-def save_profile(profile: Profile, path: Path | None = None) -> Path:
-    """Write ``profile`` as JSON, atomically (a crash leaves the old file or the new one)."""
-    path = Path(path) if path is not None else profile_path(profile.fingerprint)
-    _write_json_atomic(path, profile.to_json())
-    return path
-
-
-def load_profile(path: Path, fingerprint: str | None = None) -> Profile:
-    """Read a profile; :class:`ProfileError` says what is wrong, FileNotFoundError if absent."""
-    try:
-        text = Path(path).read_text()
-    except UnicodeDecodeError as e:
-        raise ProfileError(f"{path} is not text: {e}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ProfileError(f"{path} is not valid JSON (corrupt or truncated): {e}") from None
-    return Profile.from_json(data, fingerprint)
+GiB = 1024**3
 
 
 def _write_json_atomic(path: Path, data: Any) -> None:
@@ -650,10 +544,13 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+def fingerprint_of(host: Mapping[str, Any]) -> str:
+    """Stable 16-hex-digit hash of :func:`host_info`'s dict."""
+    blob = json.dumps(dict(host), sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
 # -- conservative defaults -------------------------------------------------------------------
-GiB = 1024**3
-
-
 def default_profile(host: Mapping[str, Any], gpus: Sequence[str] | Sequence[dict[str, Any]],
                     peer_pairs: Iterable[tuple[str, str]] = ()) -> Profile:
     """Numbers to plan with when nothing was measured: slow rather than fast, so that autopar
@@ -687,107 +584,3 @@ def default_profile(host: Mapping[str, Any], gpus: Sequence[str] | Sequence[dict
     return Profile(fingerprint=fingerprint_of(host), host=dict(host), devices=devices,
                    links=links, host_sync_s=20e-6, event_wait_s=10e-6, view_s=2e-6,
                    source="defaults", created=_now())
-
-
-# -- this host -------------------------------------------------------------------------------
-def _measuring_allowed(measure: bool) -> bool:
-    return measure and os.environ.get("AUTOPAR_NO_MEASURE", "") in ("", "0")
-
-
-def _say(msg: str) -> None:
-    print(f"autopar: {msg}", file=sys.stderr)
-
-
-def detect(cpu_workers: int | None = None, calibrate: bool | str = False,
-           measure: bool = True) -> Machine:
-    """This host: its CPU workers and GPUs, with its profile from the cache.
-
-    ``calibrate``: ``False`` uses the cached profile; ``True`` or ``"quick"`` measures again
-    quickly (<= 20 s), ``"full"`` measures everything. A missing or unusable cached profile is
-    replaced by a quick calibration, or by conservative defaults when ``measure`` is False (or
-    ``AUTOPAR_NO_MEASURE=1``). ``cpu_workers``: logical CPU workers (default 2 on hosts with at
-    least 2 cores).
-    """
-    host = host_info()
-    gpus = _gpus()
-    peers = _peer_pairs(len(gpus))
-    fp = fingerprint_of(host)
-    path = profile_path(fp)
-    allowed = _measuring_allowed(measure)
-    mode = {True: "quick", "quick": "quick", "full": "full"}.get(calibrate)  # type: ignore[call-overload]
-    if calibrate and mode is None:
-        raise ValueError(f"calibrate={calibrate!r}: use False, True, \"quick\" or \"full\"")
-
-    profile: Profile | None = None
-    if mode is None or not allowed:
-        try:
-            profile = load_profile(path, fp)
-            profile.check([f"cuda:{i}" for i in range(len(gpus))])
-        except FileNotFoundError:
-            pass
-        except (ProfileError, OSError) as e:
-            warnings.warn(f"autopar: the profile {path} is unusable and will be replaced: {e}",
-                          RuntimeWarning, stacklevel=2)
-    if profile is not None and profile.is_defaults and allowed:
-        profile = None  # defaults were a stopgap: measure now that measuring is allowed
-    if profile is None or (mode is not None and allowed):
-        if allowed:
-            from autopar.machine.calibrate import calibrate as run_calibration
-            from autopar.machine.calibrate import console_progress
-
-            mode = mode or "quick"
-            if calibrate is False:
-                _say(f"no profile for this host yet: calibrating ({mode}, about 20 s; "
-                     "AUTOPAR_NO_MEASURE=1 skips this and uses conservative defaults)")
-            with console_progress() as progress:
-                profile = run_calibration(mode, host=host, progress=progress)
-        else:
-            profile = default_profile(host, gpus, peers)
-        try:
-            save_profile(profile, path)
-        except OSError as e:
-            warnings.warn(f"autopar: could not save the profile to {path}: {e}", RuntimeWarning,
-                          stacklevel=2)
-    return _machine_for(profile, host, len(gpus), peers, cpu_workers, path)
-
-
-def _machine_for(profile: Profile, host: Mapping[str, Any], n_gpus: int,
-                 peers: frozenset[tuple[str, str]], cpu_workers: int | None,
-                 path: Path | None) -> Machine:
-    # the threads torch computes with when calibrating; the host's cores if nothing was measured
-    cores = profile.device("cpu").threads or int(host.get("cores", 1))
-    workers = default_cpu_workers(cores) if cpu_workers is None else cpu_workers
-    name = socket.gethostname() or "this host"
-    return Machine(name=name, devices=_devices(workers, n_gpus), profile=profile,
-                   peer_pairs=peers, cores=cores, profile_path=path)
-
-
-def with_profile(machine: Machine, profile: Profile) -> Machine:
-    """The same machine with another profile (e.g. one just calibrated)."""
-    return replace(machine, profile=profile)
-
-
-def load_machine(spec: str | Machine | None = None, cpu_workers: int | None = None,
-                 measure: bool = True) -> Machine:
-    """Resolve what a user passed as ``--machine``: ``None`` or ``"auto"`` is this host
-    (:func:`detect`), a preset name is that preset, a :class:`Machine` is itself."""
-    if isinstance(spec, Machine):
-        return spec
-    if spec is None or spec == "auto":
-        return detect(cpu_workers=cpu_workers, measure=measure)
-    from .presets import PRESETS, preset
-
-    if isinstance(spec, str) and spec in PRESETS:
-        return preset(spec, cpu_workers=cpu_workers)
-    raise ValueError(f"unknown machine {spec!r}: use \"auto\" (this host) or a preset: "
-                     f"{sorted(PRESETS)}")
-
-
-def __getattr__(name: str) -> Any:
-    """``autopar.machine.model.preset`` and ``PRESETS`` live in :mod:`autopar.machine.presets`
-    (imported on first use, since presets are built from this module's types)."""
-    if name in ("preset", "PRESETS"):
-        from . import presets
-
-        return getattr(presets, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

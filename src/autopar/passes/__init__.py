@@ -1,1 +1,2 @@
-"""Choices made on captured graphs and their plans: sharding, fusion."""
+"""Choices made on captured graphs and their plans: sharding, the data-parallel split, fusion,
+CUDA graphs."""

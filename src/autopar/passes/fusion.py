@@ -1,10 +1,13 @@
-"""Fusion-aware choice of placement.
+"""Fusion policy: which regions of which programs are compiled by Inductor, and the fusion-aware
+choice of placement (the compiling is :mod:`autopar.runtime.fuse`'s).
 
 Policy
+- Which devices fuse: :func:`fusion_devices` (``autopar.compile``'s ``fuse`` option). Which
+  ops and regions: :func:`fusible` and :func:`regions` (the rules are in the docstring of
+  :mod:`autopar.runtime.fuse`); :func:`regions_to_fuse` is what the executor is handed.
 - The placement policies price every op as its own launch. With fusion on, a GPU region of
-  fusible ops (see :mod:`autopar.runtime.fuse`) costs about one launch: a chain of 200 tiny
-  pointwise ops that HEFT moves to the host, where each op is cheaper than a GPU launch, is
-  one kernel on the GPU it started on.
+  fusible ops costs about one launch: a chain of 200 tiny pointwise ops that HEFT moves to the
+  host, where each op is cheaper than a GPU launch, is one kernel on the GPU it started on.
 - So, when some GPU's programs will be fused, the HEFT plan is compared with eager's placement
   (``single``), each predicted by :func:`autopar.schedule.simulate.simulate` under
   :class:`FusedCost`, and the faster is kept. Pure functions of plans and costs: nothing here
@@ -19,19 +22,131 @@ region's other ops cost nothing.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..ir.graph import Graph, Node
-from ..ir.routing import GraphIndex, kind_of, pool, route
-from ..runtime.fuse import fusible, regions
-from ..schedule.plan import Plan, make_plan
+import torch
 
-__all__ = ["FusedCost", "fused_regions", "prefer_fused"]
+from ..ir.graph import Graph, Node, TensorMeta
+from ..ir.regions import is_view, outputs_of
+from ..ir.routing import GraphIndex, is_free_move, kind_of, pool, route
+from ..machine.host import cpu_fusion_unavailable
+from ..schedule.place import place
+from ..schedule.plan import make_plan
+from ..schedule.simulate import simulate
+from ..schedule.steps import Free, Plan, Run, Step
+
+__all__ = ["MIN_FUSED_OPS", "FusedCost", "fused_regions", "fusible", "fusion_devices",
+           "prefer_fused", "regions", "regions_to_fuse"]
 
 log = logging.getLogger("autopar")
 
 _EXTERN = ("matmul", "other")  # Inductor calls these as library kernels, one launch each
+
+MIN_FUSED_OPS = 2
+"""A region is compiled when it has at least this many pointwise or reduction ops."""
+
+_PAYING_KINDS = ("pointwise", "reduction")
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def fusion_devices(devices: Sequence[str], fuse: bool | str) -> list[str]:
+    """The devices whose programs get their regions compiled by Inductor.
+
+    ``False``: none. ``"auto"``: the GPUs (where a launch costs most). ``True``: every device,
+    CPU workers too when Inductor has a C++ compiler here (else they are skipped, logged).
+    """
+    if fuse is False:
+        return []
+    gpus = [d for d in devices if not d.startswith("cpu")]
+    if fuse == "auto":
+        return gpus
+    cpus = [d for d in devices if d.startswith("cpu")]
+    why = cpu_fusion_unavailable() if cpus else None
+    if why:
+        log.info("autopar: no fusion on %s: %s", ", ".join(cpus), why)
+        return gpus
+    return list(devices)
+
+
+# -- which ops, which regions -------------------------------------------------------------
+def fusible(node: Node, device: str, local: Callable[[Node], bool],
+            device_of: dict[Node, str], passthrough: frozenset[Node] = frozenset()) -> bool:
+    """May ``node`` (placed on ``device``) be part of a region? See the module docstring."""
+    if node.op is operator.getitem:
+        return True  # with its tuple's producer only: regions() checks
+    if not isinstance(node.op, torch._ops.OpOverload) or node.writes or not node.tensor_metas:
+        return False
+    if isinstance(node.meta, tuple) and any(m is None for m in node.meta):
+        return False
+    if kind_of(node.op) == "random" or is_free_move(node, device_of, passthrough):
+        return False
+    if torch.Tag.nondeterministic_seeded in node.op.tags:
+        return False
+    if not all(local(v) for v in node.inputs):
+        return False
+    if not all(isinstance(v.meta, TensorMeta) for v in node.inputs):
+        return False
+    metas = [*node.tensor_metas, *(v.meta for v in node.inputs)]
+    return not any(m.dtype in _LOW_PRECISION for m in metas)
+
+
+def regions(steps: Sequence[Step], can_fuse: Callable[[Node], bool],
+            users: dict[Node, list[Node]], graph_outputs: set[Node],
+            min_ops: int = MIN_FUSED_OPS) -> list[list[Node]]:
+    """The regions of one program worth compiling, each a list of nodes in program order."""
+    left_out: set[Node] = set()
+
+    def ok(n: Node) -> bool:
+        return n not in left_out and can_fuse(n)
+
+    while True:
+        groups = _groups(steps, ok)
+        misfits = {n for g in groups for n in _misfits(g, users, graph_outputs)}
+        if not misfits:
+            break
+        left_out |= misfits
+    return [g for g in groups
+            if sum(kind_of(n.op) in _PAYING_KINDS for n in g) >= min_ops
+            and outputs_of(g, users, graph_outputs)]
+
+
+def _groups(steps: Sequence[Step], ok: Callable[[Node], bool]) -> list[list[Node]]:
+    groups: list[list[Node]] = []
+    current: list[Node] = []
+    for step in steps:
+        if isinstance(step, Free):
+            continue
+        if isinstance(step, Run) and ok(step.node):
+            current.append(step.node)
+            continue
+        if current:
+            groups.append(current)
+        current = []
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _misfits(group: list[Node], users: dict[Node, list[Node]],
+             graph_outputs: set[Node]) -> list[Node]:
+    """Nodes that must leave ``group``: escaping views and tuples, getitems of outside tuples."""
+    inside = set(group)
+    out: list[Node] = []
+    for n in group:
+        if n.op is operator.getitem and n.args[0] not in inside:
+            out.append(n)
+    for n in outputs_of(group, users, graph_outputs):
+        if isinstance(n.meta, tuple) or is_view(n):
+            out.append(n)
+    return out
+
+
+def regions_to_fuse(plan: Plan, fuse: bool | str) -> dict[str, list[list[Node]]]:
+    """The executor's ``fuse``: the regions to compile in each program under the ``fuse`` option
+    (``autopar.compile``'s: False, ``"auto"`` or True, see :func:`fusion_devices`)."""
+    return fused_regions(plan, fusion_devices(list(plan.programs), fuse))
 
 
 def fused_regions(plan: Plan, devices: Sequence[str]) -> dict[str, list[list[Node]]]:
@@ -93,9 +208,6 @@ def prefer_fused(plan: Plan, graph: Graph, cost: Any, devices: Sequence[str],
                  fusing: Sequence[str]) -> Plan:
     """``plan``, or eager's placement planned, whichever is predicted faster once the programs
     of ``fusing`` (GPUs) are fused."""
-    from ..schedule.place import place
-    from ..schedule.simulate import simulate
-
     if not fusing:
         return plan
     eager = make_plan(place(graph, cost, policy="single", devices=tuple(devices)), cost)

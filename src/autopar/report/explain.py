@@ -24,19 +24,24 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from io import StringIO
 from typing import Any
 
 import torch
 
-from ..capture.fx import Unsupported, capture_by_running, relabel_devices, trace_fake
+from ..capture.fake import capture_by_running, relabel_devices, trace_fake
+from ..capture.fx import Unsupported
 from ..cost.model import CostModel, reads_to_host
 from ..ir.graph import Graph, Node, op_name
 from ..ir.routing import GraphIndex, free_move_on
 from ..ir.units import fmt_seconds
-from ..machine.model import Machine, load_machine
+from ..machine.detect import load_machine
+from ..machine.model import Machine
+from ..runtime.sequential import SequentialRunner
 from ..schedule.place import Placement, place
-from ..schedule.plan import Plan, make_plan
-from ..schedule.simulate import TRIAL_MAX_S, runs_as_eager, simulate
+from ..schedule.plan import make_plan
+from ..schedule.simulate import runs_as_eager, simulate
+from ..schedule.steps import Plan
 from ..schedule.timeline import Timeline
 
 __all__ = ["ExplainReport", "Row", "critical_path", "explain", "explain_graph"]
@@ -95,10 +100,8 @@ class ExplainReport:
         return json.dumps(self.to_dict(), indent=2)
 
     def to_text(self, max_rows: int = 60) -> str:
-        from io import StringIO
-
-        from rich.console import Console
-        from rich.table import Table
+        from rich.console import Console  # lazy: start-up cost
+        from rich.table import Table  # lazy: start-up cost
 
         devices = sorted({d for r in self.rows for d in r.times})
         table = Table(title=f"{self.graph_name} on {self.machine} ({self.policy})")
@@ -129,10 +132,10 @@ class ExplainReport:
             console.print("runs as eager does: eager's placement with nothing to overlap (unless "
                           "fused GPU regions pay), so autopar.compile calls the function itself "
                           "from the second call with the same argument shapes")
-        elif self.predicted_s < TRIAL_MAX_S:
-            console.print(f"a call is predicted under {fmt_seconds(TRIAL_MAX_S)}, where dynamo's "
-                          "per-call cost matters: autopar.compile times a few calls this way and "
-                          "as the function itself, and keeps the faster")
+        else:
+            console.print("placed: autopar.compile times a few calls this way, as the function "
+                          "itself and as torch.compile's default, and keeps the fastest "
+                          "(autopar.choose)")
         path = " -> ".join(self.critical_path[:12])
         more = " ..." if len(self.critical_path) > 12 else ""
         console.print(f"critical path ({len(self.critical_path)} ops): {path}{more}")
@@ -273,7 +276,7 @@ def explain(fn: Callable, *args: Any, machine: Machine | str | None = None,
             raise Unsupported(f"{e}; pass run=True (--run) to capture it by running it once "
                               "on this host") from e
         why = str(e)
-    graphs = capture_by_running(fn, args)
+    graphs = capture_by_running(fn, args, SequentialRunner)
     if not graphs:
         raise Unsupported(f"running {getattr(fn, '__name__', fn)!r} made no graph to explain")
     if torch_device and torch_device != "cpu":

@@ -118,10 +118,10 @@ def save_gantt(timeline: Timeline, path: str | Path, predicted: Timeline | None 
 
     ``labels`` name the two timelines in the row labels (default: the first one's source, and
     "predicted")."""
-    import matplotlib
+    import matplotlib  # optional dependency (autopar[plot])
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional dependency (autopar[plot])
 
     first, second = labels or (timeline.source, "predicted")
     rows: list[tuple[str, Timeline, str, float]] = []

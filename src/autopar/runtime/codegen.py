@@ -31,7 +31,7 @@ import torch
 
 from ..ir.graph import Node, op_name
 from ..ir.routing import pool
-from ..schedule.plan import Free, Record, Run, Send, Step, Wait
+from ..schedule.steps import Free, Record, Run, Send, Step, Wait
 from .fuse import Fused
 
 _PLAIN = (int, float, bool, str, type(None))

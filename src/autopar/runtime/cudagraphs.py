@@ -9,9 +9,9 @@ Policy
   state unusable for the process): random ops, ops that write into an input, ops that make no
   tensor or a host tensor, ops that sync with the host or have data-dependent output shapes,
   and ops reading a value from another memory pool (a host scalar would be baked in).
-- Where it pays (``"auto"``): a replay costs about one launch, plus one copy per input that is
-  not already a static buffer and one clone per escaping output; a segment is captured when
-  its launches are at least twice that. ``True`` captures every capturable segment.
+- Where it pays is decided in :mod:`autopar.passes.cudagraphs` and handed to the executor as
+  ``pays(launches, copies, clones)``: this module counts a segment's launches (:func:`launches`),
+  the inputs to copy into static buffers and the escaping outputs to clone.
 - Lifecycle of a segment: the first call runs it on streams (warm-up: Inductor compiles, cuBLAS
   initializes); the second captures it: inputs are copied into static buffers (a static
   output of an earlier graph of the same program is used as it is), the segment runs once on a
@@ -46,13 +46,14 @@ from typing import Any, ClassVar
 import torch
 
 from ..ir.graph import Node, TensorMeta, op_name
+from ..ir.regions import is_view
 from ..ir.routing import GraphIndex, kind_of
-from ..schedule.plan import Free, Run
+from ..schedule.steps import Free, Run
 from .codegen import Call, Program, SlotTable, build_program
-from .fuse import Fused, is_view
+from .fuse import Fused
 
-__all__ = ["CudaGraphBackend", "GraphSegment", "capture_segments", "launches", "pays",
-           "segments", "why_not_capturable"]
+__all__ = ["CudaGraphBackend", "GraphSegment", "capture_segments", "launches", "segments",
+           "why_not_capturable"]
 
 log = logging.getLogger("autopar")
 
@@ -128,15 +129,6 @@ def launches(steps: Sequence[Any], moved: set[Node]) -> int:
             and kind_of(step.node.op) not in ("view", "getitem")
         n += isinstance(step, Fused) or plain_op
     return n
-
-
-def pays(mode: bool | str, n_launches: int, n_copies: int, n_clones: int) -> bool:
-    """Is capturing worth it? (see the module docstring)."""
-    if mode is False or n_launches == 0:
-        return False
-    if mode is True:
-        return True
-    return n_launches >= 2 * (1 + n_copies + n_clones)
 
 
 def escaping(seg_steps: Sequence[Any], outputs: Sequence[Node], program: Sequence[Any],
@@ -338,8 +330,10 @@ def _misfit(value: Node) -> bool:
 def capture_segments(device: str, steps: list[Any], slots: SlotTable,
                      source_of: Callable[[Node, str], str], moved: set[Node], ix: GraphIndex,
                      graph_outputs: set[Node], local: Callable[[Node], bool],
-                     mode: bool | str, backend: Any, label: str = "") -> list[Any]:
-    """``steps`` with every segment worth capturing replaced by one :class:`Call` step.
+                     pays: Callable[[int, int, int], bool], backend: Any,
+                     label: str = "") -> list[Any]:
+    """``steps`` with every segment worth capturing (``pays(launches, copies, clones)``, from
+    :mod:`autopar.passes.cudagraphs`) replaced by one :class:`Call` step.
 
     Segments that can't be captured, or don't pay, are left as they are (logged at debug
     level); ``statics`` are shared by the program's segments (a static output one graph hands
@@ -373,7 +367,7 @@ def capture_segments(device: str, steps: list[Any], slots: SlotTable,
         name = f"segment {label}{device}#{k} ({len(seg)} steps)"
         escapes = escaping(seg, outputs, steps, end, ix, graph_outputs)
         n_launch = launches(seg, moved)
-        if not pays(mode, n_launch, len(inputs), len(escapes)):
+        if not pays(n_launch, len(inputs), len(escapes)):
             log.debug("autopar: %s not captured: %d launches don't pay for %d copies and %d "
                       "clones", name, n_launch, len(inputs), len(escapes))
             continue

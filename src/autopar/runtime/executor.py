@@ -41,22 +41,22 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 
 from ..ir.graph import Node, op_name
 from ..ir.routing import GraphIndex, is_free_move, pool, route
-from ..schedule.plan import Free, Plan, Run, Send, Wait
+from ..schedule.steps import Free, Plan, Run, Send, Wait
 from ..schedule.timeline import Span, Timeline
 from .callerstate import CallerState
 from .codegen import Call, Program, SlotTable, build_program
 from .cudagraphs import CudaGraphBackend, GraphSegment, capture_segments
-from .fuse import Fused, cpu_fusion_unavailable, fuse_program, same_pool
+from .fuse import Fused, fuse_program, same_pool
 from .interleave import interleave
 
-__all__ = ["Executor", "WorkerError", "fusion_devices", "graph_devices"]
+__all__ = ["Executor", "WorkerError", "graph_devices"]
 
 log = logging.getLogger("autopar")
 
@@ -346,28 +346,10 @@ def _planned_times(slots: dict[Any, Any]) -> Any:
     return times
 
 
-def fusion_devices(devices: Sequence[str], fuse: bool | str) -> list[str]:
-    """The devices whose programs get their regions compiled by Inductor.
-
-    ``False``: none. ``"auto"``: the GPUs (where a launch costs most). ``True``: every device,
-    CPU workers too when Inductor has a C++ compiler here (else they are skipped, logged).
-    """
-    if fuse is False:
-        return []
-    gpus = [d for d in devices if not _is_cpu(d)]
-    if fuse == "auto":
-        return gpus
-    cpus = [d for d in devices if _is_cpu(d)]
-    why = cpu_fusion_unavailable() if cpus else None
-    if why:
-        log.info("autopar: no fusion on %s: %s", ", ".join(cpus), why)
-        return gpus
-    return list(devices)
-
-
-def graph_devices(devices: Sequence[str], cuda_graphs: bool | str) -> list[str]:
+def graph_devices(devices: Sequence[str], cuda_graphs: Callable[[int, int, int], bool] | None
+                  ) -> list[str]:
     """The devices whose programs may have segments replayed as CUDA graphs: the GPUs."""
-    return [] if cuda_graphs is False else [d for d in devices if not _is_cpu(d)]
+    return [] if cuda_graphs is None else [d for d in devices if not _is_cpu(d)]
 
 
 _GRAPH_BACKEND = CudaGraphBackend()
@@ -376,18 +358,23 @@ _GRAPH_BACKEND = CudaGraphBackend()
 class Executor:
     """Runs a :class:`~autopar.schedule.plan.Plan`: ``executor(args) -> outputs``.
 
-    ``fuse``: which programs get their fusible regions compiled by Inductor (see
-    :func:`fusion_devices` and :mod:`autopar.runtime.fuse`); off by default here, the
-    :func:`autopar.compile` option decides for compiled functions. ``cuda_graphs``: replay
-    GPU segments as CUDA graphs (see :mod:`autopar.runtime.cudagraphs`); off when tracing,
-    which times every op. ``interleaved``: the host's program and every GPU's run on the
-    calling thread, interleaved (:mod:`autopar.runtime.interleave`); ``merged`` names them.
+    ``fuse``: the regions of each program to compile with Inductor (device -> regions, each a
+    list of nodes in program order: :func:`autopar.passes.fusion.regions_to_fuse`, see
+    :mod:`autopar.runtime.fuse`); none by default here, the :func:`autopar.compile` option
+    decides for compiled functions. ``cuda_graphs``: replay GPU segments as CUDA graphs where
+    ``cuda_graphs(launches, copies, clones)`` says capturing pays
+    (:func:`autopar.passes.cudagraphs.capture_rule`, see :mod:`autopar.runtime.cudagraphs`);
+    None: never. Off when tracing, which times every op. ``interleaved``: the host's program
+    and every GPU's run on the calling thread, interleaved (:mod:`autopar.runtime.interleave`);
+    ``merged`` names them.
     Worker threads run under the caller's thread-local state
     (:class:`~autopar.runtime.callerstate.CallerState`) and set no thread counts.
     """
 
-    def __init__(self, plan: Plan, trace: bool = False, fuse: bool | str = False,
-                 cuda_graphs: bool | str = False, interleaved: bool = True) -> None:
+    def __init__(self, plan: Plan, trace: bool = False,
+                 fuse: Mapping[str, Sequence[Sequence[Node]]] | None = None,
+                 cuda_graphs: Callable[[int, int, int], bool] | None = None,
+                 interleaved: bool = True) -> None:
         self.plan = plan
         self.runs_as = "executor"  # or "eager's sequence" (autopar.schedule.simulate.runs_as_eager)
         self.cuda_graphs = cuda_graphs
@@ -406,7 +393,7 @@ class Executor:
                 else device_of[value]
 
         moved = {n for n in graph.ops if is_free_move(n, device_of, ix.passthrough)}
-        fusing = fusion_devices(list(plan.programs), fuse)
+        fusing = fuse or {}
         capturing = [] if trace else graph_devices(list(plan.programs), cuda_graphs)
         outputs = set(graph.output_nodes)
         self.programs: dict[str, Program] = {}
@@ -418,7 +405,7 @@ class Executor:
                 continue
             local = same_pool(device, source_of)
             if device in fusing:
-                steps = fuse_program(device, steps, ix, outputs, local, device_of,
+                steps = fuse_program(device, steps, fusing[device], ix, outputs,
                                      label=f"{graph.name}/")
                 self.fused += [s for s in steps if isinstance(s, Fused)]
             if device in capturing:

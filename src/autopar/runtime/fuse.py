@@ -2,10 +2,11 @@
 Inductor fuses).
 
 Policy
-- A *region* is a maximal run of consecutive fusible Run steps of one program; Free steps are
-  transparent, any other step (Send, Record, Wait: a cross-device point) or a non-fusible op
-  ends it. A region is compiled only where that pays: at least ``MIN_FUSED_OPS`` pointwise or
-  reduction ops (a lone ``mm`` gains nothing from Inductor).
+- Which regions are compiled is decided in :mod:`autopar.passes.fusion` (it is handed to the
+  executor): a *region* is a maximal run of consecutive fusible Run steps of one program; Free
+  steps are transparent, any other step (Send, Record, Wait: a cross-device point) or a
+  non-fusible op ends it. A region is compiled only where that pays: at least ``MIN_FUSED_OPS``
+  pointwise or reduction ops (a lone ``mm`` gains nothing from Inductor).
 - Fusible: an ATen op (or ``getitem`` of one) with tensor outputs that mutates nothing, draws
   no random numbers (Inductor's RNG is not eager's), is no free device move (a copy or a
   hand-on: :func:`~autopar.ir.routing.is_free_move`),
@@ -37,48 +38,29 @@ its callable (``kernel(inputs) -> outputs``, inputs as a list), with ``status`` 
 from __future__ import annotations
 
 import logging
-import operator
-import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cache
 from typing import Any
 
 import torch
 import torch.fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_map_only
 
 from ..ir.graph import Node, TensorMeta, op_name
-from ..ir.routing import GraphIndex, is_free_move, kind_of, pool
-from ..schedule.plan import Free, Run, Step
+from ..ir.regions import inputs_of, outputs_of
+from ..ir.routing import GraphIndex, kind_of, pool
+from ..schedule.steps import Free, Run, Step
 
-__all__ = ["MIN_FUSED_OPS", "Fused", "FusedKernel", "cpu_fusion_unavailable", "fuse_program",
-           "regions"]
+__all__ = ["Fused", "FusedKernel", "fuse_program", "same_pool"]
 
 log = logging.getLogger("autopar")
 
-MIN_FUSED_OPS = 2
-"""A region is compiled when it has at least this many pointwise or reduction ops."""
-
-_PAYING_KINDS = ("pointwise", "reduction")
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_LABEL_KINDS = ("pointwise", "reduction")  # named in a region's label
 _COMPILE_LOCK = threading.Lock()
 _CACHE: dict[tuple, Callable[[list], Any]] = {}
-
-
-@cache
-def cpu_fusion_unavailable() -> str | None:
-    """Why Inductor can't compile CPU code here (it needs a C++ compiler), or None."""
-    try:
-        from torch._inductor import config
-
-        names = [c for c in config.cpp.cxx if c]
-    except Exception as e:  # pragma: no cover - Inductor's config moved
-        return f"Inductor's C++ compiler setting is unreadable: {type(e).__name__}: {e}"
-    if not any(shutil.which(c) for c in names):
-        return f"no C++ compiler for Inductor's CPU code (looked for {', '.join(names)})"
-    return None
 
 
 class FusedKernel:
@@ -177,10 +159,9 @@ def _layout(inputs: list) -> tuple:
 def _inductor(gm: torch.fx.GraphModule, inputs: list) -> Callable[[list], Any]:
     """Inductor's compiled function of ``gm`` (a functional ATen graph, as aot_autograd hands
     Inductor): ``fn(list) -> tuple``, a boxed call that empties the list it is given."""
-    from torch._inductor import config as inductor_config
-    from torch._inductor.compile_fx import compile_fx_inner
-    from torch._inductor.decomposition import select_decomp_table
-    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch._inductor import config as inductor_config  # lazy: slow to import
+    from torch._inductor.compile_fx import compile_fx_inner  # lazy: slow to import
+    from torch._inductor.decomposition import select_decomp_table  # lazy: slow to import
 
     # Inductor lowers decomposed graphs: aot_autograd applies its table before handing one over
     # (an op with a decomposition, such as aten.t, has no lowering of its own).
@@ -212,101 +193,6 @@ class Fused:
                 f"({', '.join(map(repr, self.inputs))})")
 
 
-# -- which ops, which regions ----------------------------------------------------------------
-def fusible(node: Node, device: str, local: Callable[[Node], bool],
-            device_of: dict[Node, str], passthrough: frozenset[Node] = frozenset()) -> bool:
-    """May ``node`` (placed on ``device``) be part of a region? See the module docstring."""
-    if node.op is operator.getitem:
-        return True  # with its tuple's producer only: regions() checks
-    if not isinstance(node.op, torch._ops.OpOverload) or node.writes or not node.tensor_metas:
-        return False
-    if isinstance(node.meta, tuple) and any(m is None for m in node.meta):
-        return False
-    if kind_of(node.op) == "random" or is_free_move(node, device_of, passthrough):
-        return False
-    if torch.Tag.nondeterministic_seeded in node.op.tags:
-        return False
-    if not all(local(v) for v in node.inputs):
-        return False
-    if not all(isinstance(v.meta, TensorMeta) for v in node.inputs):
-        return False
-    metas = [*node.tensor_metas, *(v.meta for v in node.inputs)]
-    return not any(m.dtype in _LOW_PRECISION for m in metas)
-
-
-def regions(steps: Sequence[Step], can_fuse: Callable[[Node], bool],
-            users: dict[Node, list[Node]], graph_outputs: set[Node],
-            min_ops: int = MIN_FUSED_OPS) -> list[list[Node]]:
-    """The regions of one program worth compiling, each a list of nodes in program order."""
-    left_out: set[Node] = set()
-
-    def ok(n: Node) -> bool:
-        return n not in left_out and can_fuse(n)
-
-    while True:
-        groups = _groups(steps, ok)
-        misfits = {n for g in groups for n in _misfits(g, users, graph_outputs)}
-        if not misfits:
-            break
-        left_out |= misfits
-    return [g for g in groups
-            if sum(kind_of(n.op) in _PAYING_KINDS for n in g) >= min_ops
-            and outputs_of(g, users, graph_outputs)]
-
-
-def _groups(steps: Sequence[Step], ok: Callable[[Node], bool]) -> list[list[Node]]:
-    groups: list[list[Node]] = []
-    current: list[Node] = []
-    for step in steps:
-        if isinstance(step, Free):
-            continue
-        if isinstance(step, Run) and ok(step.node):
-            current.append(step.node)
-            continue
-        if current:
-            groups.append(current)
-        current = []
-    if current:
-        groups.append(current)
-    return groups
-
-
-def outputs_of(group: Sequence[Node], users: dict[Node, list[Node]],
-               graph_outputs: set[Node]) -> list[Node]:
-    """The nodes of ``group`` read outside it, in order."""
-    inside = set(group)
-    return [n for n in group
-            if n in graph_outputs or any(u not in inside for u in users[n])]
-
-
-def inputs_of(group: Sequence[Node]) -> list[Node]:
-    """The values ``group`` reads from outside, in order of first use."""
-    inside = set(group)
-    return list(dict.fromkeys(v for n in group for v in n.inputs if v not in inside))
-
-
-def is_view(node: Node) -> bool:
-    """Does ``node`` share a storage with another value? A view, or an element of a tuple of
-    views (``split``, ``unbind``); an element of a tuple of fresh tensors is fresh itself."""
-    if node.op is operator.getitem:
-        node = node.args[0]
-    return bool(node.aliases) or bool(getattr(node.op, "is_view", False))
-
-
-def _misfits(group: list[Node], users: dict[Node, list[Node]],
-             graph_outputs: set[Node]) -> list[Node]:
-    """Nodes that must leave ``group``: escaping views and tuples, getitems of outside tuples."""
-    inside = set(group)
-    out: list[Node] = []
-    for n in group:
-        if n.op is operator.getitem and n.args[0] not in inside:
-            out.append(n)
-    for n in outputs_of(group, users, graph_outputs):
-        if isinstance(n.meta, tuple) or is_view(n):
-            out.append(n)
-    return out
-
-
 # -- building ---------------------------------------------------------------------------------
 def build_gm(nodes: Sequence[Node], inputs: Sequence[Node], outputs: Sequence[Node],
              device: str) -> torch.fx.GraphModule:
@@ -316,44 +202,31 @@ def build_gm(nodes: Sequence[Node], inputs: Sequence[Node], outputs: Sequence[No
     g = torch.fx.Graph()
     env: dict[Node, torch.fx.Node] = {v: g.placeholder(f"in{i}") for i, v in enumerate(inputs)}
 
-    def arg(x: Any) -> Any:
-        if isinstance(x, Node):
-            return env[x]
-        if isinstance(x, list):
-            return [arg(v) for v in x]
-        if isinstance(x, tuple):
-            return tuple(arg(v) for v in x)
-        if isinstance(x, dict):
-            return {k: arg(v) for k, v in x.items()}
-        return x
-
     for n in nodes:
         kwargs = dict(n.kwargs)
         if "device" in kwargs:
             kwargs["device"] = torch_device
-        env[n] = g.call_function(n.op, arg(tuple(n.args)), arg(kwargs))
+        env[n] = g.call_function(n.op, *tree_map_only(Node, env.__getitem__,
+                                                      (tuple(n.args), kwargs)))
     g.output(tuple(env[o] for o in outputs))
     return torch.fx.GraphModule({}, g)
 
 
-def fuse_program(device: str, steps: list[Step], ix: GraphIndex, graph_outputs: set[Node],
-                 local: Callable[[Node], bool], device_of: dict[Node, str],
-                 label: str = "") -> list[Any]:
-    """``steps`` with each region worth compiling replaced by one :class:`Fused` step.
+def fuse_program(device: str, steps: list[Step], found: Sequence[Sequence[Node]], ix: GraphIndex,
+                 graph_outputs: set[Node], label: str = "") -> list[Any]:
+    """``steps`` with each region of ``found`` (chosen by :mod:`autopar.passes.fusion`) replaced
+    by one :class:`Fused` step.
 
     Frees inside a region of values it made and keeps to itself go; the other Frees follow
     the Fused step.
     """
-    handed = ix.passthrough
-    found = regions(steps, lambda n: fusible(n, device, local, device_of, handed), ix.users,
-                    graph_outputs)
     if not found:
         return list(steps)
     region_of = {n: i for i, g in enumerate(found) for n in g}
     fused: list[Fused] = []
     for i, g in enumerate(found):
         ins, outs = inputs_of(g), outputs_of(g, ix.users, graph_outputs)
-        kinds = sorted({op_name(n.op) for n in g if kind_of(n.op) in _PAYING_KINDS})
+        kinds = sorted({op_name(n.op) for n in g if kind_of(n.op) in _LABEL_KINDS})
         name = (f"fused region {label}{device}#{i} ({len(g)} ops: "
                 f"{', '.join(kinds[:4])}{', ...' if len(kinds) > 4 else ''})")
         kernel = FusedKernel(build_gm(g, ins, outs, device), device, name,

@@ -37,7 +37,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..schedule.plan import Free, Record, Run, Send, Wait
+from ..schedule.steps import Free, Record, Run, Send, Wait
 
 SHORT_S = 50e-6
 """A host op predicted to take at most this long may go before the GPU's next launch."""

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..ir.graph import Graph, Node
-from ..schedule.plan import Free, Plan, Run, Step
+from ..schedule.steps import Free, Plan, Run, Step
 from .codegen import SlotTable, build_program
 
 _SPACE = "cpu:0"  # one slot space: values stay wherever eager put them

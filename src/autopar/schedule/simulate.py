@@ -51,7 +51,7 @@ from ..ir.routing import (
     value_bytes,
 )
 from .place import place
-from .plan import Free, Plan, Record, Run, Send, Wait
+from .steps import Free, Plan, Record, Run, Send, Wait
 from .timeline import Span, Timeline
 
 __all__ = ["EAGER_OVERLAP_GAIN", "peak_memory", "runs_as_eager", "simulate"]
@@ -227,11 +227,6 @@ EAGER_OVERLAP_GAIN = 0.05
 the model predicts overlap to save at least this share of the serial time."""
 
 
-TRIAL_MAX_S = 1e-3
-"""A placed plan is timed against calling the function itself (``autopar.compile``) only when
-it predicts a call under this: above it, dynamo's per-call cost (tens of microseconds) is a few
-percent at most, and a trial's plain calls (eager's time) would cost more than they could
-tell."""
 
 
 def _eager_move(node: Node, placed: dict[Node, str], eager: dict[Node, str],

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import typer
+
+from autopar.machine.calibrate import profile_tables
+from autopar.machine.detect import detect
+from autopar.machine.presets import PRESETS, preset
 
 __all__ = ["calibrate"]
 
@@ -16,12 +22,7 @@ def calibrate(
                                 help="\"auto\" (this host) or a preset name, shown as is."),
 ) -> None:
     """Measure this machine's devices and links, save the profile, print it."""
-    import json
-
-    from rich.console import Console
-
-    from autopar.machine.calibrate import profile_tables
-    from autopar.machine.model import PRESETS, detect, preset
+    from rich.console import Console  # lazy: start-up cost
 
     if machine != "auto":
         if machine not in PRESETS:

@@ -17,11 +17,13 @@ import time
 from pathlib import Path
 from typing import Annotated
 
+import torch
 import typer
 from rich.console import Console
 
 from ...bench.harness import Report, collect, gpus_of, machine_label, write_report
 from ...bench.workloads import select
+from ...machine.detect import detect
 
 __all__ = ["demo", "run_demo"]
 
@@ -33,8 +35,6 @@ GPU_TIMING = {"warmup": 2, "repeat": 15, "budget_s": 3.0}
 
 def _detect_machine(console: Console) -> str:
     """Load (or make) this host's profile; describe the machine in one line."""
-    from ...machine.model import detect
-
     try:
         return str(detect())
     except Exception as e:  # a failed calibration must not stop the demo
@@ -55,8 +55,6 @@ def run_demo(console: Console, machine: str = "auto", out: Path = Path("out/demo
              workloads: list[str] | None = None, variants: str = "eager,hand,compile,autopar"
              ) -> tuple[Report, list[Path]]:
     """Run the demo; returns the report and the paths written."""
-    import torch
-
     start = time.perf_counter()
     n_gpus = torch.cuda.device_count()
     simulate_on = _simulate_on(machine, n_gpus)

@@ -7,6 +7,12 @@ from typing import Annotated
 
 import typer
 
+from autopar.capture.fx import Unsupported
+from autopar.report.explain import explain as run_explain
+from autopar.report.graphviz import render
+from autopar.report.trace import save_chrome_trace, save_gantt
+from autopar.report.userfile import UserFileError, example_args, load_module, needs_args
+
 __all__ = ["explain"]
 
 
@@ -36,10 +42,6 @@ def explain(
 ) -> None:
     """Explain how autopar would place FUNC's ops on a machine: a table of ops, devices,
     predicted times and reasons; predicted time against eager's; the critical path."""
-    from autopar.capture.fx import Unsupported
-    from autopar.report.explain import explain as run_explain
-    from autopar.report.userfile import UserFileError, example_args, load_module, needs_args
-
     file, _, func = target.rpartition(":")
     if not file or not func:
         raise typer.BadParameter("write FILE.py:FUNC, e.g. model.py:step", param_hint="TARGET")
@@ -57,19 +59,13 @@ def explain(
         raise typer.Exit(2) from None
     written = []
     if trace is not None:
-        from autopar.report.trace import save_chrome_trace
-
         written.append(save_chrome_trace(report.timeline, trace, report.plan.graph,
                                          extra=[report.eager_timeline]))
     if png is not None:
-        from autopar.report.trace import save_gantt
-
         written.append(save_gantt(report.timeline, png, predicted=report.eager_timeline,
                                   title=f"{report.graph_name}: {report.policy} vs eager",
                                   labels=(f"{report.policy}, predicted", "eager, predicted")))
     if graph is not None:
-        from autopar.report.graphviz import render
-
         written.append(render(report.plan.placement, graph, report.critical_nodes))
     if json:
         typer.echo(report.to_json())

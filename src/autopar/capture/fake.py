@@ -1,0 +1,148 @@
+"""Capture without ``torch.compile``'s runner: fake tracing, for explain on machines that aren't at
+hand, and capture by running once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..ir.graph import Graph, TensorMeta
+from .dynamo import capturing_scalars, make_backend
+from .fx import Unsupported, from_fx
+
+__all__ = ["capture_by_running", "relabel_devices", "trace_fake"]
+
+log = logging.getLogger("autopar")
+
+
+class _IndexedCuda(torch.overrides.TorchFunctionMode):
+    """Names ``"cuda"`` without an index as ``"cuda:0"`` (eager's current device by default)
+    in every call's arguments, and ``Tensor.cuda()`` as ``.to("cuda:0")``: a build of torch
+    without CUDA can't look up a current device, though fake tensors may live on ``cuda:0``."""
+
+    @staticmethod
+    def _indexed(value: Any) -> Any:
+        if isinstance(value, str) and value == "cuda":
+            return "cuda:0"
+        if isinstance(value, torch.device) and value.type == "cuda" and value.index is None:
+            return torch.device("cuda", 0)
+        return value
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.device and (len(args) > 1 or "index" in kwargs):
+            return func(*args, **kwargs)  # torch.device("cuda", 1): the index is given
+        kwargs = {k: self._indexed(v) for k, v in kwargs.items()}
+        args = tuple(self._indexed(a) for a in args)
+        if func is torch.Tensor.cuda:  # its device, if any, is already indexed above
+            device = args[1] if len(args) > 1 else kwargs.get("device")
+            index = device if isinstance(device, int) else torch.device(device or "cuda:0").index
+            return args[0].to(torch.device("cuda", index),
+                              non_blocking=kwargs.get("non_blocking", False))
+        return func(*args, **kwargs)
+
+
+def trace_fake(fn: Callable, args: Sequence[Any], inputs_on: str | None = None,
+               name: str | None = None) -> Graph:
+    """Capture ``fn(*args)`` as a functional Graph without computing anything.
+
+    Tensors among ``args`` (and an ``nn.Module``'s parameters and buffers) are replaced by fake
+    tensors of the same shape, dtype and strides; those built on the CPU are taken to live on
+    ``inputs_on`` (e.g. ``"cuda:0"``), so code written for a GPU can be explained on a CPU-only
+    machine (where ``"cuda"`` without an index means ``cuda:0``). In-place updates of inputs
+    appear as ``aten.copy_`` nodes at the end. Forward only: it traces under ``no_grad``.
+    """
+    mode = FakeTensorMode()
+
+    def fake(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        device = inputs_on if (inputs_on and x.device.type == "cpu") else x.device
+        with mode:
+            return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype,
+                                       device=device)
+
+    call = fn
+    if isinstance(fn, torch.nn.Module):
+        state = {k: fake(v) for k, v in {**dict(fn.named_parameters()),
+                                         **dict(fn.named_buffers())}.items()}
+
+        def call(*a: Any) -> Any:
+            return torch.func.functional_call(fn, state, a)
+
+    def flat(*a: Any) -> list[Any]:
+        return tree_flatten(call(*a))[0]
+
+    fake_args = tree_map(fake, tuple(args))
+    try:
+        traced = make_fx(torch.func.functionalize(flat), tracing_mode="fake",
+                         record_stack_traces=True)
+    except TypeError:  # torch without record_stack_traces
+        traced = make_fx(torch.func.functionalize(flat), tracing_mode="fake")
+    try:
+        indexed = contextlib.nullcontext() if torch.cuda.is_available() else _IndexedCuda()
+        with mode, torch.no_grad(), indexed:  # forward only: no autograd on fake GPU tensors
+            gm = traced(*fake_args)
+    except Exception as e:  # data-dependent ops, backward(), device code fake tensors can't take
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise Unsupported(
+            f"can't trace {getattr(fn, '__name__', type(fn).__name__)} without running it: "
+            f"{type(e).__name__}: {first} (explain traces the forward pass with fake inputs; "
+            "data-dependent values such as tensor slice bounds or .item(), and backward(), "
+            "need a real run)") from e
+    graph, constants = from_fx(gm, name or getattr(fn, "__name__", type(fn).__name__))
+    if constants:
+        log.info("autopar: %d tensor constants in %s are graph inputs", len(constants), graph.name)
+    return graph
+
+
+def capture_by_running(fn: Callable, args: Sequence[Any],
+                       runner: Callable[[Graph], Callable[[list], Any]]) -> list[Graph]:
+    """Capture every graph ``fn(*args)`` makes by running it once through the backend, each graph
+    run by ``runner(graph)`` (eagerly: :class:`autopar.runtime.SequentialRunner`).
+
+    For code :func:`trace_fake` can't follow: values read back from tensors (``.item()``, tensor
+    slice bounds) split it into several graphs, and ``backward()`` and an optimizer step are
+    captured as graphs of their own. The arguments are used as given: it really computes.
+    """
+    graphs: list[Graph] = []
+
+    def record(graph: Graph, phase: str) -> Callable:
+        graphs.append(graph)
+        return runner(graph)
+
+    name = getattr(fn, "__name__", type(fn).__name__)
+    compiled = torch.compile(fn, backend=make_backend(record, name=name), dynamic=False)
+    capturing_scalars(compiled)(*args)
+    return graphs
+
+
+def relabel_devices(graph: Graph, src: str, dst: str) -> Graph:
+    """Take every value eager put on ``src`` (e.g. "cpu") to live on ``dst`` ("cuda:0"), in place.
+
+    Used to explain CPU-captured code as if it had been written for ``dst``.
+    """
+    target = torch.device(dst)
+
+    def moved(meta: Any) -> Any:
+        if isinstance(meta, TensorMeta) and meta.device == src:
+            return replace(meta, device=dst)
+        if isinstance(meta, tuple):
+            return tuple(moved(m) for m in meta)
+        return meta
+
+    for node in graph.nodes:
+        node.meta = moved(node.meta)
+        if isinstance(node.kwargs.get("device"), torch.device) and str(
+                node.kwargs["device"]) == src:
+            node.kwargs = {**node.kwargs, "device": target}
+    return graph

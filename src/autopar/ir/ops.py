@@ -1,0 +1,45 @@
+"""ATen and Python operations several stages name: the ops whose value is a Python number,
+shape queries, the arithmetic dynamo records on numbers read from tensors; and the plain number a
+traced scalar stands for."""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import torch
+
+from .graph import LOCAL_SCALAR_DENSE
+
+__all__ = ["SCALAR_FUNCTIONS", "SCALAR_OPS", "SIZE_OPS", "known_number"]
+
+_aten = torch.ops.aten
+SCALAR_OPS = frozenset({LOCAL_SCALAR_DENSE, _aten._assert_scalar.default,
+                        _aten.sym_constrain_range.default,
+                        _aten.sym_constrain_range_for_size.default})
+"""ATen ops whose value is a Python number (or None): they run on the host."""
+SIZE_OPS = frozenset({_aten.sym_size.int, _aten.sym_stride.int, _aten.sym_numel.default,
+                      _aten.sym_storage_offset.default})
+"""Shape queries: their value is known when the shape is, and then becomes a constant."""
+SCALAR_FUNCTIONS = frozenset({
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv,
+    operator.mod, operator.pow, operator.neg, operator.pos, operator.abs, operator.eq,
+    operator.ne, operator.lt, operator.le, operator.gt, operator.ge, operator.and_,
+    operator.or_, operator.not_, math.floor, math.ceil, math.trunc, torch.sym_max,
+    torch.sym_min, torch.sym_float, torch.sym_int, torch.sym_not, torch.sym_ite})
+"""Python arithmetic dynamo records on numbers read from tensors."""
+
+
+def known_number(value: Any) -> int | float | bool | None:
+    """The plain number a traced scalar stands for, if it is not symbolic (else None)."""
+    if isinstance(value, bool | int | float):
+        return value
+    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+        node = value.node
+        if node.is_constant():
+            return node.pytype(node.constant)  # type: ignore[no-any-return]
+        expr = getattr(node, "expr", None)  # a sympy expression; a number once shapes agree
+        if getattr(expr, "is_number", False):
+            return node.pytype(expr)  # type: ignore[no-any-return]
+    return None

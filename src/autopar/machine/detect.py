@@ -1,0 +1,124 @@
+"""This host as a :class:`~autopar.machine.model.Machine` (its profile from the cache, measured
+when missing), and ``--machine`` resolved: this host or a preset."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import warnings
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from . import calibrate as calibration
+from .host import (
+    _gpus,
+    _peer_pairs,
+    host_info,
+    load_profile,
+    profile_path,
+    save_profile,
+)
+from .model import (
+    Machine,
+    Profile,
+    ProfileError,
+    _devices,
+    default_cpu_workers,
+    default_profile,
+    fingerprint_of,
+)
+from .presets import PRESETS, preset
+
+__all__ = ["detect", "load_machine", "with_profile"]
+
+
+# -- this host -------------------------------------------------------------------------------
+def _measuring_allowed(measure: bool) -> bool:
+    return measure and os.environ.get("AUTOPAR_NO_MEASURE", "") in ("", "0")
+
+
+def _say(msg: str) -> None:
+    print(f"autopar: {msg}", file=sys.stderr)
+
+
+def detect(cpu_workers: int | None = None, calibrate: bool | str = False,
+           measure: bool = True) -> Machine:
+    """This host: its CPU workers and GPUs, with its profile from the cache.
+
+    ``calibrate``: ``False`` uses the cached profile; ``True`` or ``"quick"`` measures again
+    quickly (<= 20 s), ``"full"`` measures everything. A missing or unusable cached profile is
+    replaced by a quick calibration, or by conservative defaults when ``measure`` is False (or
+    ``AUTOPAR_NO_MEASURE=1``). ``cpu_workers``: logical CPU workers (default 2 on hosts with at
+    least 2 cores).
+    """
+    host = host_info()
+    gpus = _gpus()
+    peers = _peer_pairs(len(gpus))
+    fp = fingerprint_of(host)
+    path = profile_path(fp)
+    allowed = _measuring_allowed(measure)
+    mode = {True: "quick", "quick": "quick", "full": "full"}.get(calibrate)  # type: ignore[call-overload]
+    if calibrate and mode is None:
+        raise ValueError(f"calibrate={calibrate!r}: use False, True, \"quick\" or \"full\"")
+
+    profile: Profile | None = None
+    if mode is None or not allowed:
+        try:
+            profile = load_profile(path, fp)
+            profile.check([f"cuda:{i}" for i in range(len(gpus))])
+        except FileNotFoundError:
+            pass
+        except (ProfileError, OSError) as e:
+            warnings.warn(f"autopar: the profile {path} is unusable and will be replaced: {e}",
+                          RuntimeWarning, stacklevel=2)
+    if profile is not None and profile.is_defaults and allowed:
+        profile = None  # defaults were a stopgap: measure now that measuring is allowed
+    if profile is None or (mode is not None and allowed):
+        if allowed:
+            mode = mode or "quick"
+            if calibrate is False:
+                _say(f"no profile for this host yet: calibrating ({mode}, about 20 s; "
+                     "AUTOPAR_NO_MEASURE=1 skips this and uses conservative defaults)")
+            with calibration.console_progress() as progress:
+                profile = calibration.calibrate(mode, host=host, progress=progress)
+        else:
+            profile = default_profile(host, gpus, peers)
+        try:
+            save_profile(profile, path)
+        except OSError as e:
+            warnings.warn(f"autopar: could not save the profile to {path}: {e}", RuntimeWarning,
+                          stacklevel=2)
+    return _machine_for(profile, host, len(gpus), peers, cpu_workers, path)
+
+
+def _machine_for(profile: Profile, host: Mapping[str, Any], n_gpus: int,
+                 peers: frozenset[tuple[str, str]], cpu_workers: int | None,
+                 path: Path | None) -> Machine:
+    # the threads torch computes with when calibrating; the host's cores if nothing was measured
+    cores = profile.device("cpu").threads or int(host.get("cores", 1))
+    workers = default_cpu_workers(cores) if cpu_workers is None else cpu_workers
+    name = socket.gethostname() or "this host"
+    return Machine(name=name, devices=_devices(workers, n_gpus), profile=profile,
+                   peer_pairs=peers, cores=cores, profile_path=path)
+
+
+def with_profile(machine: Machine, profile: Profile) -> Machine:
+    """The same machine with another profile (e.g. one just calibrated)."""
+    return replace(machine, profile=profile)
+
+
+def load_machine(spec: str | Machine | None = None, cpu_workers: int | None = None,
+                 measure: bool = True) -> Machine:
+    """Resolve what a user passed as ``--machine``: ``None`` or ``"auto"`` is this host
+    (:func:`detect`), a preset name is that preset, a :class:`Machine` is itself."""
+    if isinstance(spec, Machine):
+        return spec
+    if spec is None or spec == "auto":
+        return detect(cpu_workers=cpu_workers, measure=measure)
+    if isinstance(spec, str) and spec in PRESETS:
+        return preset(spec, cpu_workers=cpu_workers)
+    raise ValueError(f"unknown machine {spec!r}: use \"auto\" (this host) or a preset: "
+                     f"{sorted(PRESETS)}")

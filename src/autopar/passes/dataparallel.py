@@ -1,0 +1,85 @@
+"""Data parallelism's choice: a step placed unsplit and split over k devices for each k, the
+one predicted fastest kept (see :mod:`autopar.dataparallel` for the policy)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..capture.step import StepGraph
+from ..ir.graph import Node
+from ..schedule.place import place
+from .shard import NotShardable, Sharded, shard
+
+__all__ = ["Choice", "choose", "shard_devices"]
+
+log = logging.getLogger("autopar")
+
+
+@dataclass
+class Choice:
+    """What :func:`choose` picked: the placement that runs, the sharded graph (None: unsplit)
+    and the predicted seconds of every candidate (key ``"unsplit"`` or the devices joined by
+    commas)."""
+
+    placement: Any
+    sharded: Sharded | None
+    predicted: dict[str, float]
+
+
+def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence[str], *,
+           policy: str = "heft", shards: int | None = None) -> Choice:
+    """Place ``step`` unsplit and split over the first k same-kind devices (home first) for
+    each k, and keep the one predicted fastest; ``shards`` forces k (1: don't split). A split
+    whose big partial sums are reduced in chunks (:mod:`autopar.passes.shard`) is also placed with
+    every sum reduced at once (key ``"<devices> at once"``): the model picks."""
+    devices, same_kind = shard_devices(batch, cost, devices, shards)
+    ks = range(1, len(same_kind) + 1) if shards is None else [shards]
+    best: Choice | None = None
+    predicted: dict[str, float] = {}
+    for k in ks:
+        if k == 1:
+            placed, sharded = place(step.graph, cost, policy=policy, devices=devices), None
+            label = "unsplit"
+            candidates = [(label, placed, sharded)]
+        else:
+            try:
+                chunked = shard(step.graph, batch, same_kind[:k], updates=step.updates)
+                forms = [("", chunked)]
+                if chunked.reduced_in_chunks:
+                    forms.append((" at once", shard(step.graph, batch, same_kind[:k],
+                                                    updates=step.updates, reduce_chunks=1)))
+            except NotShardable as e:
+                if shards is not None:
+                    raise
+                log.info("autopar: %s not split over %d devices: %s", step.graph.name, k, e)
+                continue
+            label = ",".join(same_kind[:k])
+            candidates = [(label + suffix, place(s.graph, cost, policy=policy, devices=devices,
+                                                 pins=s.pins), s) for suffix, s in forms]
+        for label, placed, sharded in candidates:
+            predicted[label] = placed.predicted_s
+            if best is None or placed.predicted_s < best.placement.predicted_s:
+                best = Choice(placed, sharded, predicted)
+    assert best is not None
+    return best
+
+
+def shard_devices(batch: dict[Node, int], cost: Any, devices: Sequence[str],
+                   shards: int | None) -> tuple[list[str], list[str]]:
+    """The devices to place on (home added) and those that may take a shard (home first, then
+    the others of its kind), checking ``shards`` against them."""
+    devices = list(devices)
+    home = cost.machine.home(next(iter(batch)).device).name
+    if home not in devices:
+        devices.insert(0, home)
+    kind = home.split(":")[0]
+    same_kind = [home] + [d for d in devices if d != home and d.split(":")[0] == kind]
+    if shards is not None and not 1 <= shards <= len(same_kind):
+        raise ValueError(f"shards={shards}: between 1 and {len(same_kind)} devices of the "
+                         f"home's kind ({', '.join(same_kind)}) can take a shard")
+    return devices, same_kind
+
+
