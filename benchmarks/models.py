@@ -150,6 +150,11 @@ def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: i
                 cell["settle_s"] = time.perf_counter() - start
                 cell["first_s"] += cell["settle_s"]
                 cell["kept"] = sorted(set(d.kept.values())) if d is not None else []
+                if mode != "train":  # the way kept is checked too, not only the first call's
+                    bad = _close(_outputs(call()), want, TOL[mode])
+                    if bad:
+                        cell["fail"] = f"after settling on {cell['kept']}: {bad}"
+                        continue
             cell["pass"] = True
             prepared[name] = (call, ())
         except Exception as e:  # one variant's failure is its cell's, not the row's

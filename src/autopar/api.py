@@ -181,6 +181,7 @@ class Runner:
         self.reads_scalars = False  # whether any of them reads a value to the host (.item())
         self.gpus = _cuda_indices(options.devices)  # GPU indices autopar may use
         self.inductor_can = inductor_compiles_for(options.devices, options.fuse)
+        self.inductor_candidate = self.inductor_can and "inductor" in options.candidates
 
     def planned_s(self) -> float:
         """The predicted seconds of one call of every graph the executor runs."""
@@ -237,8 +238,12 @@ class Runner:
             if options.policy == "heft":  # HEFT prices ops one by one; fusion changes that
                 fusing = fusion_devices(options.devices, options.fuse)
                 plan = prefer_fused(plan, graph, cost, options.devices, fusing)
+            # On eager's placement with nothing to overlap, fusing regions would repeat what
+            # Inductor's whole graph, a candidate of its own, does better (and compile twice)
+            fuse = False if self.inductor_candidate and not options.trace and \
+                runs_as_eager(plan, cost, options.devices) else options.fuse
             executor = Executor(plan, trace=bool(options.trace),
-                                fuse=regions_to_fuse(plan, options.fuse),
+                                fuse=regions_to_fuse(plan, fuse),
                                 cuda_graphs=capture_rule(options.cuda_graphs))
             as_eager = not (options.trace or executor.fused or executor.segments) and \
                 runs_as_eager(plan, cost, options.devices)
