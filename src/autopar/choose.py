@@ -44,7 +44,7 @@ from .machine.host import cpu_fusion_unavailable
 
 __all__ = ["TRIAL_CALLS", "WAYS", "Trial", "candidates"]
 
-log = logging.getLogger("autopar")
+log = logging.getLogger("autopar.trials")
 
 WAYS = ("eager", "inductor", "autopar")
 

@@ -58,7 +58,7 @@ from .interleave import interleave
 
 __all__ = ["Executor", "WorkerError", "graph_devices"]
 
-log = logging.getLogger("autopar")
+log = logging.getLogger("autopar.runtime")
 
 _TIMEOUT = float(os.environ.get("AUTOPAR_WAIT_TIMEOUT", "600"))
 
