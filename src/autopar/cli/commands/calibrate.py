@@ -10,6 +10,8 @@ from autopar.machine.calibrate import profile_tables
 from autopar.machine.detect import detect
 from autopar.machine.presets import PRESETS, preset
 
+from . import preset_names
+
 __all__ = ["calibrate"]
 
 
@@ -19,7 +21,8 @@ def calibrate(
     show: bool = typer.Option(False, "--show", help="Print the current profile; measure nothing."),
     as_json: bool = typer.Option(False, "--json", help="Print the profile as JSON."),
     machine: str = typer.Option("auto", "--machine",
-                                help="\"auto\" (this host) or a preset name, shown as is."),
+                                help=f"auto (this host) or a preset, shown as is: "
+                                     f"{preset_names()}."),
 ) -> None:
     """Measure this machine's devices and links, save the profile, print it."""
     from rich.console import Console  # lazy: start-up cost

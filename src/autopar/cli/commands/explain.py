@@ -13,6 +13,8 @@ from autopar.report.graphviz import render
 from autopar.report.trace import save_chrome_trace, save_gantt
 from autopar.report.userfile import UserFileError, example_args, load_module, needs_args
 
+from . import policy_names, preset_names
+
 __all__ = ["explain"]
 
 
@@ -20,15 +22,15 @@ def explain(
     target: Annotated[str, typer.Argument(
         help="FILE.py:FUNC, the function to explain.", show_default=False)],
     machine: Annotated[str, typer.Option(
-        "--machine", "-m", help="auto (this host) or a preset: h200x2, h200x8, a100x4-pcie, "
-                                "cpu-only. Nothing runs, so any preset works anywhere.")] = "auto",
+        "--machine", "-m", help=f"auto (this host) or a preset: {preset_names()}. Nothing "
+                                "runs, so any preset works anywhere.")] = "auto",
     inputs_on: Annotated[str | None, typer.Option(
         "--inputs-on", help="Device of the machine where CPU-built example inputs are taken "
                             "to live, e.g. cuda:0.")] = None,
     inputs: Annotated[str, typer.Option(
         "--inputs", help="Function in FILE returning the example inputs.")] = "example_inputs",
     policy: Annotated[str, typer.Option(
-        "--policy", help="heft, single or round_robin.")] = "heft",
+        "--policy", help=f"How to place ops: {policy_names()}.")] = "heft",
     run: Annotated[bool, typer.Option(
         "--run", help="If FUNC can't be traced with fake inputs (it reads tensor values or "
                       "calls backward()), capture it by running it once on this host.")] = False,
