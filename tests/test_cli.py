@@ -1,7 +1,10 @@
-"""The command line's conventions: -h, --version, help texts, exit codes, completion."""
+"""The command line's conventions: -h, --version, help texts, exit codes, completion; and
+pictures of the placed graph without Graphviz."""
 
 from __future__ import annotations
 
+import builtins
+import shutil
 from pathlib import Path
 
 import pytest
@@ -58,3 +61,35 @@ def test_exit_codes():
     assert _run("explain", "no_colon.py").exit_code == 2
     ok = _run("calibrate", "--show", "--machine", "h200x2")
     assert ok.exit_code == 0, ok.output
+
+
+def _explain_graph(path: Path):
+    return _run("explain", f"{EXAMPLES / 'two_chains.py'}:two_chains", "--machine", "h200x2",
+                "--inputs-on", "cuda:0", "--graph", str(path))
+
+
+def test_a_picture_without_graphviz_is_drawn_with_matplotlib(tmp_path, monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)
+    result = _explain_graph(tmp_path / "g.png")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {tmp_path / 'g.png'}" in result.stdout
+    svg = _explain_graph(tmp_path / "g.svg")
+    assert svg.exit_code == 0 and "<svg" in (tmp_path / "g.svg").read_text()
+
+
+def test_without_graphviz_or_matplotlib_it_says_so_and_fails(tmp_path, monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    result = _explain_graph(tmp_path / "g.svg")
+    assert result.exit_code == 1
+    assert not (tmp_path / "g.svg").exists() and (tmp_path / "g.dot").exists()
+    assert "Graphviz" in result.stderr and "matplotlib" in result.stderr
+    assert f"wrote {tmp_path / 'g.svg'}" not in result.stdout

@@ -9,7 +9,7 @@ import typer
 
 from autopar.capture.fx import Unsupported
 from autopar.report.explain import explain as run_explain
-from autopar.report.graphviz import render
+from autopar.report.graphviz import MissingRenderer, render
 from autopar.report.trace import save_chrome_trace, save_gantt
 from autopar.report.userfile import UserFileError, example_args, load_module, needs_args
 
@@ -40,7 +40,8 @@ def explain(
     png: Annotated[Path | None, typer.Option(
         "--png", help="Write a Gantt chart of the predicted timeline (and eager's) here.")] = None,
     graph: Annotated[Path | None, typer.Option(
-        "--graph", help="Write the placed graph here: .dot, or .svg/.png with Graphviz.")] = None,
+        "--graph", help="Write the placed graph here: .dot, or .svg/.png (drawn by Graphviz, "
+                        "else by matplotlib).")] = None,
 ) -> None:
     """Explain how autopar would place FUNC's ops on a machine: a table of ops, devices,
     predicted times and reasons; predicted time against eager's; the critical path."""
@@ -67,11 +68,18 @@ def explain(
         written.append(save_gantt(report.timeline, png, predicted=report.eager_timeline,
                                   title=f"{report.graph_name}: {report.policy} vs eager",
                                   labels=(f"{report.policy}, predicted", "eager, predicted")))
+    missing = None
     if graph is not None:
-        written.append(render(report.plan.placement, graph, report.critical_nodes))
+        try:
+            written.append(render(report.plan.placement, graph, report.critical_nodes))
+        except MissingRenderer as e:
+            missing = e
     if json:
         typer.echo(report.to_json())
     else:
         typer.echo(report.to_text())
         for p in written:
             typer.echo(f"wrote {p}")
+    if missing is not None:  # the file asked for was not written
+        typer.echo(f"autopar explain: {missing}", err=True)
+        raise typer.Exit(1)
