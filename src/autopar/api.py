@@ -251,14 +251,17 @@ class Runner:
                         graph.name, f" (from {where})" if where else "", type(e).__name__,
                         _first_line(e))
             return SequentialRunner(graph)
-        if log.isEnabledFor(logging.INFO):
+        if log.isEnabledFor(logging.INFO) or _profiler._is_profiler_enabled:
             counts: dict[str, int] = {}
             for n in graph.ops:  # the plan's placement: fusion may have changed place()'s
                 counts[plan.placement.device[n]] = counts.get(plan.placement.device[n], 0) + 1
+            placed = ", ".join(f"{d} {k}" for d, k in sorted(counts.items()))
             log.info("autopar: %s: %d ops placed (%s) by %s, predicted %s a call",
-                     graph.name, len(graph.ops),
-                     ", ".join(f"{d} {k}" for d, k in sorted(counts.items())),
-                     options.policy, fmt_seconds(plan.placement.predicted_s))
+                     graph.name, len(graph.ops), placed, options.policy,
+                     fmt_seconds(plan.placement.predicted_s))
+            if _profiler._is_profiler_enabled:  # the chosen plan, as a mark in the profiler's trace
+                with _range(f"autopar:plan {graph.name}: {placed}"):
+                    pass
         log.debug("autopar: %s\n%s", graph.name, plan)
         self.executors.append(executor)
         if as_eager:
@@ -440,6 +443,8 @@ def _same_signature(values: Sequence[Any], refs: Sequence[Any], metas: Sequence[
 
 
 _grad_enabled = torch.is_grad_enabled
+_profiler = torch.autograd.profiler  # ``_profiler._is_profiler_enabled``: a global's read
+_range = torch.autograd.profiler.record_function
 
 
 class Dispatcher:
@@ -536,7 +541,8 @@ class Dispatcher:
         else:
             touched = runner.gpus_touched()
             eager_gpus, ours = touched if touched is not None else (runner.gpus, runner.gpus)
-            self.trials[key] = Trial({w: ours if w == "autopar" else eager_gpus for w in ways})
+            self.trials[key] = Trial({w: ours if w == "autopar" else eager_gpus for w in ways},
+                                     name=_name(self.fn))
             trials_log.info("autopar: %s: timing calls %s for %s", _name(self.fn),
                             ", ".join(ways), _describe(key))
         return out
@@ -557,6 +563,9 @@ class Dispatcher:
             del self.trials[key]
             trials_log.info("autopar: %s: %s kept for %s (medians: %s)", _name(self.fn), won,
                             _describe(key), trial.summary())
+            if _profiler._is_profiler_enabled:  # the verdict, as a mark in the profiler's trace
+                with _range(f"autopar:verdict {_name(self.fn)} {won}"):
+                    pass
             self._keep(key, won)
         return out
 
