@@ -56,7 +56,7 @@ def test_a_graph_break_logs_nothing_at_warning_from_dynamo(capfd, caplog):
     ``capture_scalar_outputs`` off; dynamo's warning about it goes to ``autopar.torch``."""
     from torch._dynamo.variables.tensor import TensorVariable
 
-    warn = TensorVariable._warn_capture_scalar_outputs
+    warn = getattr(TensorVariable, "_warn_capture_scalar_outputs", None)
     if hasattr(warn, "cache_clear"):
         warn.cache_clear()  # dynamo says it once per process
 
