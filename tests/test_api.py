@@ -143,7 +143,7 @@ def test_a_shape_decided_by_a_value_runs_eagerly_with_one_logged_reason(caplog):
         for k in (2, 4):
             x, n = torch.randn(6), torch.tensor(k)
             torch.testing.assert_close(compiled(x, n), f(x, n))
-    reasons = [r.getMessage() for r in caplog.records if r.name == "autopar"]
+    reasons = [r.getMessage() for r in caplog.records if r.name.startswith("autopar")]
     assert reasons and all("eagerly" in r for r in reasons)
 
 

@@ -13,10 +13,12 @@ from .backend import autopar_backend
 from .dataparallel import data_parallel
 from .doctor import DoctorReport, Finding, doctor
 from .ir.graph import Graph, Node, TensorMeta
+from .ir.logs import configure_from_env as _configure_logs
+from .ir.logs import set_logs
 from .report.explain import ExplainReport, explain
 
 __all__ = ["DoctorReport", "ExplainReport", "Finding", "Graph", "Node", "Options", "TensorMeta",
-           "compile", "data_parallel", "doctor", "explain", "parse_devices"]
+           "compile", "data_parallel", "doctor", "explain", "parse_devices", "set_logs"]
 __version__ = "0.1.0"
 
 
@@ -28,4 +30,5 @@ def _register_backend() -> None:
 
 
 _register_backend()
+_configure_logs()
 del torch

@@ -42,6 +42,8 @@ from .capture.dynamo import capturing_scalars, make_backend
 from .choose import WAYS, Trial, candidates, inductor_compiles_for
 from .cost.model import CostModel
 from .ir.graph import LOCAL_SCALAR_DENSE, Graph
+from .ir.logs import quiet
+from .ir.units import fmt_seconds
 from .machine.detect import load_machine
 from .passes.cudagraphs import capture_rule
 from .passes.fusion import fusion_devices, prefer_fused, regions_to_fuse
@@ -54,7 +56,8 @@ from .schedule.steps import Send
 
 __all__ = ["Dispatcher", "Options", "compile", "dispatcher_of", "parse_devices"]
 
-log = logging.getLogger("autopar")
+log = logging.getLogger("autopar.placement")
+trials_log = logging.getLogger("autopar.trials")
 
 POLICIES = ("heft", "single", "round_robin")
 _DEVICE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
@@ -248,14 +251,27 @@ class Runner:
             as_eager = not (options.trace or executor.fused or executor.segments) and \
                 runs_as_eager(plan, cost, options.devices)
         except Exception as e:
-            log.warning("autopar: running %s on eager's devices: planning failed: %s: %s",
-                        graph.name, type(e).__name__, e)
+            where = next((n.source for n in graph.ops if n.source), None)
+            log.warning("autopar: running %s%s on eager's devices: planning failed: %s: %s",
+                        graph.name, f" (from {where})" if where else "", type(e).__name__,
+                        _first_line(e))
             return SequentialRunner(graph)
+        if log.isEnabledFor(logging.INFO) or _profiler._is_profiler_enabled:
+            counts: dict[str, int] = {}
+            for n in graph.ops:  # the plan's placement: fusion may have changed place()'s
+                counts[plan.placement.device[n]] = counts.get(plan.placement.device[n], 0) + 1
+            placed = ", ".join(f"{d} {k}" for d, k in sorted(counts.items()))
+            log.info("autopar: %s: %d ops placed (%s) by %s, predicted %s a call",
+                     graph.name, len(graph.ops), placed, options.policy,
+                     fmt_seconds(plan.placement.predicted_s))
+            if _profiler._is_profiler_enabled:  # the chosen plan, as a mark in the profiler's trace
+                with _range(f"autopar:plan {graph.name}: {placed}"):
+                    pass
         log.debug("autopar: %s\n%s", graph.name, plan)
         self.executors.append(executor)
         if as_eager:
-            log.debug("autopar: %s runs as eager does: the plan is eager's placement with "
-                      "nothing to overlap", graph.name)
+            log.info("autopar: %s runs as eager does: the plan is eager's placement with "
+                     "nothing to overlap", graph.name)
             executor.runs_as = "eager's sequence"
             return SequentialRunner(graph, plan)
         run = _tracing(executor, options.trace) if isinstance(options.trace, str) else executor
@@ -334,7 +350,8 @@ def compile(fn: Callable, **options: Any) -> Callable:
     opts = Options.parse(options)
     runner = make_runner(opts)
     runner.cost_model()  # resolve (and if need be calibrate) the machine now, not mid-trace
-    compiled = capturing_scalars(torch.compile(fn, backend=make_backend(runner)),
+    name = getattr(fn, "__name__", None) or type(fn).__name__
+    compiled = capturing_scalars(torch.compile(fn, backend=make_backend(runner, name=name)),
                                  needed=lambda: not runner.graphs or runner.reads_scalars)
     if opts.trace:  # timelines are of autopar's plans: every call is autopar's
         return compiled
@@ -342,9 +359,10 @@ def compile(fn: Callable, **options: Any) -> Callable:
         module = fn
         compiled.forward = Dispatcher(  # type: ignore[method-assign]
             module.__call__, compiled.forward, runner,
-            inductor=lambda: torch.compile(module).forward, key_extra=lambda: module.training)
+            inductor=lambda: quiet(torch.compile(module).forward),
+            key_extra=lambda: module.training)
         return compiled
-    return Dispatcher(fn, compiled, runner, inductor=lambda: torch.compile(fn))
+    return Dispatcher(fn, compiled, runner, inductor=lambda: quiet(torch.compile(fn)))
 
 
 _PLAIN = (int, float, bool, str, type(None))
@@ -430,6 +448,8 @@ def _same_signature(values: Sequence[Any], refs: Sequence[Any], metas: Sequence[
 
 
 _grad_enabled = torch.is_grad_enabled
+_profiler = torch.autograd.profiler  # ``_profiler._is_profiler_enabled``: a global's read
+_range = torch.autograd.profiler.record_function
 
 
 class Dispatcher:
@@ -520,11 +540,16 @@ class Dispatcher:
                           inductor_can=runner.inductor_can)
         ways = tuple(w for w in ways if w in runner.options.candidates)
         if len(ways) <= 1:
+            trials_log.debug("autopar: %s: %s runs %s: nothing else to try", _name(self.fn),
+                             _describe(key), ways[0] if ways else "autopar")
             self._keep(key, ways[0] if ways else "autopar")
         else:
             touched = runner.gpus_touched()
             eager_gpus, ours = touched if touched is not None else (runner.gpus, runner.gpus)
-            self.trials[key] = Trial({w: ours if w == "autopar" else eager_gpus for w in ways})
+            self.trials[key] = Trial({w: ours if w == "autopar" else eager_gpus for w in ways},
+                                     name=_name(self.fn))
+            trials_log.info("autopar: %s: timing calls %s for %s", _name(self.fn),
+                            ", ".join(ways), _describe(key))
         return out
 
     def _tried(self, key: Any, trial: Trial, args: tuple, kwargs: dict) -> Any:
@@ -535,14 +560,17 @@ class Dispatcher:
             if way in (None, "eager"):
                 raise
             trial.drop(way, f"{type(e).__name__}: {_first_line(e)}")
-            log.warning("autopar: %s: the %s way failed where eager does not, and is left "
-                        "out: %s", _name(self.fn), way, trial.dropped[way])
+            trials_log.warning("autopar: %s: the %s way failed where eager does not, and is "
+                               "left out: %s", _name(self.fn), way, trial.dropped[way])
             out = self.fn(*args, **kwargs)
         won = trial.verdict()
         if won is not None:
             del self.trials[key]
-            log.info("autopar: %s: %s kept for %s (medians: %s)", _name(self.fn), won,
-                     _describe(key), trial.summary())
+            trials_log.info("autopar: %s: %s kept for %s (medians: %s)", _name(self.fn), won,
+                            _describe(key), trial.summary())
+            if _profiler._is_profiler_enabled:  # the verdict, as a mark in the profiler's trace
+                with _range(f"autopar:verdict {_name(self.fn)} {won}"):
+                    pass
             self._keep(key, won)
         return out
 

@@ -44,7 +44,7 @@ from .machine.host import cpu_fusion_unavailable
 
 __all__ = ["TRIAL_CALLS", "WAYS", "Trial", "candidates"]
 
-log = logging.getLogger("autopar")
+log = logging.getLogger("autopar.trials")
 
 WAYS = ("eager", "inductor", "autopar")
 
@@ -54,6 +54,8 @@ TRIAL_CALLS = 6
 40-100 us)."""
 
 _clock = time.perf_counter  # the trial's host clock (tests replace it)
+_profiler = torch.autograd.profiler  # ``_profiler._is_profiler_enabled``: a global's read
+_range = torch.autograd.profiler.record_function
 
 
 def candidates(autopar_differs: bool, inductor_can: bool) -> tuple[str, ...]:
@@ -83,9 +85,11 @@ class Trial:
     ``run`` calls the next way; ``verdict`` is None until every way's counted calls are timed
     and their GPU work has completed, then the fastest way. Calls made while the verdict waits
     for GPU work go to the way timed last, untimed, so that the events waited for are a fixed
-    set."""
+    set. Under ``torch.profiler`` each timed call is a range ``autopar:trial <name> <way>``
+    (``name``: the function's, for the trace)."""
 
-    def __init__(self, gpus: Mapping[str, Sequence[int]]) -> None:
+    def __init__(self, gpus: Mapping[str, Sequence[int]], name: str = "fn") -> None:
+        self.name = name
         self.ways = tuple(gpus)
         self.gpus = {w: tuple(g) for w, g in gpus.items()}
         self.calls: list[tuple[str, float, list[tuple[Any, Any]]]] = []
@@ -113,7 +117,11 @@ class Trial:
         for begin, _, stream in marks:
             begin.record(stream)
         start = _clock()
-        out = way_of(way)(*args, **kwargs)
+        if _profiler._is_profiler_enabled:
+            with _range(f"autopar:trial {self.name} {way}"):
+                out = way_of(way)(*args, **kwargs)
+        else:
+            out = way_of(way)(*args, **kwargs)
         host = _clock() - start
         for _, end, stream in marks:
             end.record(stream)

@@ -64,7 +64,7 @@ from .schedule.simulate import simulate
 
 __all__ = ["DataParallelStep", "StepPrediction", "data_parallel", "predict_step"]
 
-log = logging.getLogger("autopar")
+log = logging.getLogger("autopar.dataparallel")
 
 def _signature(leaves: Sequence[Any], spec: Any) -> tuple:
     def one(x: Any) -> Any:

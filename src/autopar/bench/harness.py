@@ -43,6 +43,7 @@ import autopar
 
 from ..api import dispatcher_of, parse_devices
 from ..dataparallel import predict_step
+from ..ir.logs import quiet
 from ..ir.units import fmt_seconds
 from ..machine.host import host_info
 from ..machine.presets import PRESETS
@@ -365,7 +366,9 @@ def _hand(w: Workload, ctx: Context, inputs: tuple) -> Prepared:
 
 
 def _torch_compile(w: Workload, ctx: Context, inputs: tuple) -> Prepared:
-    return torch.compile(w.eager), inputs
+    # dynamo's warnings about the workload (a graph break at .item()) are not the user's: kept
+    # off the console (a wrapper's call, ~0.1 us)
+    return quiet(torch.compile(w.eager)), inputs
 
 
 def _autopar(w: Workload, ctx: Context, inputs: tuple) -> Prepared:

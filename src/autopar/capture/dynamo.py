@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,12 +26,13 @@ import torch.fx
 from torch._guards import TracingContext
 
 from ..ir.graph import Graph
-from .fx import Unsupported, from_fx
+from ..ir.logs import cover_torch_loggers, quiet_code
+from .fx import Unsupported, from_fx, source_of
 from .shapes import PerShape, is_symbolic
 
 __all__ = ["GraphRunner", "capturing_scalars", "make_backend"]
 
-log = logging.getLogger("autopar")
+log = logging.getLogger("autopar.capture")
 
 
 GraphRunner = Callable[[Graph, str], Callable[[Sequence[torch.Tensor]], Sequence[Any]]]
@@ -39,6 +42,19 @@ GraphRunner = Callable[[Graph, str], Callable[[Sequence[torch.Tensor]], Sequence
 def _boxed(fn: Callable[[list], Any]) -> Callable[[list], Any]:
     fn._boxed_call = True  # type: ignore[attr-defined]
     return fn
+
+
+def _user_line(gm: torch.fx.GraphModule, error: BaseException) -> str | None:
+    """``file.py:line`` of the user's code where ``error`` (raised converting ``gm``) arose: the
+    fx node :func:`from_fx` was at, else the first node with a stack trace."""
+    tb, node = error.__traceback__, None
+    while tb is not None:
+        if tb.tb_frame.f_code is from_fx.__code__:
+            node = tb.tb_frame.f_locals.get("fx_node")
+        tb = tb.tb_next
+    if isinstance(node, torch.fx.Node) and source_of(node):
+        return source_of(node)
+    return next((source_of(n) for n in gm.graph.nodes if source_of(n)), None)
 
 
 def _eager(gm: torch.fx.GraphModule) -> Callable[[list], Any]:
@@ -62,6 +78,7 @@ def make_backend(build: GraphRunner, name: str = "autopar") -> Callable:
 
     def compiler(phase: str) -> Callable:
         def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+            cover_torch_loggers()  # those imported since (Inductor's): kept quiet too
             counter["n"] += 1
             label = f"{name}_{phase}_{counter['n']}"
             try:
@@ -70,7 +87,9 @@ def make_backend(build: GraphRunner, name: str = "autopar") -> Callable:
                 if is_symbolic(example_inputs):  # one static graph per signature, when called
                     run = PerShape(gm, label, lambda static, lbl: runner(*from_fx(static, lbl)))
                 else:
-                    log.warning("autopar: running %s eagerly: %s", label, e)
+                    where = _user_line(gm, e)
+                    log.warning("autopar: running %s eagerly%s: %s", label,
+                                f" (at {where})" if where else "", e)
                     run = _eager(gm)
             else:
                 run = runner(graph, constants)
@@ -181,24 +200,69 @@ def capturing_scalars(compiled: Callable, needed: Callable[[], bool] | None = No
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            if state["off"] or (needed is not None and not needed()) or \
-                    config.capture_scalar_outputs:  # a dynamo config read costs ~1 us: last
-                return fn(*args, **kwargs)
-            # set and reset the attribute itself: ``config.patch`` costs ~25 us a call
-            config.capture_scalar_outputs = True
             try:
+                if state["off"] or (needed is not None and not needed()) or \
+                        config.capture_scalar_outputs:  # a dynamo config read costs ~1 us: last
+                    return fn(*args, **kwargs)
+                # set and reset the attribute itself: ``config.patch`` costs ~25 us a call
+                config.capture_scalar_outputs = True
+                try:
+                    return fn(*args, **kwargs)
+                except torch._dynamo.exc.InternalTorchDynamoError as e:
+                    state["off"] = True
+                    log.warning("autopar: tracing %s with .item() captured failed inside "
+                                "dynamo (%s); tracing it with graph breaks at .item() instead",
+                                getattr(fn, "__name__", "the function"), str(e).splitlines()[0])
+                finally:
+                    config.capture_scalar_outputs = False
                 return fn(*args, **kwargs)
-            except torch._dynamo.exc.InternalTorchDynamoError as e:
-                state["off"] = True
-                log.warning("autopar: tracing %s with .item() captured failed inside dynamo "
-                            "(%s); tracing it with graph breaks at .item() instead",
-                            getattr(fn, "__name__", "the function"), str(e).splitlines()[0])
-            finally:
-                config.capture_scalar_outputs = False
-            return fn(*args, **kwargs)
+            except torch._dynamo.exc.TorchRuntimeError as e:  # the user's code failed tracing
+                return _as_eager(e, fn, args, kwargs)
+        quiet_code(call)  # dynamo's warnings about the user's code stay off the console
         return call
 
     if isinstance(compiled, torch.nn.Module):  # an OptimizedModule: its forward is dynamo's
         compiled.forward = wrap(compiled.forward)
         return compiled
     return wrap(compiled)
+
+
+_STDLIB = os.path.dirname(os.__file__)
+_OURS = (os.path.dirname(torch.__file__), os.path.dirname(sys.modules["autopar"].__file__),
+         _STDLIB)
+
+
+def _as_eager(error: Exception, compiled: Callable, args: tuple, kwargs: dict) -> Any:
+    """Raise what eager raises where dynamo failed on the user's code with fake tensors (a
+    shape mistake: eager says ``mat1 and mat2 shapes cannot be multiplied``, fake tensors say
+    something else, wrapped in dynamo's ``TorchRuntimeError``). When none of the user's code
+    ran yet in this call (the failure was tracing its first frame), the function runs eagerly:
+    its error is eager's own; should it succeed, its result is eager's, and a line says
+    autopar ran it eagerly. After a graph break (part of the call ran), running it again
+    would repeat that part: the error dynamo caught is raised as it is, without dynamo's
+    wrapper."""
+    cause, seen = error.__cause__ or error.__context__, 0
+    while isinstance(cause, torch._dynamo.exc.TorchDynamoException) and seen < 8:
+        cause, seen = cause.__cause__ or cause.__context__, seen + 1  # the user's own error
+    if isinstance(cause, torch._dynamo.exc.TorchDynamoException):
+        cause = None
+    tb, ran = error.__traceback__, False
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if not filename.startswith(_OURS) and not filename.startswith("<"):
+            ran = True  # a frame of the user's code ran before dynamo failed
+            break
+        tb = tb.tb_next
+    original = getattr(compiled, "_torchdynamo_orig_callable", None)  # a module's __call__ too
+    if ran or original is None:
+        if isinstance(cause, Exception):
+            raise cause.with_traceback(None) from None
+        raise error
+    try:
+        out = original(*args, **kwargs)
+    except Exception as eager:
+        raise eager from None
+    log.warning("autopar: %s could not be traced (%s); this call ran eagerly",
+                getattr(original, "__name__", "the function"),
+                str(cause or error).strip().splitlines()[0])
+    return out

@@ -21,7 +21,7 @@ from .fx import Unsupported, from_fx
 
 __all__ = ["capture_by_running", "relabel_devices", "trace_fake"]
 
-log = logging.getLogger("autopar")
+log = logging.getLogger("autopar.capture")
 
 
 class _IndexedCuda(torch.overrides.TorchFunctionMode):

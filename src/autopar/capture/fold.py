@@ -73,7 +73,7 @@ from torch.fx.node import map_aggregate, map_arg
 from ..ir.graph import LOCAL_SCALAR_DENSE, annotated_args, plain
 from ..ir.ops import SCALAR_FUNCTIONS, SIZE_OPS, known_number
 
-log = logging.getLogger("autopar")
+log = logging.getLogger("autopar.capture")
 
 __all__ = ["MAX_NUMEL", "fold_constants"]
 

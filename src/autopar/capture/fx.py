@@ -47,7 +47,7 @@ from ..ir.graph import LOCAL_SCALAR_DENSE, Graph, Node, ScalarMeta, TensorMeta, 
 from ..ir.ops import SCALAR_FUNCTIONS, SCALAR_OPS, SIZE_OPS, known_number
 from .fold import fold_constants
 
-log = logging.getLogger("autopar")
+log = logging.getLogger("autopar.capture")
 
 __all__ = ["Unsupported", "from_fx", "source_of"]
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-log = logging.getLogger("autopar")
+log = logging.getLogger("autopar.capture")
 
 __all__ = ["MAX_SIGNATURES", "PerShape", "is_symbolic"]
 

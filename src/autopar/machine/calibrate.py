@@ -37,6 +37,13 @@ Policy
 - CPU curves are measured with torch's current thread count, recorded as ``threads``, and again
   with one thread (``"<curve>@1t"``, matmuls up to 1024^3), so that a CPU worker owning some of
   the threads can be costed between the two (:class:`~autopar.machine.model.DeviceProfile`).
+- Trust: each measurement goes on past its budget (up to twice it) while the last
+  ``STABLE_LAST`` samples spread by more than ``STABLE_SPREAD`` of their median; the spread of
+  each step (the median of its measurements' spreads) is kept in ``Profile.quality``. A busy
+  host is said in ``quality["busy"]``: a load average over ``BUSY_LOAD`` per core before
+  measuring, a reference loop that ran ``BUSY_DRIFT`` slower or faster at the end than at the
+  start, or steps whose spread stays over ``BUSY_SPREAD``. :func:`autopar.machine.detect.detect`
+  then keeps an earlier good profile instead (``--force`` saves this one).
 - Nothing here decides anything: it returns a Profile; :func:`autopar.machine.detect.detect` caches
   it.
 """
@@ -44,6 +51,7 @@ Policy
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import queue
 import statistics
@@ -112,6 +120,13 @@ MODES: dict[str, _Mode] = {
 }
 
 _BATCH_S = 1e-3  # a timed batch lasts about this long: clock and sync do not matter
+STABLE_LAST = 5  # samples whose spread says a measurement is stable
+STABLE_SPREAD = 0.10  # (max - min) / median of those
+BUSY_LOAD = 0.75  # load average per core before measuring
+BUSY_DRIFT = 0.30  # reference loop, end against start
+BUSY_SPREAD = 0.25  # median spread of a step
+_spreads: dict[str, list[float]] = {}  # step -> its measurements' spreads (while calibrating)
+_step = [""]
 aten = torch.ops.aten
 
 
@@ -135,11 +150,59 @@ def _batch_size(fn: Callable[[], Any], sync: Callable[[], None]) -> int:
 
 def _repeat(timed_batch: Callable[[], float], mode: _Mode, budget_s: float | None) -> float:
     """The median of repeated batch timings (see the module docstring)."""
-    deadline = time.perf_counter() + (mode.budget_s if budget_s is None else budget_s)
+    budget = mode.budget_s if budget_s is None else budget_s
+    deadline = time.perf_counter() + budget
     samples: list[float] = []
     while len(samples) < mode.min_reps or (time.perf_counter() < deadline and len(samples) < 200):
         samples.append(timed_batch())
+    deadline += budget  # unstable: go on, up to twice the budget
+    while _spread(samples) > STABLE_SPREAD and time.perf_counter() < deadline and \
+            len(samples) < 400:
+        samples.append(timed_batch())
+    _spreads.setdefault(_step[0], []).append(_spread(samples))
     return statistics.median(samples)
+
+
+def _spread(samples: list[float]) -> float:
+    """(max - min) / median of the last ``STABLE_LAST`` samples (of all, if fewer)."""
+    last = samples[-STABLE_LAST:]
+    mid = statistics.median(last)
+    return (max(last) - min(last)) / mid if mid > 0 else 0.0
+
+
+def _load_per_core() -> float:
+    """The 1-minute load average per core (0 where the OS has none)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except (AttributeError, OSError):
+        return 0.0
+
+
+def _reference_s() -> float:
+    """Seconds of a fixed pure-Python loop (best of 7): timed at the start and the end."""
+    best = math.inf
+    for _ in range(7):
+        t0 = time.perf_counter()
+        sum(range(100_000))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _quality(load: float, drift: float) -> dict[str, Any]:
+    """``Profile.quality`` from this calibration's spreads, the load before and the drift of
+    the reference loop; ``busy`` says why the host was judged busy ("" if it was not)."""
+    spread = {step: round(statistics.median(s), 4) for step, s in _spreads.items() if s}
+    why = []
+    if load > BUSY_LOAD:
+        why.append(f"load average {load:.2f} per core")
+    if abs(drift) > BUSY_DRIFT:
+        why.append(f"a reference loop ran {abs(drift):.0%} "
+                   f"{'slower' if drift > 0 else 'faster'} at the end than at the start")
+    noisy = [step for step, s in spread.items() if s > BUSY_SPREAD]
+    if noisy:
+        why.append(f"samples spread over {BUSY_SPREAD:.0%} in {', '.join(noisy)}")
+    return {"spread": spread, "load": round(load, 3), "drift": round(drift, 3),
+            "busy": "; ".join(why)}
 
 
 def host_time(fn: Callable[[], Any], mode: _Mode, sync: Callable[[], None] = lambda: None,
@@ -522,10 +585,13 @@ def _calibrate(mode: str, host: dict[str, Any] | None, progress: Progress | None
 
     def step(what: str) -> None:
         nonlocal done
+        _step[0] = what
         if progress is not None:
             progress(what, done, total)
         done += 1
 
+    _spreads.clear()
+    load, reference = _load_per_core(), _reference_s()
     with torch.no_grad():
         cpu, handoff = _calibrate_cpu(m, step)
         devices = {"cpu": cpu}
@@ -543,11 +609,12 @@ def _calibrate(mode: str, host: dict[str, Any] | None, progress: Progress | None
         step("view ops")
         base = torch.ones(16, 16)
         view = host_time(lambda: aten.view.default(base, [256]), m)
+    quality = _quality(load, _reference_s() / reference - 1)
     if progress is not None:
         progress("done", total, total)
     return Profile(fingerprint=fingerprint_of(host), host=host, devices=devices, links=links,
                    host_sync_s=host_sync, event_wait_s=event_wait, view_s=view,
-                   source=f"measured-{mode}", created=_now())
+                   source=f"measured-{mode}", created=_now(), quality=quality)
 
 
 def _distinct_models(n_gpus: int) -> list[int]:
@@ -630,4 +697,15 @@ def profile_tables(profile: Profile) -> list[Any]:
     misc.add_row("event record + wait / worker hand-off", fmt_seconds(profile.event_wait_s))
     misc.add_row("view op (host)", fmt_seconds(profile.view_s))
     tables.append(misc)
+    if profile.quality:
+        q = profile.quality
+        trust = Table(title=f"measured {profile.created}",
+                      caption=f"load {q.get('load', 0):.2f} per core before, reference loop "
+                              f"{q.get('drift', 0):+.0%} at the end; "
+                              + (f"BUSY: {q['busy']}" if q.get("busy") else "host quiet"))
+        trust.add_column("step")
+        trust.add_column("spread", justify="right")
+        for step, spread in q.get("spread", {}).items():
+            trust.add_row(step, f"{spread:.1%}")
+        tables.append(trust)
     return tables

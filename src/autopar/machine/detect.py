@@ -45,14 +45,15 @@ def _say(msg: str) -> None:
 
 
 def detect(cpu_workers: int | None = None, calibrate: bool | str = False,
-           measure: bool = True) -> Machine:
+           measure: bool = True, force: bool = False) -> Machine:
     """This host: its CPU workers and GPUs, with its profile from the cache.
 
     ``calibrate``: ``False`` uses the cached profile; ``True`` or ``"quick"`` measures again
     quickly (<= 20 s), ``"full"`` measures everything. A missing or unusable cached profile is
     replaced by a quick calibration, or by conservative defaults when ``measure`` is False (or
     ``AUTOPAR_NO_MEASURE=1``). ``cpu_workers``: logical CPU workers (default 2 on hosts with at
-    least 2 cores).
+    least 2 cores). A profile measured on a busy host (:attr:`Profile.busy`) does not replace a
+    good one: the earlier one is kept and a line says why, unless ``force``.
     """
     host = host_info()
     gpus = _gpus()
@@ -84,6 +85,15 @@ def detect(cpu_workers: int | None = None, calibrate: bool | str = False,
                      "AUTOPAR_NO_MEASURE=1 skips this and uses conservative defaults)")
             with calibration.console_progress() as progress:
                 profile = calibration.calibrate(mode, host=host, progress=progress)
+            earlier = _good_profile(path, fp, len(gpus))
+            if profile.busy and not force and earlier is not None:
+                _say(f"the host was busy while measuring ({profile.busy}): kept the profile "
+                     f"measured {earlier.created or 'earlier'}; --force (force=True) saves "
+                     "this one anyway")
+                return _machine_for(earlier, host, len(gpus), peers, cpu_workers, path)
+            if profile.busy:
+                _say(f"the host was busy while measuring ({profile.busy}): the numbers may be "
+                     "slow; calibrate again on a quiet host")
         else:
             profile = default_profile(host, gpus, peers)
         try:
@@ -92,6 +102,16 @@ def detect(cpu_workers: int | None = None, calibrate: bool | str = False,
             warnings.warn(f"autopar: could not save the profile to {path}: {e}", RuntimeWarning,
                           stacklevel=2)
     return _machine_for(profile, host, len(gpus), peers, cpu_workers, path)
+
+
+def _good_profile(path: Path, fingerprint: str, n_gpus: int) -> Profile | None:
+    """The saved profile, if it is usable, measured, and was not measured on a busy host."""
+    try:
+        profile = load_profile(path, fingerprint)
+        profile.check([f"cuda:{i}" for i in range(n_gpus)])
+    except (FileNotFoundError, ProfileError, OSError):
+        return None
+    return None if profile.is_defaults or profile.busy else profile
 
 
 def _machine_for(profile: Profile, host: Mapping[str, Any], n_gpus: int,

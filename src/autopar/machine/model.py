@@ -321,6 +321,15 @@ class Profile:
     source: str = "defaults"  # "measured-quick" | "measured-full" | "preset:NAME" | "defaults"
     created: str = ""
     version: int = SCHEMA_VERSION
+    # how trustworthy a measured profile is (autopar.machine.calibrate): "spread" (step ->
+    # relative spread of its samples), "load" (load average per core before), "busy" (why the
+    # host was judged busy, "" if not); empty for presets, defaults and older files
+    quality: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def busy(self) -> str:
+        """Why this profile was measured on a busy host ("" if it was not, or is not measured)."""
+        return str(self.quality.get("busy", "") or "")
 
     def device(self, name: str) -> DeviceProfile:
         key = "cpu" if name.startswith("cpu") else name
@@ -375,6 +384,7 @@ class Profile:
             "view_s": self.view_s, "crossing_s": self.crossing_s,
             "devices": {k: dev(v) for k, v in sorted(self.devices.items())},
             "links": {k: link(v) for k, v in sorted(self.links.items())},
+            **({"quality": dict(self.quality)} if self.quality else {}),
         }
 
     @staticmethod
@@ -397,6 +407,7 @@ class Profile:
                 view_s=_pos(data.get("view_s", 1e-6), "view_s", zero_ok=True),
                 crossing_s=_pos(data.get("crossing_s", CROSSING_S), "crossing_s", zero_ok=True),
                 source=str(data["source"]), created=str(data.get("created", "")),
+                quality=dict(data.get("quality") or {}),
             )
         except ProfileError:
             raise

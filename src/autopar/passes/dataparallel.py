@@ -15,7 +15,7 @@ from .shard import NotShardable, Sharded, shard
 
 __all__ = ["Choice", "choose", "shard_devices"]
 
-log = logging.getLogger("autopar")
+log = logging.getLogger("autopar.dataparallel")
 
 
 @dataclass

@@ -40,7 +40,7 @@ from ..schedule.steps import Free, Plan, Run, Step
 __all__ = ["MIN_FUSED_OPS", "FusedCost", "fused_regions", "fusible", "fusion_devices",
            "prefer_fused", "regions", "regions_to_fuse"]
 
-log = logging.getLogger("autopar")
+log = logging.getLogger("autopar.placement")
 
 _EXTERN = ("matmul", "other")  # Inductor calls these as library kernels, one launch each
 

@@ -46,7 +46,7 @@ from ..schedule.timeline import Timeline
 
 __all__ = ["ExplainReport", "Row", "critical_path", "explain", "explain_graph"]
 
-log = logging.getLogger("autopar")
+log = logging.getLogger("autopar.explain")
 
 
 @dataclass

@@ -1,4 +1,6 @@
-"""The placed graph as a picture: DOT text always, SVG/PNG when Graphviz's ``dot`` is installed.
+"""The placed graph as a picture: DOT text always; SVG/PNG through Graphviz's ``dot`` when it
+is installed, else drawn with matplotlib (the ``plot`` extra), else an error saying which is
+missing (:class:`MissingRenderer`; the ``.dot`` text is written next to the asked-for path).
 
 Policy
 - Nodes are coloured by device; edges that cross devices are drawn bold and labelled with the
@@ -18,7 +20,11 @@ from ..ir.graph import Node, op_name
 from ..ir.units import fmt_bytes
 from ..schedule.place import Placement
 
-__all__ = ["render", "to_dot"]
+__all__ = ["MissingRenderer", "render", "to_dot"]
+
+
+class MissingRenderer(RuntimeError):
+    """Neither Graphviz's ``dot`` nor matplotlib is installed: no image could be drawn."""
 
 _PALETTE = ["#8ecae6", "#ffb703", "#90be6d", "#f28482", "#cdb4db", "#f9c74f", "#43aa8b",
             "#577590", "#f8961e"]
@@ -90,14 +96,72 @@ def to_dot(placement: Placement, critical: list[Node] = (), max_nodes: int = 80)
     return "\n".join(lines)
 
 
+def _draw(placement: Placement, path: Path, critical: list[Node], max_nodes: int) -> None:
+    """The picture of :func:`to_dot` drawn with matplotlib: ops in rows by depth (inputs at the
+    top), coloured by device; cross-device edges bold with their bytes; the critical path red."""
+    from matplotlib.figure import Figure  # no pyplot: the user's backend is left alone
+    from matplotlib.patches import Patch  # the plot extra: optional
+
+    graph = placement.graph
+    devices = sorted({placement.device[n] for n in graph.nodes})
+    group = _groups(placement, max_nodes)
+    members: dict[int, list[Node]] = {}
+    for n in graph.nodes:
+        members.setdefault(group[n], []).append(n)
+    on_path = {group[n] for n in critical}
+    edges: dict[tuple[int, int], int] = {}
+    for n in graph.nodes:
+        for i in n.inputs:
+            a, b = group[i], group[n]
+            if a != b:
+                moved = (sum(m.nbytes for m in i.tensor_metas)
+                         if placement.device[i] != placement.device[n] else -1)
+                edges[(a, b)] = max(edges.get((a, b), -1), moved)
+    depth: dict[int, int] = {}
+    for gid in members:  # members is in node order, which is topological
+        depth[gid] = max((depth[a] + 1 for (a, b) in edges if b == gid and a in depth),
+                         default=0)
+    rows: dict[int, list[int]] = {}
+    for gid in members:
+        rows.setdefault(depth[gid], []).append(gid)
+    width = max(len(r) for r in rows.values())
+    where = {gid: ((k + 0.5) * width / len(row), -d)
+             for d, row in rows.items() for k, gid in enumerate(row)}
+    fig = Figure(figsize=(min(2.0 + 1.8 * width, 60), min(1.5 + 0.9 * len(rows), 60)))
+    ax = fig.subplots()
+    for (a, b), moved in edges.items():
+        (x0, y0), (x1, y1) = where[a], where[b]
+        hot = a in on_path and b in on_path
+        ax.annotate("", xy=(x1, y1 + 0.18), xytext=(x0, y0 - 0.18), arrowprops={
+            "arrowstyle": "->", "color": "#d62828" if hot else "#6c757d",
+            "lw": 2.5 if hot else (1.6 if moved >= 0 else 0.8)})
+        if moved >= 0:
+            ax.text((x0 + x1) / 2, (y0 + y1) / 2, fmt_bytes(moved), fontsize=7,
+                    ha="center", va="center", color="#495057")
+    for gid, nodes in members.items():
+        first = nodes[0]
+        dev = placement.device[first]
+        name = "input" if first.is_input else op_name(first.op)
+        label = f"{name} x{len(nodes)}" if len(nodes) > 1 else name
+        x, y = where[gid]
+        ax.text(x, y, label, ha="center", va="center", fontsize=8, bbox={
+            "boxstyle": "round", "facecolor": _colour(dev, devices),
+            "edgecolor": "#d62828" if gid in on_path else "#495057",
+            "linewidth": 2.5 if gid in on_path else 0.8})
+    ax.set_xlim(-0.2, width + 0.2)
+    ax.set_ylim(-len(rows) + 0.4, 0.6)
+    ax.axis("off")
+    ax.set_title(f"{graph.name}: {' | '.join(devices)}")
+    ax.legend(handles=[Patch(facecolor=_colour(d, devices), label=d) for d in devices],
+              loc="upper right", fontsize=8)
+    fig.savefig(path, bbox_inches="tight")
 
 
 def render(placement: Placement, path: str | Path, critical: list[Node] = (),
            max_nodes: int = 80) -> Path:
-    """Write the picture: ``.dot`` always; ``.svg``/``.png`` through Graphviz when installed.
-
-    Returns the path written (the ``.dot`` file when Graphviz is missing for an image suffix).
-    """
+    """Write the picture: ``.dot`` text, or ``.svg``/``.png`` through Graphviz, else drawn
+    with matplotlib; returns the path written. Raises :class:`MissingRenderer` (after writing
+    the ``.dot`` text next to ``path``) when neither is installed."""
     path = Path(path)
     dot = to_dot(placement, critical, max_nodes)
     if path.suffix not in (".svg", ".png"):
@@ -105,9 +169,17 @@ def render(placement: Placement, path: str | Path, critical: list[Node] = (),
         return path
     exe = shutil.which("dot")
     if exe is None:
-        fallback = path.with_suffix(".dot")
-        fallback.write_text(dot)
-        return fallback
+        try:
+            import matplotlib  # noqa: F401  (the plot extra: optional)
+        except ImportError:
+            fallback = path.with_suffix(".dot")
+            fallback.write_text(dot)
+            raise MissingRenderer(
+                f"can't draw {path}: Graphviz's 'dot' is not on PATH and matplotlib is not "
+                f"installed (pip install 'autopar[plot]', or install Graphviz); wrote the DOT "
+                f"text to {fallback}") from None
+        _draw(placement, path, critical, max_nodes)
+        return path
     subprocess.run([exe, f"-T{path.suffix[1:]}", "-o", str(path)], input=dot.encode(),
                    check=True, timeout=120)
     return path

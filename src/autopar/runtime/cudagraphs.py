@@ -55,7 +55,7 @@ from .fuse import Fused
 __all__ = ["CudaGraphBackend", "GraphSegment", "capture_segments", "launches", "segments",
            "why_not_capturable"]
 
-log = logging.getLogger("autopar")
+log = logging.getLogger("autopar.runtime")
 
 _SYNCING = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::masked_select",
             "aten::is_nonzero", "aten::equal", "aten::_assert_async", "aten::unique",

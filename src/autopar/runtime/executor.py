@@ -25,6 +25,11 @@ Policy
   on the compute stream, so the driver's pageable path can't hold the thread behind it) and
   from ``STAGE_MIN_BYTES`` up (the thread goes on while the DMA runs); those in between go to
   the driver as they are, on a side stream.
+- Under ``torch.profiler``, each call is a range ``autopar:<graph>``, each device's program
+  ``autopar:<graph>:<device>`` on the thread that ran it, each copy ``autopar:copy <value>
+  -> <device>``. Whether the profiler is on is read once per call (a Python global, as
+  aot_autograd reads it: a few nanoseconds). A CPU worker's ranges, like its ATen ops, are
+  recorded where the profiler records every thread (``profile_all_threads``).
 - Failures: the first exception in any worker stops the run: every waiter is woken and cancelled,
   and the original error is re-raised, annotated with the op and the user's source line. Waits are
   bounded (``AUTOPAR_WAIT_TIMEOUT`` seconds, default 600) and say what they waited for.
@@ -58,9 +63,11 @@ from .interleave import interleave
 
 __all__ = ["Executor", "WorkerError", "graph_devices"]
 
-log = logging.getLogger("autopar")
+log = logging.getLogger("autopar.runtime")
 
 _TIMEOUT = float(os.environ.get("AUTOPAR_WAIT_TIMEOUT", "600"))
+_profiler = torch.autograd.profiler  # ``_profiler._is_profiler_enabled``: a global's read
+_range = torch.autograd.profiler.record_function
 
 SMALL_COPY_BYTES = 64 << 10
 """Copies between the host and a GPU up to this size go on the GPU's compute stream, in program
@@ -128,6 +135,8 @@ class _Call:
         self.pending_host: list[Any] = []
         self.lock = threading.Lock()
         self.trace = trace
+        self.profiled = False  # under torch.profiler: programs and copies are named ranges
+        self.names: dict[int, str] = {}  # ...and node id -> the value's name, for copies
         # traced calls: (lane, name, kind, start, end, node, bytes, src, dst); start/end are host
         # clock seconds on CPU lanes and CUDA events on GPU lanes
         self.marks: list[tuple] = []
@@ -169,6 +178,12 @@ class _Call:
     def send(self, t: Any, src: str, dst: str, event: int, node: int = -1) -> Any:
         """Issue the copy of ``t`` from ``src`` to ``dst`` on a side stream; mark ``event``.
         (No Send joins two CPU workers: they share memory, and the plan orders them by Record.)"""
+        if self.profiled:
+            with _range(f"autopar:copy {self.names.get(node, node)} -> {dst}"):
+                return self._send(t, src, dst, event, node)
+        return self._send(t, src, dst, event, node)
+
+    def _send(self, t: Any, src: str, dst: str, event: int, node: int) -> Any:
         if _is_cpu(dst):
             out = self._to_host(t, src, event, node)
         elif _is_cpu(src):
@@ -466,7 +481,9 @@ class Executor:
         self._whole = (_whole_graph_region(final[self.solo], graph.inputs, plan.outputs)
                        if self.solo is not None and merged is None else None)
 
-    def __call__(self, args: Sequence[Any]) -> list[Any]:
+    def __call__(self, args: Sequence[Any], _ranged: bool = False) -> list[Any]:
+        if not _ranged and _profiler._is_profiler_enabled:
+            return self._profiled(args)
         if len(args) != len(self.inputs):
             raise TypeError(f"graph {self.plan.graph.name} takes {len(self.inputs)} inputs, "
                             f"got {len(args)}")
@@ -488,14 +505,27 @@ class Executor:
         compute = {g: torch.cuda.current_stream(torch.device(g)) for g in self.gpus}
         pool = self._events if self._events.lock.acquire(blocking=False) else None
         try:
-            return self._call(args, compute, pool)
+            return self._call(args, compute, pool, _ranged)
         finally:
             if pool is not None:
                 pool.lock.release()
 
+    def _profiled(self, args: Sequence[Any]) -> list[Any]:
+        """A call under ``torch.profiler``: ``autopar:<graph>``, and within it the range of
+        each program (a program run straight here: ``autopar:<graph>:<device>``)."""
+        name = f"autopar:{self.plan.graph.name}"
+        with _range(name):
+            if self.solo is None:
+                return self(args, True)
+            with _range(f"{name}:{self.solo}"):
+                return self(args, True)
+
     def _call(self, args: Sequence[Any], compute: dict[str, Any],
-              events: _EventPool | None) -> list[Any]:
+              events: _EventPool | None, profiled: bool = False) -> list[Any]:
         call = _Call(len(self.slots), self.n_events, compute, trace=self.trace, events=events)
+        if profiled:
+            call.profiled = True
+            call.names = {n.id: repr(n) for n in self.plan.graph.nodes}
         if self.trace:
             refs = self._trace_start(compute)
         env = call.env
@@ -535,6 +565,12 @@ class Executor:
         return job
 
     def _run(self, device: str, call: _Call) -> None:
+        if call.profiled:
+            with _range(f"autopar:{self.plan.graph.name}:{device}"):
+                return self._run_program(device, call)
+        return self._run_program(device, call)
+
+    def _run_program(self, device: str, call: _Call) -> None:
         program = self.programs[device]
         try:
             if _is_cpu(device):

@@ -56,7 +56,7 @@ from ..schedule.steps import Free, Run, Step
 
 __all__ = ["Fused", "FusedKernel", "fuse_program", "same_pool"]
 
-log = logging.getLogger("autopar")
+log = logging.getLogger("autopar.runtime")
 
 _LABEL_KINDS = ("pointwise", "reduction")  # named in a region's label
 _COMPILE_LOCK = threading.Lock()

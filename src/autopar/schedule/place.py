@@ -40,7 +40,7 @@ Policy ``heft`` (the default)
    (Python's GIL), which the timing model doesn't see (ensemble4 on 2xH200: a 32 MB ``tanh``
    pulled to the host made the call 30.5 ms against eager's 19.5). No memory pool ends up
    over its limit (see Memory); if no device has room for an op, a warning is
-   logged on ``logging.getLogger("autopar")`` and the placement falls back to ``single``.
+   logged on the ``autopar.placement`` logger and the placement falls back to ``single``.
 4. Lookahead. HEFT is greedy: an op's device is the one where it finishes soonest, blind to
    what that commits its consumers to. On graphs small enough (``LOOKAHEAD_WORK``), the ops
    are also scheduled choosing by finish plus PEFT's optimistic cost table
@@ -129,7 +129,7 @@ __all__ = ["POLICIES", "Placement", "Slot", "lower_bound", "merged_order", "plac
 HOST_PULL_BYTES = 1 << 20
 """The host takes no op reading a value larger than this that eager keeps on a GPU."""
 
-log = logging.getLogger("autopar")
+log = logging.getLogger("autopar.placement")
 
 # -- the result ---------------------------------------------------------------------------
 class Slot(NamedTuple):

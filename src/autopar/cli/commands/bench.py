@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 
 from ...bench.harness import collect, write_report
+from . import preset_names
 
 __all__ = ["bench"]
 
@@ -34,7 +35,8 @@ def bench(
     ] = "auto",
     repeat: Annotated[int, typer.Option(help="Timed samples per variant (at most).")] = 10,
     simulate: Annotated[str, typer.Option(
-        help="Also predict each workload on this preset (e.g. h200x2), or none.")] = "none",
+        help=f"Also predict each workload on this preset ({preset_names()}), or none.")
+    ] = "none",
     json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     out: Annotated[Path | None, typer.Option(
         help="Write <machine>-<date>.json and .md into this directory.")] = None,

@@ -10,16 +10,22 @@ from autopar.machine.calibrate import profile_tables
 from autopar.machine.detect import detect
 from autopar.machine.presets import PRESETS, preset
 
+from . import preset_names
+
 __all__ = ["calibrate"]
 
 
 def calibrate(
     quick: bool = typer.Option(True, "--quick/--full",
                                help="Quick (<= 20 s) or full measurement of this host."),
-    show: bool = typer.Option(False, "--show", help="Print the current profile; measure nothing."),
+    show: bool = typer.Option(False, "--show", help="Print the current profile, with each step's "
+                              "spread and when it was measured; measure nothing."),
+    force: bool = typer.Option(False, "--force", help="Save the new profile even if the host was "
+                               "busy while measuring (else a good earlier one is kept)."),
     as_json: bool = typer.Option(False, "--json", help="Print the profile as JSON."),
     machine: str = typer.Option("auto", "--machine",
-                                help="\"auto\" (this host) or a preset name, shown as is."),
+                                help=f"auto (this host) or a preset, shown as is: "
+                                     f"{preset_names()}."),
 ) -> None:
     """Measure this machine's devices and links, save the profile, print it."""
     from rich.console import Console  # lazy: start-up cost
@@ -32,7 +38,7 @@ def calibrate(
     elif show:
         profile = detect(measure=False).profile
     else:
-        profile = detect(calibrate="quick" if quick else "full").profile
+        profile = detect(calibrate="quick" if quick else "full", force=force).profile
     if as_json:
         typer.echo(json.dumps(profile.to_json(), indent=1))
         return

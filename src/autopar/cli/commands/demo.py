@@ -24,6 +24,7 @@ from rich.console import Console
 from ...bench.harness import Report, collect, gpus_of, machine_label, write_report
 from ...bench.workloads import select
 from ...machine.detect import detect
+from . import preset_names
 
 __all__ = ["demo", "run_demo"]
 
@@ -80,7 +81,7 @@ def demo(
     json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     machine: Annotated[str, typer.Option(
         help="Where to simulate: auto (h200x2 on a host without GPUs, this host's model "
-             "otherwise), a preset name, or none.")] = "auto",
+             f"otherwise), a preset ({preset_names()}), or none.")] = "auto",
     out: Annotated[Path, typer.Option(
         help="Directory for the report (JSON, markdown) and the timeline PNGs.")
     ] = Path("out/demo"),

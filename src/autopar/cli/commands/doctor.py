@@ -12,6 +12,8 @@ import typer
 
 from autopar.doctor import DoctorError, doctor_file
 
+from . import preset_names
+
 __all__ = ["doctor"]
 
 
@@ -25,9 +27,8 @@ def doctor(
         "--json", help="Print the reports as a JSON list.")] = False,
     machine: Annotated[str, typer.Option(
         "--machine", "-m",
-        help="Whose costs to estimate with: auto (this host) or a preset (h200x2, h200x8, "
-             "a100x4-pcie, cpu-only). A preset with GPUs on a host without CUDA simulates "
-             "them.")] = "auto",
+        help=f"Whose costs to estimate with: auto (this host) or a preset ({preset_names()})."
+             " A preset with GPUs on a host without CUDA simulates them.")] = "auto",
 ) -> None:
     """Run FILE's functions eagerly while watching, and report every hidden host/device sync,
     GPU scalar, tiny GPU op, pageable copy and ping-pong copy: file:line, count per call, cost,

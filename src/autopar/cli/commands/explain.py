@@ -9,9 +9,11 @@ import typer
 
 from autopar.capture.fx import Unsupported
 from autopar.report.explain import explain as run_explain
-from autopar.report.graphviz import render
+from autopar.report.graphviz import MissingRenderer, render
 from autopar.report.trace import save_chrome_trace, save_gantt
 from autopar.report.userfile import UserFileError, example_args, load_module, needs_args
+
+from . import policy_names, preset_names
 
 __all__ = ["explain"]
 
@@ -20,15 +22,15 @@ def explain(
     target: Annotated[str, typer.Argument(
         help="FILE.py:FUNC, the function to explain.", show_default=False)],
     machine: Annotated[str, typer.Option(
-        "--machine", "-m", help="auto (this host) or a preset: h200x2, h200x8, a100x4-pcie, "
-                                "cpu-only. Nothing runs, so any preset works anywhere.")] = "auto",
+        "--machine", "-m", help=f"auto (this host) or a preset: {preset_names()}. Nothing "
+                                "runs, so any preset works anywhere.")] = "auto",
     inputs_on: Annotated[str | None, typer.Option(
         "--inputs-on", help="Device of the machine where CPU-built example inputs are taken "
                             "to live, e.g. cuda:0.")] = None,
     inputs: Annotated[str, typer.Option(
         "--inputs", help="Function in FILE returning the example inputs.")] = "example_inputs",
     policy: Annotated[str, typer.Option(
-        "--policy", help="heft, single or round_robin.")] = "heft",
+        "--policy", help=f"How to place ops: {policy_names()}.")] = "heft",
     run: Annotated[bool, typer.Option(
         "--run", help="If FUNC can't be traced with fake inputs (it reads tensor values or "
                       "calls backward()), capture it by running it once on this host.")] = False,
@@ -38,7 +40,8 @@ def explain(
     png: Annotated[Path | None, typer.Option(
         "--png", help="Write a Gantt chart of the predicted timeline (and eager's) here.")] = None,
     graph: Annotated[Path | None, typer.Option(
-        "--graph", help="Write the placed graph here: .dot, or .svg/.png with Graphviz.")] = None,
+        "--graph", help="Write the placed graph here: .dot, or .svg/.png (drawn by Graphviz, "
+                        "else by matplotlib).")] = None,
 ) -> None:
     """Explain how autopar would place FUNC's ops on a machine: a table of ops, devices,
     predicted times and reasons; predicted time against eager's; the critical path."""
@@ -65,11 +68,18 @@ def explain(
         written.append(save_gantt(report.timeline, png, predicted=report.eager_timeline,
                                   title=f"{report.graph_name}: {report.policy} vs eager",
                                   labels=(f"{report.policy}, predicted", "eager, predicted")))
+    missing = None
     if graph is not None:
-        written.append(render(report.plan.placement, graph, report.critical_nodes))
+        try:
+            written.append(render(report.plan.placement, graph, report.critical_nodes))
+        except MissingRenderer as e:
+            missing = e
     if json:
         typer.echo(report.to_json())
     else:
         typer.echo(report.to_text())
         for p in written:
             typer.echo(f"wrote {p}")
+    if missing is not None:  # the file asked for was not written
+        typer.echo(f"autopar explain: {missing}", err=True)
+        raise typer.Exit(1)

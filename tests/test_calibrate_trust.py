@@ -1,0 +1,70 @@
+"""Calibration that can be trusted: spreads, a busy host said, a good profile kept."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+import autopar.machine.calibrate as calibrate_mod
+from autopar.cli import app
+from autopar.machine.detect import detect
+from autopar.machine.host import host_info, load_profile, profile_path
+from autopar.machine.model import fingerprint_of
+
+
+@pytest.fixture
+def host(monkeypatch, tmp_path):
+    """A cache of its own, quick mode as short as smoke, and a quiet host unless told."""
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("AUTOPAR_NO_MEASURE", "0")  # the suite plans with defaults elsewhere
+    monkeypatch.setitem(calibrate_mod.MODES, "quick", calibrate_mod.MODES["smoke"])
+    monkeypatch.setattr(calibrate_mod, "BUSY_SPREAD", 100.0)  # smoke numbers are rough
+    state = {"load": 0.0}
+    monkeypatch.setattr(calibrate_mod, "_load_per_core", lambda: state["load"])
+    monkeypatch.setattr(calibrate_mod, "_reference_s", lambda: 1e-3)
+    return state
+
+
+def test_a_stable_measurement_saves_with_its_spreads(host):
+    profile = detect(calibrate=True).profile
+    saved = load_profile(profile_path(fingerprint_of(host_info())))
+    assert saved.created == profile.created and saved.busy == ""
+    spread = saved.quality["spread"]
+    assert "cpu: dispatch overhead" in spread and all(v >= 0 for v in spread.values())
+
+
+def test_a_busy_host_keeps_the_earlier_profile_and_says_so(host, capsys):
+    good = detect(calibrate=True).profile
+    path = profile_path(fingerprint_of(host_info()))
+    before = path.read_text()
+    host["load"] = 3.0
+    kept = detect(calibrate=True).profile
+    err = capsys.readouterr().err
+    assert "busy" in err and "load average 3.00 per core" in err and "kept" in err
+    assert "--force" in err
+    assert path.read_text() == before and kept.created == good.created
+    forced = detect(calibrate=True, force=True).profile
+    assert "load average" in forced.busy
+    assert "load average" in load_profile(path).busy
+
+
+def test_a_busy_first_profile_is_saved_with_a_warning(host, capsys):
+    host["load"] = 3.0
+    profile = detect(calibrate=True).profile
+    assert "may be slow" in capsys.readouterr().err
+    assert load_profile(profile_path(fingerprint_of(host_info()))).busy == profile.busy
+
+
+def test_a_drifting_reference_loop_is_a_busy_host(host, monkeypatch):
+    times = iter([1.0, 1.6])
+    monkeypatch.setattr(calibrate_mod, "_reference_s", lambda: next(times))
+    profile = calibrate_mod.calibrate("smoke")
+    assert "60% slower at the end" in profile.busy
+
+
+def test_show_prints_each_steps_spread_and_when(host):
+    detect(calibrate=True)
+    result = CliRunner().invoke(app, ["calibrate", "--show"])
+    assert result.exit_code == 0, result.output
+    assert "spread" in result.stdout and "measured 20" in result.stdout
+    assert "cpu: dispatch overhead" in result.stdout and "host quiet" in result.stdout
