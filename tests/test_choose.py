@@ -58,6 +58,19 @@ def test_a_trial_goes_round_the_ways_and_keeps_the_fastest_median():
     assert trial.summary() == "eager 3 s, inductor 2 s, autopar 9 s"
 
 
+def test_fast_calls_are_timed_for_a_while_but_not_for_ever():
+    """Five samples of a 1 ms call are not trusted: a way is timed until its counted calls add
+    up to ``TRIAL_MIN_S``, or ``TRIAL_MAX_CALLS`` of them."""
+    trial = Trial({"eager": (), "autopar": ()})
+    _timed(trial, [0.009] * (2 * TRIAL_CALLS))
+    assert trial.next_way() == "eager"  # 5 counted calls of 9 ms: 50 ms is not yet reached
+    _timed(trial, [0.009] * 2)
+    assert trial.next_way() is None and trial.verdict() == "eager"
+    quick = Trial({"eager": (), "autopar": ()})
+    _timed(quick, [1e-6] * (2 * choose.TRIAL_MAX_CALLS))
+    assert quick.next_way() is None
+
+
 def test_a_tie_keeps_the_earlier_way():
     trial = Trial({"eager": (), "autopar": ()})
     _timed(trial, [1.0] * (2 * TRIAL_CALLS))
@@ -192,6 +205,7 @@ def test_a_way_that_fails_compiling_is_left_out_and_the_call_runs_eagerly(monkey
         return fail
 
     monkeypatch.setattr(choose, "_clock", _fake_clock(eager=1.0, inductor=0.5, autopar=2.0))
+    monkeypatch.setattr(choose, "TRIAL_MIN_S", 0.0)  # the failed call read the clock once
     g = autopar.compile(f, candidates="eager,inductor")
     g._make_inductor = broken_inductor
     x = torch.randn(8)

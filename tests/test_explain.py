@@ -82,7 +82,8 @@ def test_code_that_names_cuda_is_explained_on_any_machine():
     assert moves and all(row.times["cpu:0"] == 0.0 for row in moves)  # handed on, or copied
     assert all(row.times["cuda:1"] == 0.0 for row in moves if row.eager_device == "cpu:0")
     assert small.speedup > 10 and not small.runs_as_eager
-    assert "times a few calls this way and as the function itself" in small.to_text()
+    assert "times a few calls this way, as the function itself and as torch.compile's" in \
+        small.to_text()
     large = autopar.explain(via_gpu, torch.rand(2048, 2048), torch.rand(2048, 2048),
                             machine="h200x2")
     assert {row.device for row in large.rows if row.op == "aten.mm"} == {"cuda:0"}

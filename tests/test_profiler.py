@@ -24,6 +24,7 @@ def _all_threads() -> dict:
 
 def test_calls_programs_plans_and_trials_are_ranges_on_their_threads(monkeypatch):
     monkeypatch.setattr(choose, "TRIAL_CALLS", 2)
+    monkeypatch.setattr(choose, "TRIAL_MIN_S", 0.0)
     x, y = torch.randn(48, 48), torch.randn(48, 48)
     compiled = autopar.compile(branches, devices="cpu:0,cpu:1", policy="round_robin",
                                candidates=["eager", "autopar"])

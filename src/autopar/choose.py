@@ -10,14 +10,18 @@ Policy (one place decides "is autopar's plan better than what the user would oth
 
 - Predictions prune, measurement decides (:func:`candidates`):
   ``autopar`` is a candidate only where it can differ from eager's sequence: a graph runs on
-  the executor (placed off eager's devices, overlapped or fused) or capture folded constants;
+  the executor (placed off eager's devices, overlapped, fused, or replayed as a CUDA graph)
+  or capture folded constants; where Inductor is a candidate, a plan of eager's placement
+  with nothing to overlap fuses no regions of its own (the whole graph fused is the better
+  candidate: :class:`autopar.api.Runner`);
   otherwise its calls are eager's ops plus dynamo's per-call cost. ``inductor`` is one where
   Inductor compiles for the devices involved (any GPU; the host only with a C++ compiler) and
   fusion is allowed (``fuse`` not False). A lone candidate is kept without timing.
 - A trial (:class:`Trial`): the next calls of a new signature go round the candidates; each
-  way's first call warms up (compiles, loads kernels) and is not counted, then ``TRIAL_CALLS``
-  calls of each are timed. A call's time is the longer of its host time and, on each GPU the
-  way touches, the GPU work it queued (CUDA events, no sync). The fastest median keeps the
+  way's first call warms up (compiles, loads kernels) and is not counted, then each is timed
+  for at least ``TRIAL_CALLS`` calls and ``TRIAL_MIN_S`` (at most ``TRIAL_MAX_CALLS``). A
+  call's time is the longer of its host time and, on each GPU the way touches, the GPU work
+  it queued (CUDA events, no sync). The fastest median keeps the
   signature. Every way is a correct one (eager, or dynamo-guarded compiled code), so a trial
   changes speed, never results beyond the tolerance between eager and a fused kernel.
 - What a call does is what is timed: a training step written as one function (forward,
@@ -52,6 +56,14 @@ TRIAL_CALLS = 6
 """Calls of each way a signature's trial makes; the first of each warms up and is not counted
 (caches, kernels loaded on first use: on 2xH200, W2's first plain call took 42 ms, the next ones
 40-100 us)."""
+
+TRIAL_MIN_S = 0.05
+"""Host seconds of counted calls each way needs before its median is trusted: five samples
+of a 1 ms call are not enough (on one H200, EfficientNet-B0 kept Inductor's way at 5.75 ms a
+call, measured beside eager's 5.22 ms; benchmarks/NOTES.md, 2026-12-01)."""
+
+TRIAL_MAX_CALLS = 50
+"""...but no more calls than this of any way."""
 
 _clock = time.perf_counter  # the trial's host clock (tests replace it)
 _profiler = torch.autograd.profiler  # ``_profiler._is_profiler_enabled``: a global's read
@@ -97,14 +109,16 @@ class Trial:
         self.dropped: dict[str, str] = {}  # way -> why it failed
 
     def next_way(self) -> str | None:
-        """The way whose turn it is, or None once all are timed."""
-        live = [w for w in self.ways if w not in self.dropped]
-        counts = {w: 0 for w in live}
-        for way, _, _ in self.calls:
-            if way in counts:
-                counts[way] += 1
-        way = min(live, key=lambda w: counts[w])
-        return None if counts[way] >= TRIAL_CALLS else way
+        """The way whose turn it is (the fewest calls of those still timed), or None once all
+        are timed: each way has ``TRIAL_CALLS`` calls, and its counted ones add up to
+        ``TRIAL_MIN_S`` of host time or it has ``TRIAL_MAX_CALLS``."""
+        host: dict[str, list[float]] = {w: [] for w in self.ways if w not in self.dropped}
+        for way, seconds, _ in self.calls:
+            if way in host:
+                host[way].append(seconds)
+        live = [w for w, t in host.items() if len(t) < TRIAL_CALLS or (
+            len(t) < TRIAL_MAX_CALLS and sum(t[1:]) < TRIAL_MIN_S)]
+        return min(live, key=lambda w: len(host[w])) if live else None
 
     def run(self, way_of: Callable[[str], Callable], args: Sequence[Any],
             kwargs: Mapping[str, Any]) -> Any:

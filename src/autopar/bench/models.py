@@ -168,9 +168,11 @@ def flat_tensors(out: Any) -> list[torch.Tensor]:
 
 
 def loss_of(out: Any) -> torch.Tensor:
-    """A scalar to train on: the model's own loss where it gives one, else the mean square of
-    its first output."""
+    """A scalar to train on: the model's own loss where it gives one, else the sum of its
+    floating outputs' mean squares (every output, so that every parameter gets a gradient:
+    where an output is left out, eager leaves its parameters' ``.grad`` None, and a graph
+    compiled by aot_autograd, ``torch.compile``'s too, gives them zeros)."""
     loss = getattr(out, "loss", None)
     if loss is not None:
         return loss
-    return flat_tensors(out)[0].float().pow(2).mean()
+    return sum(t.float().pow(2).mean() for t in flat_tensors(out) if t.is_floating_point())
