@@ -53,15 +53,31 @@ def _groups(placement: Placement, max_nodes: int) -> dict[Node, int]:
     return group
 
 
-def to_dot(placement: Placement, critical: list[Node] = (), max_nodes: int = 80) -> str:
-    """DOT source of the placed graph (see the module docstring)."""
+def _boxes(placement: Placement, critical: list[Node], max_nodes: int) -> tuple:
+    """What both pictures draw: the devices, each box's nodes (by group id, in node order),
+    the boxes on the critical path, and each edge between boxes with the bytes it moves
+    across devices (-1 where it stays on one)."""
     graph = placement.graph
     devices = sorted({placement.device[n] for n in graph.nodes})
     group = _groups(placement, max_nodes)
     members: dict[int, list[Node]] = {}
     for n in graph.nodes:
         members.setdefault(group[n], []).append(n)
-    on_path = {group[n] for n in critical}
+    edges: dict[tuple[int, int], int] = {}
+    for n in graph.nodes:
+        for i in n.inputs:
+            a, b = group[i], group[n]
+            if a != b:
+                moved = (sum(m.nbytes for m in i.tensor_metas)
+                         if placement.device[i] != placement.device[n] else -1)
+                edges[(a, b)] = max(edges.get((a, b), -1), moved)
+    return devices, members, {group[n] for n in critical}, edges
+
+
+def to_dot(placement: Placement, critical: list[Node] = (), max_nodes: int = 80) -> str:
+    """DOT source of the placed graph (see the module docstring)."""
+    graph = placement.graph
+    devices, members, on_path, edges = _boxes(placement, critical, max_nodes)
     lines = [f'digraph "{graph.name}" {{', "  rankdir=TB;",
              '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=10];']
     for gid, nodes in members.items():
@@ -74,15 +90,6 @@ def to_dot(placement: Placement, critical: list[Node] = (), max_nodes: int = 80)
         border = ', color="#d62828", penwidth=3' if gid in on_path else ""
         lines.append(f'  g{gid} [label="{label}{shape}\\n{dev}", '
                      f'fillcolor="{_colour(dev, devices)}"{border}];')
-    edges: dict[tuple[int, int], int] = {}
-    for n in graph.nodes:
-        for i in n.inputs:
-            a, b = group[i], group[n]
-            if a == b:
-                continue
-            moved = (sum(m.nbytes for m in i.tensor_metas)
-                     if placement.device[i] != placement.device[n] else -1)
-            edges[(a, b)] = max(edges.get((a, b), -1), moved)
     for (a, b), moved in edges.items():
         style = []
         if moved >= 0:
@@ -103,20 +110,7 @@ def _draw(placement: Placement, path: Path, critical: list[Node], max_nodes: int
     from matplotlib.patches import Patch  # the plot extra: optional
 
     graph = placement.graph
-    devices = sorted({placement.device[n] for n in graph.nodes})
-    group = _groups(placement, max_nodes)
-    members: dict[int, list[Node]] = {}
-    for n in graph.nodes:
-        members.setdefault(group[n], []).append(n)
-    on_path = {group[n] for n in critical}
-    edges: dict[tuple[int, int], int] = {}
-    for n in graph.nodes:
-        for i in n.inputs:
-            a, b = group[i], group[n]
-            if a != b:
-                moved = (sum(m.nbytes for m in i.tensor_metas)
-                         if placement.device[i] != placement.device[n] else -1)
-                edges[(a, b)] = max(edges.get((a, b), -1), moved)
+    devices, members, on_path, edges = _boxes(placement, critical, max_nodes)
     depth: dict[int, int] = {}
     for gid in members:  # members is in node order, which is topological
         depth[gid] = max((depth[a] + 1 for (a, b) in edges if b == gid and a in depth),
