@@ -483,6 +483,7 @@ class Dispatcher:
         self._make_inductor = inductor  # builds torch.compile(fn) at its first use
         self._inductor: Callable | None = None
         self.key_extra = key_extra  # what else decides a call's graphs (a module's .training)
+        self.name = _name(fn)  # for the log and the profiler's ranges
         self.kept: dict[Any, str] = {}  #: signature -> the way that runs it
         self.trials: dict[Any, Trial] = {}  #: signature -> its open trial
         self.only: Callable | None = None  #: the one way every call takes, once settled
@@ -500,10 +501,13 @@ class Dispatcher:
 
     def kept_way(self, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> str | None:
         """The way kept for calls with these arguments (None while undecided)."""
-        key = _signature(args, kwargs or {})
+        return self.kept.get(self._key(args, kwargs or {}))
+
+    def _key(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        key = _signature(args, kwargs)
         if key is not None and self.key_extra is not None:
             key = (*key, self.key_extra())
-        return self.kept.get(key)
+        return key
 
     def way(self, name: str) -> Callable:
         if name == "eager":
@@ -521,9 +525,7 @@ class Dispatcher:
         if refs and not kwargs and self._last_grad == _grad_enabled() and \
                 _same_signature(args, refs, self._last_metas, 0, self._last_grad) == len(refs):
             return self.fn(*args)  # the latest plain call's tensors, or new ones like them
-        key = _signature(args, kwargs)
-        if key is not None and self.key_extra is not None:
-            key = (*key, self.key_extra())
+        key = self._key(args, kwargs)
         way = self.kept.get(key)
         if way == "eager":
             if key is not None and not kwargs:
@@ -540,15 +542,15 @@ class Dispatcher:
                           inductor_can=runner.inductor_can)
         ways = tuple(w for w in ways if w in runner.options.candidates)
         if len(ways) <= 1:
-            trials_log.debug("autopar: %s: %s runs %s: nothing else to try", _name(self.fn),
+            trials_log.debug("autopar: %s: %s runs %s: nothing else to try", self.name,
                              _describe(key), ways[0] if ways else "autopar")
             self._keep(key, ways[0] if ways else "autopar")
         else:
             touched = runner.gpus_touched()
             eager_gpus, ours = touched if touched is not None else (runner.gpus, runner.gpus)
             self.trials[key] = Trial({w: ours if w == "autopar" else eager_gpus for w in ways},
-                                     name=_name(self.fn))
-            trials_log.info("autopar: %s: timing calls %s for %s", _name(self.fn),
+                                     name=self.name)
+            trials_log.info("autopar: %s: timing calls %s for %s", self.name,
                             ", ".join(ways), _describe(key))
         return out
 
@@ -561,15 +563,15 @@ class Dispatcher:
                 raise
             trial.drop(way, f"{type(e).__name__}: {_first_line(e)}")
             trials_log.warning("autopar: %s: the %s way failed where eager does not, and is "
-                               "left out: %s", _name(self.fn), way, trial.dropped[way])
+                               "left out: %s", self.name, way, trial.dropped[way])
             out = self.fn(*args, **kwargs)
         won = trial.verdict()
         if won is not None:
             del self.trials[key]
-            trials_log.info("autopar: %s: %s kept for %s (medians: %s)", _name(self.fn), won,
+            trials_log.info("autopar: %s: %s kept for %s (medians: %s)", self.name, won,
                             _describe(key), trial.summary())
             if _profiler._is_profiler_enabled:  # the verdict, as a mark in the profiler's trace
-                with _range(f"autopar:verdict {_name(self.fn)} {won}"):
+                with _range(f"autopar:verdict {self.name} {won}"):
                     pass
             self._keep(key, won)
         return out
