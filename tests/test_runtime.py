@@ -269,3 +269,18 @@ def test_moves_left_on_the_host_hand_their_inputs_on_and_results_stay_eagers():
     torch.testing.assert_close(got, x @ y, rtol=0, atol=0)
     assert got.data_ptr() not in (x.data_ptr(), y.data_ptr())
     torch.testing.assert_close((x, y), keep, rtol=0, atol=0)
+
+
+def test_a_copy_keeps_the_strides_of_a_non_dense_view():
+    """A slice of a padded buffer (SDPA's padded attention bias) crosses devices with its
+    strides, which ``.to()`` would drop; dense layouts (a transpose) are ``.to()``'s own, and
+    an expand (stride 0) can't be written into, so it is copied dense."""
+    padded = torch.randn(2, 17, 24)
+    view = padded[..., :17]
+    assert executor_module._kept_strides(view) == view.stride()
+    out = executor_module._empty_like_on(view, "cpu").copy_(view)
+    assert out.stride() == view.stride() and torch.equal(out, view)
+    assert executor_module._kept_strides(torch.randn(5, 3).t()) is None
+    assert executor_module._kept_strides(torch.randn(3, 1).expand(3, 4)) is None
+    assert executor_module._kept_strides(torch.randn(4, 4)) is None
+    assert executor_module._copy_to(view, "cpu").stride() == view.stride()

@@ -246,9 +246,9 @@ class _Call:
         if self._small(t):  # staged, then queued on dst's compute stream: no event needed
             staged = _pinned_like(t).copy_(t)
             if threading.get_ident() == self.caller:
-                return staged.to(dst, non_blocking=True)
+                return _copy_to(staged, dst)
             with torch.cuda.stream(self.compute[dst]):  # a CPU worker's thread
-                return staged.to(dst, non_blocking=True)
+                return _copy_to(staged, dst)
         side = _Streams.of(dst).h2d
         if t.nbytes >= STAGE_MIN_BYTES and not t.is_pinned():
             staged = _pinned_like(t)
@@ -257,7 +257,7 @@ class _Call:
 
         def issue() -> Any:
             with torch.cuda.stream(side):
-                return t.to(dst, non_blocking=True)
+                return _copy_to(t, dst)
         out = self._traced_copy(side, f"{dst}/h2d", t, "cpu", dst, node, issue)
         ev = self.events.done(event)
         ev.record(side)
@@ -271,7 +271,7 @@ class _Call:
 
         def issue() -> Any:
             with torch.cuda.stream(in_side), torch.cuda.stream(out_side):
-                return t.to(dst, non_blocking=True)
+                return _copy_to(t, dst)
         out = self._traced_copy(out_side, f"{src}/peer", t, src, dst, node, issue)
         t.record_stream(out_side)
         ev = self.events.done(event)
@@ -310,11 +310,42 @@ class _EventPool:
         return ev
 
 
+def _kept_strides(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides a copy of ``t`` must keep where ``.to()`` would drop them: a view that is
+    not dense but overlaps nothing (a slice of a padded buffer, such as the attention bias
+    SDPA pads): its consumer sees those strides eagerly, and kernels with alignment rules
+    check them. None where ``.to()`` keeps ``t``'s layout already (contiguous, or dense), or
+    where ``t`` overlaps itself (an ``expand``: a copy cannot write into such memory)."""
+    if t.is_contiguous():
+        return None
+    span, dense = 1, True
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride < span:
+            return None  # overlaps itself
+        dense = dense and stride == span
+        span = stride * size
+    return None if dense else t.stride()
+
+
+def _empty_like_on(t: torch.Tensor, device: Any, pin: bool = False) -> torch.Tensor:
+    """An empty tensor on ``device`` to copy ``t`` into, laid out as eager's consumer of ``t``
+    sees it (:func:`_kept_strides`; else as ``.to()`` lays it out)."""
+    stride = _kept_strides(t)
+    if stride is None:
+        return torch.empty_like(t, device=device, pin_memory=pin)
+    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=device, pin_memory=pin)
+
+
 def _pinned_like(t: torch.Tensor) -> torch.Tensor:
-    """A pinned host buffer to copy ``t`` into, laid out as ``.to("cpu")`` would: ``t``'s
-    strides when they are non-overlapping and dense, else dense (a copy cannot write into
-    overlapping memory, such as an ``expand``'s)."""
-    return torch.empty_like(t, device="cpu", pin_memory=True)
+    """A pinned host buffer to copy ``t`` into (:func:`_empty_like_on`)."""
+    return _empty_like_on(t, "cpu", pin=True)
+
+
+def _copy_to(t: torch.Tensor, dst: str) -> torch.Tensor:
+    """``t.to(dst, non_blocking=True)``, keeping the strides of a non-dense view."""
+    if _kept_strides(t) is None:
+        return t.to(dst, non_blocking=True)
+    return _empty_like_on(t, dst).copy_(t, non_blocking=True)
 
 
 class _Worker(_PerDevice):
