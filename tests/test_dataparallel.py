@@ -188,4 +188,7 @@ def test_a_modules_own_parameters_are_refused_and_the_step_runs_eagerly(caplog):
     with caplog.at_level(logging.WARNING, logger="autopar"):
         torch.testing.assert_close(step(x), step_of(ref)(x))
     assert "running step eagerly" in caplog.text and step.last is None
+    # the message names the tensors, the op and the user's line (the model's call above)
+    assert "model.weight (2x3), model.bias (2)" in caplog.text and "aten.t" in caplog.text
+    assert f"test_dataparallel.py:{step_of.__code__.co_firstlineno + 2}" in caplog.text
     assert_same(list(lin.parameters()), list(ref.parameters()))

@@ -3,6 +3,8 @@ into one functional graph (see :mod:`autopar.dataparallel` for why not ``torch.c
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -85,16 +87,70 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None) -> 
     except Unsupported:
         raise
     except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise Unsupported(f"can't trace the step: {type(e).__name__}: {first}") from e
+        text = str(e).strip()
+        where = _user_line(e)
+        if "convert all Tensors to FakeTensors" in text:  # a real tensor the trace can't lift
+            op = text.split("Found in ", 1)[1].split("(", 1)[0] if "Found in " in text else "an op"
+            raise Unsupported(
+                f"the step reads a tensor that is not its argument in {op}{where}: "
+                f"{_not_arguments(fn)}; {_PASS_THEM}") from e
+        first = (text.splitlines() or [type(e).__name__])[0]
+        raise Unsupported(f"can't trace the step{where}: {type(e).__name__}: {first}") from e
     finally:
         hook.remove()
     graph, constants = from_fx(gm, name or getattr(fn, "__name__", "step"))
     if constants:
-        raise Unsupported(f"the step reads {len(constants)} tensor(s) that are not arguments "
-                          "(pass parameters and buffers as arguments)")
+        raise Unsupported(f"the step reads {len(constants)} tensor(s) that are not its "
+                          f"arguments: {_not_arguments(fn, constants)}; {_PASS_THEM}")
     mutated = _take_input_copies(graph)
     return StepGraph(graph, found["n"], found["spec"], found["grads"], mutated, params)
+
+
+_PASS_THEM = ("data_parallel splits a step whose parameters and buffers are its arguments: pass "
+              "them as arguments (a module's own parameters and torch.optim optimizers are not "
+              "split yet)")
+
+
+def _reachable_modules(fn: Callable) -> dict[str, torch.nn.Module]:
+    """The modules ``fn`` names: in its closure and among the globals its code reads."""
+    code = getattr(fn, "__code__", None)
+    found: dict[str, Any] = {}
+    if code is not None:
+        for var, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+            with contextlib.suppress(ValueError):  # an empty cell
+                found[var] = cell.cell_contents
+        glob = getattr(fn, "__globals__", {})
+        found.update({n: glob[n] for n in code.co_names if n in glob})
+    return {n: m for n, m in found.items() if isinstance(m, torch.nn.Module)}
+
+
+def _not_arguments(fn: Callable, tensors: Sequence[torch.Tensor] | None = None) -> str:
+    """Names of the tensors a step reads that are not its arguments: a module's parameters
+    and buffers by their qualified names (``model.fc.weight (2x3)``), others by shape."""
+    names: dict[int, str] = {}
+    for var, module in _reachable_modules(fn).items():
+        for qual, t in [*module.named_parameters(), *module.named_buffers()]:
+            names.setdefault(id(t), f"{var}.{qual} ({'x'.join(map(str, t.shape)) or 'scalar'})")
+    if tensors is None:  # which ones the trace met is not known: the candidates
+        return ", ".join(list(names.values())[:6]) + (" ..." if len(names) > 6 else "") \
+            if names else "a tensor held outside the step"
+    return ", ".join(names.get(id(t), f"a tensor of shape {tuple(t.shape)}") for t in tensors)
+
+
+def _user_line(e: BaseException) -> str:
+    """`` at file:line`` of the innermost frame of ``e``'s traceback outside torch and
+    autopar (the user's line), or ''."""
+    tb, where = e.__traceback__, ""
+    while tb is not None:
+        path = tb.tb_frame.f_code.co_filename
+        if not path.startswith(_LIBRARIES):
+            where = f" at {os.path.basename(path)}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return where
+
+
+_LIBRARIES = (os.path.dirname(torch.__file__) + os.sep,
+              os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)
 
 
 def _take_input_copies(graph: Graph) -> list[int]:
