@@ -49,7 +49,7 @@ from .passes.cudagraphs import capture_rule
 from .passes.fusion import fusion_devices, prefer_fused, regions_to_fuse
 from .report.trace import save_chrome_trace
 from .runtime import Executor, SequentialRunner
-from .schedule.place import place
+from .schedule.place import POLICIES, place, places_by_cost
 from .schedule.plan import make_plan
 from .schedule.simulate import runs_as_eager
 from .schedule.steps import Send
@@ -59,7 +59,6 @@ __all__ = ["Dispatcher", "Options", "compile", "dispatcher_of", "parse_devices"]
 log = logging.getLogger("autopar.placement")
 trials_log = logging.getLogger("autopar.trials")
 
-POLICIES = ("heft", "single", "round_robin")
 _DEVICE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
 MAX_CPU_WORKERS = 64
 
@@ -238,7 +237,7 @@ class Runner:
             cost = self.cost_model()
             placement = place(graph, cost, policy=options.policy, devices=options.devices)
             plan = make_plan(placement, cost)
-            if options.policy == "heft":  # HEFT prices ops one by one; fusion changes that
+            if places_by_cost(options.policy):  # priced op by op; fusion changes that
                 fusing = fusion_devices(options.devices, options.fuse)
                 plan = prefer_fused(plan, graph, cost, options.devices, fusing)
             # On eager's placement with nothing to overlap, fusing regions would repeat what

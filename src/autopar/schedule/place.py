@@ -124,7 +124,8 @@ from ..ir.routing import (
 )
 from ..ir.units import fmt_bytes, fmt_seconds
 
-__all__ = ["POLICIES", "Placement", "Slot", "lower_bound", "merged_order", "place", "retime"]
+__all__ = ["POLICIES", "Placement", "Slot", "lower_bound", "merged_order", "place",
+           "places_by_cost", "retime"]
 
 HOST_PULL_BYTES = 1 << 20
 """The host takes no op reading a value larger than this that eager keeps on a GPU."""
@@ -850,14 +851,22 @@ class _Policy:
     order: Callable[[_Schedule], list[Node]]
     choose: Callable[[_Schedule, Node], tuple[_Trial, str]]
     insertion: bool
+    by_cost: bool  # chooses each op's device by predicted time (what fusion's choice revisits)
 
 
 _POLICIES: dict[str, _Policy] = {
-    "heft": _Policy(_rank_order, _choose_heft, insertion=True),
-    "single": _Policy(_graph_order, _choose_single, insertion=False),
-    "round_robin": _Policy(_graph_order, _choose_round_robin, insertion=False),
+    "heft": _Policy(_rank_order, _choose_heft, insertion=True, by_cost=True),
+    "single": _Policy(_graph_order, _choose_single, insertion=False, by_cost=False),
+    "round_robin": _Policy(_graph_order, _choose_round_robin, insertion=False, by_cost=False),
 }
 POLICIES = tuple(_POLICIES)
+
+
+def places_by_cost(policy: str) -> bool:
+    """Whether ``policy`` chooses each op's device by predicted time, one op at a time (HEFT):
+    such a placement is worth revisiting once fusion changes what ops cost
+    (:func:`autopar.passes.fusion.prefer_fused`)."""
+    return _POLICIES[policy].by_cost
 
 
 def _limits(cost: Any, memory: dict[str, int] | None) -> dict[str, int | None]:

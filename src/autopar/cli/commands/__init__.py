@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ...api import POLICIES
 from ...machine.presets import PRESETS
+from ...schedule.place import POLICIES
 
 
 def preset_names() -> str:
