@@ -18,10 +18,11 @@ Policy (one place decides "is autopar's plan better than what the user would oth
   Inductor compiles for the devices involved (any GPU; the host only with a C++ compiler) and
   fusion is allowed (``fuse`` not False). A lone candidate is kept without timing.
 - A trial (:class:`Trial`): the next calls of a new signature go round the candidates; each
-  way's first call warms up (compiles, loads kernels) and is not counted, then each is timed
-  for at least ``TRIAL_CALLS`` calls and ``TRIAL_MIN_S`` (at most ``TRIAL_MAX_CALLS``). A
-  call's time is the longer of its host time and, on each GPU the way touches, the GPU work
-  it queued (CUDA events, no sync). The fastest median keeps the
+  turn is two calls of a way, the first neither timed nor counted (after a switch, caches,
+  memory and first-use kernels are the last way's; a way's first turn also compiles), and
+  each way is counted for at least ``TRIAL_CALLS`` calls and ``TRIAL_MIN_S`` (at most
+  ``TRIAL_MAX_CALLS``). A call's time is the longer of its host time and, on each GPU the way
+  touches, the GPU work it queued (CUDA events, no sync). The fastest median keeps the
   signature. Every way is a correct one (eager, or dynamo-guarded compiled code), so a trial
   changes speed, never results beyond the tolerance between eager and a fused kernel.
 - What a call does is what is timed: a training step written as one function (forward,
@@ -29,8 +30,8 @@ Policy (one place decides "is autopar's plan better than what the user would oth
 - A way that fails where eager would not (an internal or compile error before the function
   ran) is dropped for that signature, with the reason logged once, and the call runs eagerly.
 
-Glossary: a *way* is a name above; ``Trial.calls`` the timed calls ``(way, host_s, [(begin,
-end) CUDA events])``; ``Trial.times`` each way's counted seconds once decided.
+Glossary: a *way* is a name above; ``Trial.calls`` the counted calls ``(way, host_s,
+[(begin, end) CUDA events])``; ``Trial.times`` each way's counted seconds once decided.
 """
 
 from __future__ import annotations
@@ -52,10 +53,12 @@ log = logging.getLogger("autopar.trials")
 
 WAYS = ("eager", "inductor", "autopar")
 
-TRIAL_CALLS = 6
-"""Calls of each way a signature's trial makes; the first of each warms up and is not counted
-(caches, kernels loaded on first use: on 2xH200, W2's first plain call took 42 ms, the next ones
-40-100 us)."""
+TRIAL_CALLS = 5
+"""Counted calls of each way a signature's trial makes at least. Each is the second of a pair:
+the first call after a switch from another way is neither timed nor counted (caches, memory
+and kernels loaded on first use are another way's then: on the 2-core VM a compiled BERT
+training step took 2.5 ms a call alone and 6.3 ms right after an eager one; on 2xH200, W2's
+first plain call took 42 ms, the next ones 40-100 us)."""
 
 TRIAL_MIN_S = 0.05
 """Host seconds of counted calls each way needs before its median is trusted: five samples
@@ -94,30 +97,35 @@ class Trial:
     touches: those timed with events; a GPU the way leaves idle is not timed, its events would
     measure only the host's pace).
 
-    ``run`` calls the next way; ``verdict`` is None until every way's counted calls are timed
-    and their GPU work has completed, then the fastest way. Calls made while the verdict waits
-    for GPU work go to the way timed last, untimed, so that the events waited for are a fixed
-    set. Under ``torch.profiler`` each timed call is a range ``autopar:trial <name> <way>``
-    (``name``: the function's, for the trace)."""
+    ``run`` calls the next way: a call that follows another way's (or is a way's first) is
+    untimed, the next one of that way timed and counted (``calls``). ``verdict`` is None
+    until every way's counted calls are in and their GPU work has completed, then the fastest
+    way. Calls made while the verdict waits for GPU work go to the way called last, untimed,
+    so that the events waited for are a fixed set. Under ``torch.profiler`` each call is a
+    range ``autopar:trial <name> <way>`` (``name``: the function's, for the trace)."""
 
     def __init__(self, gpus: Mapping[str, Sequence[int]], name: str = "fn") -> None:
         self.name = name
         self.ways = tuple(gpus)
         self.gpus = {w: tuple(g) for w, g in gpus.items()}
-        self.calls: list[tuple[str, float, list[tuple[Any, Any]]]] = []
+        self.calls: list[tuple[str, float, list[tuple[Any, Any]]]] = []  # the counted ones
         self.times: dict[str, list[float]] = {}  # counted seconds by way, once decided
         self.dropped: dict[str, str] = {}  # way -> why it failed
+        self._turn: str | None = None  # the way whose turn's first call was made
+        self._last: str | None = None  # the way called last
 
     def next_way(self) -> str | None:
-        """The way whose turn it is (the fewest calls of those still timed), or None once all
-        are timed: each way has ``TRIAL_CALLS`` calls, and its counted ones add up to
-        ``TRIAL_MIN_S`` of host time or it has ``TRIAL_MAX_CALLS``."""
+        """The way whose turn it is (the turn begun, else the fewest counted calls of those
+        still timed), or None once all are timed: each way has ``TRIAL_CALLS`` counted calls,
+        adding up to ``TRIAL_MIN_S`` of host time, or ``TRIAL_MAX_CALLS`` of them."""
         host: dict[str, list[float]] = {w: [] for w in self.ways if w not in self.dropped}
         for way, seconds, _ in self.calls:
             if way in host:
                 host[way].append(seconds)
         live = [w for w, t in host.items() if len(t) < TRIAL_CALLS or (
-            len(t) < TRIAL_MAX_CALLS and sum(t[1:]) < TRIAL_MIN_S)]
+            len(t) < TRIAL_MAX_CALLS and sum(t) < TRIAL_MIN_S)]
+        if self._turn in live:
+            return self._turn
         return min(live, key=lambda w: len(host[w])) if live else None
 
     def run(self, way_of: Callable[[str], Callable], args: Sequence[Any],
@@ -125,27 +133,36 @@ class Trial:
         """Call the way whose turn it is (``way_of(name)`` gives its callable)."""
         way = self.next_way()
         if way is None:  # waiting for the timed calls' GPU work
-            return way_of(self.calls[-1][0])(*args, **kwargs)
+            return self._call(way_of(self._last or self.ways[0]), self._last, args, kwargs)
+        if way != self._last:  # a switch: this call warms the way up, untimed
+            self._turn = self._last = way
+            return self._call(way_of(way), way, args, kwargs)
+        self._turn = None
         marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
                   torch.cuda.current_stream(i)) for i in self.gpus[way]]
         for begin, _, stream in marks:
             begin.record(stream)
         start = _clock()
-        if _profiler._is_profiler_enabled:
-            with _range(f"autopar:trial {self.name} {way}"):
-                out = way_of(way)(*args, **kwargs)
-        else:
-            out = way_of(way)(*args, **kwargs)
+        out = self._call(way_of(way), way, args, kwargs)
         host = _clock() - start
         for _, end, stream in marks:
             end.record(stream)
         self.calls.append((way, host, [(b, e) for b, e, _ in marks]))
         return out
 
+    def _call(self, fn: Callable, way: str, args: Sequence[Any],
+              kwargs: Mapping[str, Any]) -> Any:
+        if _profiler._is_profiler_enabled:
+            with _range(f"autopar:trial {self.name} {way}"):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
     def drop(self, way: str, why: str) -> None:
         """Take ``way`` out of the trial (it failed where eager would not)."""
         self.dropped[way] = why
         self.calls = [c for c in self.calls if c[0] != way]
+        if self._turn == way:
+            self._turn = None
 
     def verdict(self) -> str | None:
         """None while calls remain (or their GPU work is still queued); then the way with the
@@ -155,11 +172,7 @@ class Trial:
         if not all(end.query() for _, _, marks in reversed(self.calls) for _, end in marks):
             return None
         times: dict[str, list[float]] = {}
-        seen: dict[str, int] = {}
         for way, host, marks in self.calls:
-            seen[way] = seen.get(way, 0) + 1
-            if seen[way] == 1:
-                continue  # the first call of each way warms up
             gpu = max((b.elapsed_time(e) / 1e3 for b, e in marks), default=0.0)
             times.setdefault(way, []).append(max(host, gpu))
         self.times = times
