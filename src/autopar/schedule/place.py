@@ -12,9 +12,8 @@ Policy ``heft`` (the default)
    non-negative costs that is a topological order. Views of graph inputs (a weight's ``t``)
    come first: they take no time and their value is ready at once, but a lane runs its items
    in order, so one taken after a long op on its lane would start (and its copy to another
-   device leave) only when that op ends (ensemble4 on the ``h200x2`` preset: each weight's
-   copy to the second GPU waited behind a 2.7 ms matmul, and HEFT planned 16.0 ms; taken
-   first, 10.3 ms; eager 19.6 ms).
+   device leave) only when that op ends (ensemble4 planned 16.0 ms this way, 10.3 ms with views
+   first: benchmarks/NOTES.md, d935b70).
 2. Choose. For every device that may run the op: its inputs arrive (a value on the same device
    when it is produced; from another CPU worker after an ordering event; from elsewhere by a copy
    reserved in the earliest idle gap of that link's copy lane), then the op takes the earliest
@@ -37,9 +36,8 @@ Policy ``heft`` (the default)
    other ops only where ``cost.can_run`` allows (random ops are pinned this way); under HEFT,
    never on the host when they read a value over ``HOST_PULL_BYTES`` that eager keeps on a GPU
    and a GPU may run them: the host's compute holds the thread that launches GPU work
-   (Python's GIL), which the timing model doesn't see (ensemble4 on 2xH200: a 32 MB ``tanh``
-   pulled to the host made the call 30.5 ms against eager's 19.5). No memory pool ends up
-   over its limit (see Memory); if no device has room for an op, a warning is
+   (Python's GIL), which the timing model doesn't see (benchmarks/NOTES.md, 25178e5). No
+   memory pool ends up over its limit (see Memory); if no device has room for an op, a warning is
    logged on the ``autopar.placement`` logger and the placement falls back to ``single``.
 4. Lookahead. HEFT is greedy: an op's device is the one where it finishes soonest, blind to
    what that commits its consumers to. On graphs small enough (``LOOKAHEAD_WORK``), the ops
@@ -925,9 +923,8 @@ def _lookahead(sched: _Schedule) -> dict[Node, dict[str, float]]:
     consumer's time there, none for a device move; and the consumer's own entry), and the
     largest of those over the consumers. Choosing by finish plus this entry sees what a choice
     commits the rest to: a chain of host ops with a 4x larger result to copy later, against
-    copying the small input now (cpu_preprocess on one 2xH200 instance: greedy HEFT kept the
-    first op on the host, 1.14 ms against 1.15 ms on the GPU, and the whole call at eager's
-    30 ms instead of 2 ms)."""
+    copying the small input now (greedy HEFT kept cpu_preprocess at eager's 30 ms instead of
+    2 ms on one 2xH200 instance: benchmarks/NOTES.md, c7eb644)."""
     devices = sched.devices
     table: dict[Node, dict[str, float]] = {}
     for n in reversed(sched.graph.ops):
