@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from .capture.direct import Direct
 from .capture.dynamo import capturing_scalars, make_backend
 from .choose import WAYS, Trial, candidates, inductor_compiles_for
 from .cost.model import CostModel
@@ -59,6 +60,7 @@ __all__ = ["Dispatcher", "Options", "compile", "dispatcher_of", "parse_devices"]
 log = logging.getLogger("autopar.placement")
 trials_log = logging.getLogger("autopar.trials")
 
+GUARDS = ("all", "arguments")
 _DEVICE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
 MAX_CPU_WORKERS = 64
 
@@ -119,6 +121,7 @@ class Options:
     fuse: bool | str = "auto"  # Inductor fuses each device's regions: "auto" on GPUs, True: all
     cuda_graphs: bool | str = "auto"  # replay GPU segments as CUDA graphs (static shapes)
     candidates: tuple[str, ...] = WAYS  # the ways the measured choice may keep
+    guards: str = "all"  # "arguments": learned calls skip dynamo (autopar.capture.direct)
 
     @staticmethod
     def parse(options: dict[str, Any]) -> Options:
@@ -137,11 +140,15 @@ class Options:
             raise TypeError(f"trace must be True, False or a file path, not {type(trace).__name__}")
         fuse = _tristate(options, "fuse")
         cuda_graphs = _tristate(options, "cuda_graphs")
+        guards = options.get("guards", "all")
+        if guards not in GUARDS:
+            raise ValueError(f"guards must be {' or '.join(map(repr, GUARDS))}, not {guards!r}")
         return Options(devices=devices, policy=policy, machine=options.get("machine"),
                        trace=os.fspath(trace) if isinstance(trace, os.PathLike) else trace,
                        fuse=fuse, cuda_graphs=cuda_graphs,
                        candidates=_candidates(options.get(
-                           "candidates", os.environ.get("AUTOPAR_CANDIDATES", "auto"))))
+                           "candidates", os.environ.get("AUTOPAR_CANDIDATES", "auto"))),
+                       guards=guards)
 
 
 def _candidates(value: Any) -> tuple[str, ...]:
@@ -340,7 +347,21 @@ def compile(fn: Callable, **options: Any) -> Callable:
     static shapes are replayed as CUDA graphs where that pays; True: every capturable one;
     False: never), ``candidates`` (the ways the measured choice may keep: "auto" for
     eager, inductor and autopar, or a list of them, e.g. ``["eager", "autopar"]``; default
-    ``$AUTOPAR_CANDIDATES``; see :mod:`autopar.choose`).
+    ``$AUTOPAR_CANDIDATES``; see :mod:`autopar.choose`), ``guards`` ("all": every call of
+    autopar's way goes through dynamo and all its guards; "arguments": see below).
+
+    ``guards="arguments"`` is a contract: ``fn``'s result depends only on its arguments, and
+    the modules and globals it reads do not change between calls. Under it, a call of
+    autopar's way whose arguments (positional: tensors and plain values) match a signature
+    seen before runs that signature's graph straight away, without entering dynamo (no frame,
+    no guards; constants made inside are folded as ever). Checked still, cheaply: each
+    tensor's shape, strides, dtype and device, each plain value, grad mode, autocast, a
+    module's ``training``, the ``_version`` of every parameter and buffer the graph reads and
+    the identity of every global tensor: a change there sends the call through dynamo again
+    (re-guarded, recaptured as need be). Not detected (the contract's to keep): Python side
+    effects of ``fn``, a module's attributes, hooks or parameter objects replaced, non-tensor
+    globals, torch's other global state. Calls of graph breaks, mutating graphs or training
+    graphs keep going through dynamo. See :mod:`autopar.capture.direct`.
     """
     if not callable(fn):
         raise TypeError(
@@ -350,18 +371,27 @@ def compile(fn: Callable, **options: Any) -> Callable:
     runner = make_runner(opts)
     runner.cost_model()  # resolve (and if need be calibrate) the machine now, not mid-trace
     name = getattr(fn, "__name__", None) or type(fn).__name__
-    compiled = capturing_scalars(torch.compile(fn, backend=make_backend(runner, name=name)),
-                                 needed=lambda: not runner.graphs or runner.reads_scalars)
-    if opts.trace:  # timelines are of autopar's plans: every call is autopar's
-        return compiled
-    if isinstance(fn, torch.nn.Module):
-        module = fn
-        compiled.forward = Dispatcher(  # type: ignore[method-assign]
-            module.__call__, compiled.forward, runner,
+    module = fn if isinstance(fn, torch.nn.Module) else None
+    direct = None
+    if opts.guards == "arguments":  # a static graph per signature: each is learned alone
+        direct = Direct(fn if module is None else fn.forward, module=module)
+        dynamo = torch.compile(fn, backend=make_backend(runner, name=name, learn=direct.record),
+                               dynamic=False)
+    else:
+        dynamo = torch.compile(fn, backend=make_backend(runner, name=name))
+    compiled = capturing_scalars(dynamo, needed=lambda: not runner.graphs or runner.reads_scalars)
+    ours = compiled.forward if module is not None else compiled
+    if direct is not None:
+        direct.compiled, ours = ours, direct
+    if module is not None:
+        compiled.forward = ours if opts.trace else Dispatcher(  # type: ignore[method-assign]
+            module.__call__, ours, runner,
             inductor=lambda: quiet(torch.compile(module).forward),
             key_extra=lambda: module.training)
         return compiled
-    return Dispatcher(fn, compiled, runner, inductor=lambda: quiet(torch.compile(fn)))
+    if opts.trace:  # timelines are of autopar's plans: every call is autopar's
+        return ours
+    return Dispatcher(fn, ours, runner, inductor=lambda: quiet(torch.compile(fn)))
 
 
 _PLAIN = (int, float, bool, str, type(None))

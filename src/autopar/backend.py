@@ -26,9 +26,18 @@ def autopar_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     every backend shares) or as keyword arguments; both are validated as
     :func:`autopar.compile`'s. One runner (one machine and cost model) serves every graph
     compiled with the same options in this process.
+
+    ``guards``: only "all". A backend is called from inside dynamo's frame, whose guards it does
+    not decide; ``guards="arguments"`` is :func:`autopar.compile`'s (its calls skip the frame).
     """
     merged = {**(options or {}), **kwargs}
     key = tuple(sorted((k, repr(v)) for k, v in merged.items()))
     if key not in _BACKENDS:
-        _BACKENDS[key] = make_backend(make_runner(Options.parse(merged)))
+        opts = Options.parse(merged)
+        if opts.guards != "all":
+            raise ValueError(
+                f"guards={opts.guards!r} is autopar.compile's: torch.compile(backend='autopar') "
+                "calls go through dynamo's frame and guards, which a backend does not decide; "
+                f"write autopar.compile(fn, guards={opts.guards!r})")
+        _BACKENDS[key] = make_backend(make_runner(opts))
     return _BACKENDS[key](gm, example_inputs)

@@ -63,13 +63,17 @@ def _eager(gm: torch.fx.GraphModule) -> Callable[[list], Any]:
     return _boxed(run)
 
 
-def make_backend(build: GraphRunner, name: str = "autopar") -> Callable:
+def make_backend(build: GraphRunner, name: str = "autopar",
+                 learn: Callable[[Callable, tuple, Any], None] | None = None) -> Callable:
     """A dynamo backend that captures each aot_autograd graph and runs it through ``build``.
 
     An inference graph whose aot_autograd runtime wrapper would do nothing but turn grad mode
     off (:func:`_bare_inference`) is handed to dynamo without that wrapper: dynamo calls the
     graph's runner directly (:func:`_without_aot_wrapper`). The wrapper's layers cost ~11 us a
     call on a 2-core VM (``x @ y``, 5x10x5: dynamo 21 us, dynamo and aot_autograd 36 us).
+    ``learn(program, args, outputs)``: told of each call dynamo makes of such a graph
+    (``program(*args)`` gave ``outputs``), for ``guards="arguments"``
+    (:class:`autopar.capture.direct.Direct`).
     """
     from torch._dynamo.backends.common import aot_autograd  # lazy: slow to import
 
@@ -121,9 +125,20 @@ def make_backend(build: GraphRunner, name: str = "autopar") -> Callable:
         if len(bare) == 1 and bare[0][1] == len(example_inputs) and \
                 not _any_autocast_enabled() and \
                 all(type(x) in _PLAIN_INPUTS for x in example_inputs):
-            return _without_aot_wrapper(bare.pop()[0])
+            direct = _without_aot_wrapper(bare.pop()[0])
+            return direct if learn is None else _told(direct, learn)
         return compiled
     return backend
+
+
+def _told(program: Callable, learn: Callable[[Callable, tuple, Any], None]) -> Callable:
+    """``program``, telling ``learn`` of each call."""
+    def call(*args: Any) -> Any:
+        out = program(*args)
+        learn(program, args, out)
+        return out
+    call.autopar_bare = True  # type: ignore[attr-defined]
+    return call
 
 
 _PLAIN_INPUTS = (torch.Tensor, torch.nn.Parameter, int, float, bool, torch.SymInt, torch.SymFloat,

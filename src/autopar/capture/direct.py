@@ -1,0 +1,283 @@
+"""``guards="arguments"``: a learned signature's call goes straight into its graph, past dynamo.
+
+Every call of ``torch.compile``'s result enters dynamo's frame: its Python wrapper, the guards,
+the bytecode before and after the graph. On a 2-core VM (torch 2.13, ``x @ y`` at 5x10x5, the
+op alone 1.07 us) that is ~7 us a call whatever the guards: ``backend="eager"`` 8.3 us, with
+``guard_filter_fn`` dropping every guard 7.4 us, with ``skip_guard_on_all_nn_modules_unsafe``
+8.3 us, inside ``torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)`` 13.7 us (the
+context manager costs more than the guards it skips), with dynamo's C flag for it set directly
+8.4 us; with a backend that returns the op itself, 7.9 us (6.9 without guards). W2-like code
+(``a1 * A + a1 ** 2``, ``a1`` made inside, 8x8) the same: 13.8 us, 12.6 with no guards, 5.8
+eager. Guards are ~1 us of it; the rest is the frame. So PyTorch's mechanisms are not used
+here: :class:`Direct` keeps, per argument signature, the one graph dynamo called and calls it
+itself. autopar's way of ``x @ y`` then costs 4.3-4.4 us a call instead of 10.8 (W2-like: 8.3
+instead of 15.6): ~0.9 us of checks for two tensors, ~0.5 us of dispatch, and the graph's
+runner (SequentialRunner 2.7 us, the op 1.1) (``benchmarks/call_floor.py``,
+benchmarks/NOTES.md, 2026-12-01).
+
+The contract (opt-in, ``autopar.compile(fn, guards="arguments")``): the function's result
+depends only on its arguments, and the modules and globals it reads do not change between calls
+(but as checked below). Under it a call whose arguments match a learned entry runs the entry's
+graph with no dynamo at all.
+
+Policy
+- Learning: a call no entry matches goes through dynamo (every guard: always sound), and is
+  watched: the backend reports each graph call it serves (:func:`make_backend`'s ``learn``).
+  An entry is kept only where that call was exactly one graph, an inference graph dynamo
+  calls without aot_autograd's wrapper (functional: no input mutated, no output aliasing an
+  input), every graph input is identified by identity (an argument, a parameter or buffer of
+  the module, a tensor global or closure variable of the code), and the result is built of the
+  graph's outputs alone (the graph's result itself, or a tuple or list of its outputs, each
+  used). Arguments are positional only, each a tensor (not one autograd records) or a plain
+  value (``int``, ``float``, ``bool``, ``str``, ``None``), no tensor passed twice. Anything
+  else keeps going through dynamo.
+- An entry matches a call with as many arguments, each tensor of the learned shape, strides,
+  dtype and device (not requiring grad where grad mode is on), each plain value equal (and of
+  the same type), the same grad mode, no autocast, a module's ``training`` as learned; and its
+  cheap checks hold: every parameter and buffer the graph reads has the ``_version`` it had
+  (an optimizer's in-place step changes it), every global or closure tensor is still the
+  object bound to its name. A check that fails sends the call through dynamo, which re-guards
+  it (and recaptures what changed) and the entry is learned again.
+- Entries: at most ``MAX_ENTRIES``, the latest first; each is one generated function.
+
+What breaks the contract, undetected: Python side effects of the function (appending to a list,
+counting calls in a global: dynamo replays them, an entry does not); a module's attribute,
+hook or submodule changed, a parameter replaced by another object (``module.weight =
+nn.Parameter(...)``); non-tensor globals changed (a flag, a Python number the code reads);
+torch's global state other than grad mode and autocast (default dtype, deterministic
+algorithms, a ``TorchFunctionMode``); a submodule's ``training`` changed alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["MAX_ENTRIES", "Direct"]
+
+log = logging.getLogger("autopar.capture")
+
+MAX_ENTRIES = 16
+"""Signatures a :class:`Direct` keeps entries for (the latest first)."""
+
+_MISS = object()
+_PLAIN = (int, float, bool, str, type(None))
+_counter = itertools.count()
+
+
+class Direct:
+    """``compiled`` (dynamo's way) with calls of learned signatures served past dynamo (see the
+    module docstring). ``module``: the ``nn.Module`` whose forward ``compiled`` is, else None;
+    ``code``: the function whose globals and closure the graph may read."""
+
+    def __init__(self, code: Callable, module: torch.nn.Module | None = None) -> None:
+        self.compiled: Callable | None = None  # set once the backend is built
+        self.code = code
+        self.module = module
+        self.entries: list[Callable] = []  # generated, the latest first
+        self.learned = 0  # entries made
+        self._watch: list | None = None  # the graph calls of the call being learned
+
+    def record(self, program: Callable, args: tuple, out: Sequence[Any]) -> None:
+        """The backend's report of one graph call (``program(*args) -> out``)."""
+        if self._watch is not None:
+            self._watch.append((program, args, out))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs:
+            for entry in self.entries:
+                out = entry(args)
+                if out is not _MISS:
+                    return out
+        watch: list = []
+        self._watch = watch
+        try:
+            out = self.compiled(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._watch = None
+        if not kwargs:
+            entry = self._learn(args, watch, out)
+            if entry is not None:
+                sig = entry.signature
+                self.entries = [entry, *(e for e in self.entries if e.signature != sig)]
+                del self.entries[MAX_ENTRIES:]
+                self.learned += 1
+        return out
+
+    # -- learning ------------------------------------------------------------------------------
+    def _learn(self, args: tuple, watch: list, result: Any) -> Callable | None:
+        if len(watch) != 1:
+            return None  # no graph, or a graph break: dynamo runs Python between graphs
+        program, inputs, outputs = watch[0]
+        grad = torch.is_grad_enabled()
+        if _autocast():
+            return None
+        at: dict[int, int] = {}  # id of a tensor argument -> its position
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                if id(a) in at or (grad and a.requires_grad):
+                    return None
+                at[id(a)] = i
+            elif not isinstance(a, _PLAIN):
+                return None
+        fixed = self._fixed()
+        feeds: list[str] = []
+        code = _Code(grad, len(args))
+        for x in inputs:
+            if not isinstance(x, torch.Tensor):
+                return None  # a symbolic size or an unspecialized number
+            if id(x) in at:
+                feeds.append(f"a{at[id(x)]}")
+            elif id(x) in fixed:
+                feeds.append(code.fixed(x, fixed[id(x)]))
+            else:
+                return None  # read from somewhere not checked
+        ret = _result(result, outputs)
+        if ret is None:
+            return None
+        for i, a in enumerate(args):
+            code.argument(i, a)
+        if self.module is not None:
+            code.check(f"{code.name(self.module)}.training is {self.module.training}")
+            code.signature.append(self.module.training)
+        return code.build(program, feeds, ret)
+
+    def _fixed(self) -> dict[int, tuple]:
+        """id -> where it is read, for every tensor the graph may read besides arguments:
+        ("version", tensor) for parameters and buffers, ("global", dict, name) and ("cell",
+        cell) for the code's globals and closure variables."""
+        found: dict[int, tuple] = {}
+        codes: list[Callable] = [self.code]
+        if self.module is not None:
+            for m in self.module.modules():
+                found.update((id(t), ("version", t)) for t in m.parameters(recurse=False))
+                found.update((id(t), ("version", t)) for t in m.buffers(recurse=False))
+                codes.append(type(m).forward)
+        for fn in codes:
+            fn = getattr(fn, "__func__", fn)
+            code = getattr(fn, "__code__", None)
+            if code is None:
+                continue
+            names = set(_names(code))
+            scope = fn.__globals__
+            for name in names:
+                v = scope.get(name)
+                if isinstance(v, torch.Tensor):
+                    found.setdefault(id(v), ("global", scope, name))
+            for cell in fn.__closure__ or ():
+                try:
+                    v = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                if isinstance(v, torch.Tensor):
+                    found.setdefault(id(v), ("cell", cell))
+        return found
+
+
+def _names(code: types.CodeType) -> list[str]:
+    """The global names ``code`` and the code nested in it read."""
+    out = list(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            out += _names(c)
+    return out
+
+
+def _result(result: Any, outputs: Sequence[Any]) -> str | None:
+    """The expression that builds ``result`` from the graph's outputs ``out``, where it is
+    the graph's outputs alone, each of them used; else None."""
+    where = {id(o): i for i, o in enumerate(outputs)}
+    if len(where) != len(outputs):
+        return None
+    if isinstance(result, torch.Tensor):
+        return f"out[{where[id(result)]}]" if len(outputs) == 1 and id(result) in where \
+            else None
+    if type(result) not in (tuple, list) or \
+            sorted(where.get(id(r), -1) for r in result) != list(range(len(outputs))):
+        return None
+    items = "".join(f"out[{where[id(r)]}], " for r in result)
+    return f"({items})" if type(result) is tuple else f"[{items}]"
+
+
+class _Code:
+    """The source of one entry: ``entry(args) -> result``, or ``_MISS``."""
+
+    def __init__(self, grad: bool, n: int) -> None:
+        self.grad = grad
+        self.n = n
+        self.checks: list[str] = []
+        self.names: dict[int, str] = {}
+        self.namespace: dict[str, Any] = {"_MISS": _MISS, "_Tensor": torch.Tensor,
+                                          "_grad": torch.is_grad_enabled,
+                                          "_autocast": _AUTOCAST or _autocast}
+        self.signature: list[Any] = [grad, n]
+
+    def name(self, value: Any) -> str:
+        if id(value) not in self.names:
+            self.names[id(value)] = name = f"k{len(self.names)}"
+            self.namespace[name] = value
+        return self.names[id(value)]
+
+    def check(self, line: str) -> None:
+        self.checks.append(line)
+
+    def argument(self, i: int, a: Any) -> None:
+        a_i = f"a{i}"
+        if isinstance(a, torch.Tensor):
+            meta = (a.shape, a.stride(), a.dtype, a.device)
+            self.signature.append(meta)
+            shape, stride, dtype, device = (self.name(m) for m in meta)
+            self.check(f"isinstance({a_i}, _Tensor) and {a_i}.shape == {shape} and "
+                       f"{a_i}.stride() == {stride} and {a_i}.dtype is {dtype} and "
+                       f"{a_i}.device == {device}")
+            if self.grad:
+                self.check(f"not {a_i}.requires_grad")
+        else:
+            self.signature.append((type(a), a))
+            self.check(f"type({a_i}) is {self.name(type(a))} and {a_i} == {self.name(a)}")
+
+    def fixed(self, x: torch.Tensor, where: tuple) -> str:
+        t = self.name(x)
+        if where[0] == "version":
+            self.check(f"{t}._version == {x._version}")
+        elif where[0] == "global":
+            self.check(f"{self.name(where[1])}.get({where[2]!r}) is {t}")
+        else:
+            self.check(f"{self.name(where[1])}.cell_contents is {t}")
+        return t
+
+    def build(self, program: Callable, feeds: list[str], ret: str) -> Callable:
+        self.namespace["_program"] = program
+        unpack = "".join(f"a{i}, " for i in range(self.n))
+        lines = [
+            "def entry(args):",
+            f"    if len(args) != {self.n} or _grad() is not {self.grad} or _autocast():",
+            "        return _MISS",
+        ]
+        if self.n:
+            lines.append(f"    {unpack}= args")
+        if self.checks:
+            lines.append("    if not (" + "\n            and ".join(self.checks) + "):")
+            lines.append("        return _MISS")
+        lines.append(f"    out = _program({', '.join(feeds)})")
+        lines.append(f"    return {ret}")
+        source = "\n".join(lines) + "\n"
+        exec(compile(source, f"<autopar direct entry #{next(_counter)}>", "exec"),
+             self.namespace)
+        entry = self.namespace["entry"]
+        entry.signature = tuple(self.signature)
+        entry.source = source
+        return entry
+
+
+_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
+def _autocast() -> bool:
+    """Whether any autocast is on (True where this torch can't say: then nothing is learned)."""
+    return True if _AUTOCAST is None else bool(_AUTOCAST())

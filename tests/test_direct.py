@@ -1,0 +1,191 @@
+"""guards="arguments" (autopar.capture.direct): learned calls skip dynamo; what it checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.api import Options
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+W = torch.randn(10, 5)  # a global tensor the functions below read
+
+
+def through_dynamo(compiled) -> list[int]:
+    """Count the calls of ``compiled``'s autopar way that go through dynamo."""
+    direct = compiled.compiled
+    calls = []
+    dynamo = direct.compiled
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return dynamo(*args, **kwargs)
+
+    direct.compiled = counted
+    return calls
+
+
+def test_the_option_is_checked():
+    assert Options.parse({}).guards == "all"
+    assert Options.parse({"guards": "arguments"}).guards == "arguments"
+    with pytest.raises(ValueError, match="guards must be 'all' or 'arguments', not 'none'"):
+        autopar.compile(lambda x: x, guards="none")
+    with pytest.raises(Exception, match=r"guards='arguments' is autopar\.compile's"):
+        torch.compile(lambda a: a + 1, backend="autopar",
+                      options={"guards": "arguments"})(torch.ones(2))
+
+
+def test_a_settled_signature_runs_its_graph_without_dynamo(monkeypatch):
+    """Dynamo's frame (``compile_wrapper``) sets its eval-frame callback at each call: counted,
+    none is set by a learned signature's calls, nor is the compiled way called."""
+    from torch._dynamo import eval_frame
+
+    def mm(x, y):
+        return x @ y
+
+    compiled = autopar.compile(mm, devices="cpu:0", guards="arguments", candidates="autopar")
+    x, y = torch.randn(5, 10), torch.randn(10, 5)
+    torch.testing.assert_close(compiled(x, y), x @ y)
+    direct = compiled.compiled
+    assert len(direct.entries) == 1 and compiled.only is direct
+    calls = through_dynamo(compiled)
+    frames = []
+    set_eval_frame = eval_frame.set_eval_frame
+    monkeypatch.setattr(eval_frame, "set_eval_frame",
+                        lambda *a: frames.append(1) or set_eval_frame(*a))
+    for _ in range(5):
+        a, b = torch.randn(5, 10), torch.randn(10, 5)  # new tensors, the same signature
+        torch.testing.assert_close(compiled(a, b), a @ b)
+    assert not calls and not frames
+    a = torch.randn(3, 10)  # a new signature: through dynamo's frame (the count works)
+    torch.testing.assert_close(compiled(a, y), a @ y)
+    assert len(calls) == 1 and frames
+
+
+def test_a_new_shape_dtype_or_grad_mode_is_a_new_signature():
+    compiled = autopar.compile(lambda x, y: (x @ y).relu(), devices="cpu:0",
+                               guards="arguments", candidates="autopar")
+    calls = through_dynamo(compiled)
+    x, y = torch.randn(5, 10), torch.randn(10, 5)
+    cases = [(x, y), (x, y), (torch.randn(3, 10), y), (x.double(), y.double()), (x, y),
+             (x.t().contiguous().t(), y)]  # another stride too
+    for a, b in cases:
+        torch.testing.assert_close(compiled(a, b), (a @ b).relu())
+    assert len(calls) == 4  # each new signature through dynamo once
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, y), (x @ y).relu())
+    assert len(calls) == 5
+    with torch.autocast("cpu"):  # autocast: through dynamo, as eager computes it
+        compiled(x, y)
+    assert len(calls) == 6
+    assert len(compiled.compiled.entries) == 5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="another device needs CUDA")
+def test_a_new_device_is_a_new_signature():
+    compiled = autopar.compile(lambda x, y: x @ y, guards="arguments", candidates="autopar")
+    calls = through_dynamo(compiled)
+    x, y = torch.randn(5, 10), torch.randn(10, 5)
+    for a, b in [(x, y), (x.cuda(), y.cuda()), (x, y)]:
+        torch.testing.assert_close(compiled(a, b), a @ b)
+    assert len(calls) == 2
+
+
+def test_a_parameter_updated_in_place_goes_through_dynamo_once():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(10, 5)
+    compiled = autopar.compile(model, devices="cpu:0", guards="arguments",
+                               candidates="autopar")
+    x = torch.randn(4, 10)
+    with torch.no_grad():  # an inference graph (with grad, a training graph: dynamo's way)
+        for _ in range(2):
+            torch.testing.assert_close(compiled(x), model(x))
+        calls = through_dynamo(compiled.forward)
+        compiled(x)
+        assert not calls
+        model.weight.mul_(2)  # an optimizer's step: the parameter's _version changes
+        torch.testing.assert_close(compiled(x), model(x))
+        assert len(calls) == 1  # re-guarded by dynamo, then learned again
+        torch.testing.assert_close(compiled(x), model(x))
+        assert len(calls) == 1
+        model.eval()  # the module's training flag is checked too
+        compiled(x)
+        assert len(calls) == 2
+
+
+def mm_global(x):
+    return x @ W
+
+
+def test_a_global_tensor_replaced_goes_through_dynamo():
+    global W
+    compiled = autopar.compile(mm_global, devices="cpu:0", guards="arguments",
+                               candidates="autopar")
+    x = torch.randn(4, 10)
+    torch.testing.assert_close(compiled(x), x @ W)
+    calls = through_dynamo(compiled)
+    compiled(x)
+    assert not calls
+    old = W
+    try:
+        W = torch.randn(10, 5)
+        torch.testing.assert_close(compiled(x), x @ W)
+        assert len(calls) == 1
+        torch.testing.assert_close(compiled(x), x @ W)
+        assert len(calls) == 1
+    finally:
+        W = old
+
+
+def test_constants_made_inside_are_still_folded():
+    def w2(A):
+        a1 = torch.tensor(10.0, device=A.device)
+        return a1 * A + a1 ** 2
+
+    compiled = autopar.compile(w2, devices="cpu:0", guards="arguments", candidates="autopar")
+    A = torch.randn(8, 8)
+    torch.testing.assert_close(compiled(A), w2(A))
+    assert compiled.runner.folded == 1 and len(compiled.compiled.entries) == 1
+    calls = through_dynamo(compiled)
+    B = torch.randn(8, 8)
+    assert torch.equal(compiled(B), w2(B))
+    assert not calls
+
+
+def test_plain_arguments_are_part_of_the_signature():
+    compiled = autopar.compile(lambda x, k, tag: x * k, devices="cpu:0", guards="arguments",
+                               candidates="autopar")
+    calls = through_dynamo(compiled)
+    x = torch.randn(4)
+    for k, tag in [(2, "a"), (2, "a"), (3, "a"), (2, "b"), (True, "a"), (2, "a")]:
+        torch.testing.assert_close(compiled(x, k, tag), x * k)
+    assert len(calls) == 4
+
+
+def test_what_is_not_learned_keeps_going_through_dynamo():
+    """A graph break (Python between graphs), a graph that writes an argument, a result that
+    is not the graph's outputs alone, keyword arguments: every call through dynamo."""
+    def broken(x):
+        y = x.sin()
+        torch._dynamo.graph_break()
+        return y.cos()
+
+    def writes(A, B):
+        B[:] = A[2:4]
+        return B
+
+    def passes_through(x):
+        return x, x.sin()
+
+    x = torch.randn(6, 3)
+    for fn, args, kwargs in [(broken, (x,), {}), (writes, (x, torch.empty(2, 3)), {}),
+                             (passes_through, (x,), {}), (lambda x: x.sin(), (), {"x": x})]:
+        compiled = autopar.compile(fn, devices="cpu:0", guards="arguments",
+                                   candidates="autopar")
+        calls = through_dynamo(compiled)
+        for _ in range(3):
+            got, want = compiled(*args, **kwargs), fn(*args, **kwargs)
+            torch.testing.assert_close(got, want)
+        assert len(calls) == 3 and not compiled.compiled.entries
