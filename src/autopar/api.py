@@ -44,6 +44,7 @@ from .choose import WAYS, Trial, candidates, inductor_compiles_for
 from .cost.model import CostModel
 from .ir.graph import LOCAL_SCALAR_DENSE, Graph
 from .ir.logs import quiet
+from .ir.ops import PLAIN_VALUES
 from .ir.units import fmt_seconds
 from .machine.detect import load_machine
 from .passes.cudagraphs import capture_rule
@@ -249,13 +250,13 @@ class Runner:
                 plan = prefer_fused(plan, graph, cost, options.devices, fusing)
             # On eager's placement with nothing to overlap, fusing regions would repeat what
             # Inductor's whole graph, a candidate of its own, does better (and compile twice)
-            fuse = False if self.inductor_candidate and not options.trace and \
-                runs_as_eager(plan, cost, options.devices) else options.fuse
+            eager_like = not options.trace and runs_as_eager(plan, cost, options.devices) \
+                if self.inductor_candidate else None  # else asked below, only if need be
             executor = Executor(plan, trace=bool(options.trace),
-                                fuse=regions_to_fuse(plan, fuse),
+                                fuse=regions_to_fuse(plan, False if eager_like else options.fuse),
                                 cuda_graphs=capture_rule(options.cuda_graphs))
-            as_eager = not (options.trace or executor.fused or executor.segments) and \
-                runs_as_eager(plan, cost, options.devices)
+            as_eager = not (options.trace or executor.fused or executor.segments) and (
+                runs_as_eager(plan, cost, options.devices) if eager_like is None else eager_like)
         except Exception as e:
             where = next((n.source for n in graph.ops if n.source), None)
             log.warning("autopar: running %s%s on eager's devices: planning failed: %s: %s",
@@ -394,7 +395,6 @@ def compile(fn: Callable, **options: Any) -> Callable:
     return Dispatcher(fn, ours, runner, inductor=lambda: quiet(torch.compile(fn)))
 
 
-_PLAIN = (int, float, bool, str, type(None))
 
 
 def _signature(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple | None:
@@ -424,7 +424,7 @@ def _key_into(key: list[Any], values: Any, grad: bool) -> bool:
             add(v.shape)
             add(v.dtype)
             add(v.get_device())
-        elif isinstance(v, _PLAIN):
+        elif isinstance(v, PLAIN_VALUES):
             add(type(v))
             add(v)
         elif isinstance(v, list | tuple):

@@ -53,10 +53,13 @@ from __future__ import annotations
 import itertools
 import logging
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+
+from ..ir.ops import PLAIN_VALUES
+from .dynamo import any_autocast_enabled
 
 __all__ = ["MAX_ENTRIES", "Direct"]
 
@@ -66,7 +69,6 @@ MAX_ENTRIES = 16
 """Signatures a :class:`Direct` keeps entries for (the latest first)."""
 
 _MISS = object()
-_PLAIN = (int, float, bool, str, type(None))
 _counter = itertools.count()
 
 
@@ -115,7 +117,7 @@ class Direct:
             return None  # no graph, or a graph break: dynamo runs Python between graphs
         program, inputs, outputs = watch[0]
         grad = torch.is_grad_enabled()
-        if _autocast():
+        if any_autocast_enabled():
             return None
         at: dict[int, int] = {}  # id of a tensor argument -> its position
         for i, a in enumerate(args):
@@ -123,7 +125,7 @@ class Direct:
                 if id(a) in at or (grad and a.requires_grad):
                     return None
                 at[id(a)] = i
-            elif not isinstance(a, _PLAIN):
+            elif not isinstance(a, PLAIN_VALUES):
                 return None
         fixed = self._fixed()
         feeds: list[str] = []
@@ -159,24 +161,30 @@ class Direct:
                 found.update((id(t), ("version", t)) for t in m.buffers(recurse=False))
                 codes.append(type(m).forward)
         for fn in codes:
-            fn = getattr(fn, "__func__", fn)
-            code = getattr(fn, "__code__", None)
-            if code is None:
-                continue
-            names = set(_names(code))
-            scope = fn.__globals__
-            for name in names:
-                v = scope.get(name)
+            for _, v, where in free_values(fn):
                 if isinstance(v, torch.Tensor):
-                    found.setdefault(id(v), ("global", scope, name))
-            for cell in fn.__closure__ or ():
-                try:
-                    v = cell.cell_contents
-                except ValueError:  # an empty cell
-                    continue
-                if isinstance(v, torch.Tensor):
-                    found.setdefault(id(v), ("cell", cell))
+                    found.setdefault(id(v), where)
         return found
+
+
+def free_values(fn: Callable) -> Iterator[tuple[str, Any, tuple]]:
+    """What ``fn`` reads from outside itself: each global its code (nested code too) names
+    that its globals hold, as ``(name, value, ("global", globals, name))``, and each filled
+    closure cell, as ``(name, value, ("cell", cell))``."""
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return
+    scope = fn.__globals__
+    for name in dict.fromkeys(_names(code)):
+        if name in scope:
+            yield name, scope[name], ("global", scope, name)
+    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        try:
+            v = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        yield name, v, ("cell", cell)
 
 
 def _names(code: types.CodeType) -> list[str]:
@@ -214,7 +222,7 @@ class _Code:
         self.names: dict[int, str] = {}
         self.namespace: dict[str, Any] = {"_MISS": _MISS, "_Tensor": torch.Tensor,
                                           "_grad": torch.is_grad_enabled,
-                                          "_autocast": _AUTOCAST or _autocast}
+                                          "_autocast": any_autocast_enabled}
         self.signature: list[Any] = [grad, n]
 
     def name(self, value: Any) -> str:
@@ -274,10 +282,3 @@ class _Code:
         entry.source = source
         return entry
 
-
-_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
-
-
-def _autocast() -> bool:
-    """Whether any autocast is on (True where this torch can't say: then nothing is learned)."""
-    return True if _AUTOCAST is None else bool(_AUTOCAST())

@@ -123,7 +123,7 @@ def make_backend(build: GraphRunner, name: str = "autopar",
         # the same inputs as dynamo's (aot lifted no parameters, merged no duplicates) and no
         # autocast to switch off around the call (dynamo guards both)
         if len(bare) == 1 and bare[0][1] == len(example_inputs) and \
-                not _any_autocast_enabled() and \
+                not any_autocast_enabled() and \
                 all(type(x) in _PLAIN_INPUTS for x in example_inputs):
             direct = _without_aot_wrapper(bare.pop()[0])
             return direct if learn is None else _told(direct, learn)
@@ -145,9 +145,12 @@ _PLAIN_INPUTS = (torch.Tensor, torch.nn.Parameter, int, float, bool, torch.SymIn
                  torch.SymBool)
 
 
-def _any_autocast_enabled() -> bool:
-    check = getattr(torch._C, "_is_any_autocast_enabled", None)
-    return True if check is None else bool(check())
+def any_autocast_enabled() -> bool:
+    """Whether any autocast is on (True where this torch can't say)."""
+    return True if _IS_ANY_AUTOCAST is None else bool(_IS_ANY_AUTOCAST())
+
+
+_IS_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
 def _bare_inference() -> bool:

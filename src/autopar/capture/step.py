@@ -3,7 +3,6 @@ into one functional graph (see :mod:`autopar.dataparallel` for why not ``torch.c
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..ir.graph import Graph, Node
+from .direct import free_values
 from .fx import Unsupported, from_fx
 
 __all__ = ["StepGraph", "capture_step"]
@@ -113,15 +113,7 @@ _PASS_THEM = ("data_parallel splits a step whose parameters and buffers are its 
 
 def _reachable_modules(fn: Callable) -> dict[str, torch.nn.Module]:
     """The modules ``fn`` names: in its closure and among the globals its code reads."""
-    code = getattr(fn, "__code__", None)
-    found: dict[str, Any] = {}
-    if code is not None:
-        for var, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
-            with contextlib.suppress(ValueError):  # an empty cell
-                found[var] = cell.cell_contents
-        glob = getattr(fn, "__globals__", {})
-        found.update({n: glob[n] for n in code.co_names if n in glob})
-    return {n: m for n, m in found.items() if isinstance(m, torch.nn.Module)}
+    return {name: v for name, v, _ in free_values(fn) if isinstance(v, torch.nn.Module)}
 
 
 def _not_arguments(fn: Callable, tensors: Sequence[torch.Tensor] | None = None) -> str:

@@ -12,6 +12,9 @@ import torch
 
 from .graph import LOCAL_SCALAR_DENSE
 
+PLAIN_VALUES = (int, float, bool, str, type(None))
+"""Python values that stand for themselves: passed to an op, keyed or checked by value."""
+
 __all__ = ["SCALAR_FUNCTIONS", "SCALAR_OPS", "SIZE_OPS", "known_number"]
 
 _aten = torch.ops.aten

@@ -30,11 +30,11 @@ from typing import Any
 import torch
 
 from ..ir.graph import Node, op_name
+from ..ir.ops import PLAIN_VALUES
 from ..ir.routing import pool
 from ..schedule.steps import Free, Record, Run, Send, Step, Wait
 from .fuse import Fused
 
-_PLAIN = (int, float, bool, str, type(None))
 _counter = itertools.count()
 
 
@@ -96,7 +96,7 @@ class _Emitter:
     def const(self, value: Any) -> str:
         if isinstance(value, float) and not math.isfinite(value):
             return f"float({str(value)!r})"  # repr(inf) is not Python source
-        if isinstance(value, _PLAIN):
+        if isinstance(value, PLAIN_VALUES):
             return repr(value)
         name = self._consts.get(id(value))
         if name is None:
