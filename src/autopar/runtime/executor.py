@@ -343,9 +343,11 @@ def _pinned_like(t: torch.Tensor) -> torch.Tensor:
 
 def _copy_to(t: torch.Tensor, dst: str) -> torch.Tensor:
     """``t.to(dst, non_blocking=True)``, keeping the strides of a non-dense view."""
-    if _kept_strides(t) is None:
+    stride = _kept_strides(t)
+    if stride is None:
         return t.to(dst, non_blocking=True)
-    return _empty_like_on(t, dst).copy_(t, non_blocking=True)
+    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=dst).copy_(
+        t, non_blocking=True)
 
 
 class _Worker(_PerDevice):
