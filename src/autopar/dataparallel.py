@@ -11,12 +11,16 @@ ops plus trailing ``copy_`` into inputs. Those ``copy_`` are taken out of the gr
 values become outputs, written back into the user's tensors after the graph ran.
 
 Policy and invariants
-- The step takes its parameters as arguments (tensors that require grad and are leaves) and
-  updates them itself: a ``torch.optim`` optimizer (which holds its own references to the
-  parameters) or a module's own parameters are refused at capture, and the step runs eagerly.
-  Their ``.grad`` must be ``None`` on entry (zeroed by ``zero_grad()`` or set to None, as the
-  step does), else the call runs eagerly: accumulating into an existing ``.grad`` is not
-  captured. A ``.grad`` the step leaves set is set to the same values after the call.
+- The step is written as for one device: its parameters are its arguments, or the parameters
+  and buffers of the ``nn.Module``\ s it names, updated by hand or by the ``torch.optim``
+  optimizers it names (found and lifted into the trace: :mod:`autopar.capture.state`). An
+  argument that is a parameter must have ``.grad`` None on entry (else the call runs eagerly);
+  a module's parameter may hold one (the step zeroes it, sets it to None or adds into it, as
+  traced). After the call every ``.grad`` is what eager leaves.
+- The first call whose optimizer makes its state (Adam's moments, SGD's momentum buffers)
+  runs eagerly; the next call is traced. A param group's float values (``lr``) are part of
+  the signature: a scheduler that changes a float ``lr`` makes a new capture per value; a
+  tensor ``lr`` is an input (no new capture).
 - Batch inputs: ``batch_argnums`` (positions of tensor arguments, batch dim 0), else every
   tensor argument that doesn't require grad and whose dim 0 equals the first such one's. A step
   with no parameters (inference) must name them.
@@ -25,7 +29,10 @@ Policy and invariants
   values, detached.
 - k and devices: the graph is placed unsplit, and split over the home device (where the batch
   lives) and the next k-1 devices of its kind in ``devices``, for every k; the one with the
-  least predicted time runs, "don't split" included (see :mod:`autopar.passes.shard` for the pass,
+  least predicted time is the candidate, "don't split" included. Unless ``shards`` is given,
+  an unsplit prediction runs the step as written, and a split is kept only when a trial
+  (:class:`autopar.choose.Trial`, each call a real step) measured it faster than the step as
+  written (see :mod:`autopar.passes.shard` for the pass,
   :mod:`autopar.schedule.place` for the timing). The host may still run whole, unsplit ops.
 - Replicas: a parameter's copy on another device is kept between calls and made again only
   when the parameter changed outside the step (its ``_version`` or storage differ from what
@@ -50,7 +57,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .api import Options, make_runner
 from .capture.fake import relabel_devices
 from .capture.fx import Unsupported
+from .capture.state import State, StateNotReady, find_state
 from .capture.step import StepGraph, capture_step
+from .choose import Trial
 from .cost.model import CostModel
 from .ir.graph import Node
 from .machine.detect import load_machine
@@ -65,6 +74,12 @@ from .schedule.simulate import simulate
 __all__ = ["DataParallelStep", "StepPrediction", "data_parallel", "predict_step"]
 
 log = logging.getLogger("autopar.dataparallel")
+
+def _gpus(devices: Sequence[str]) -> list[int]:
+    """The CUDA indices among ``devices`` (a trial times each way on the GPUs it touches)."""
+    return sorted({int(d.split(":")[1]) if ":" in d else 0 for d in devices
+                   if d.startswith("cuda")})
+
 
 def _signature(leaves: Sequence[Any], spec: Any) -> tuple:
     def one(x: Any) -> Any:
@@ -82,6 +97,8 @@ class _Compiled:
     step: StepGraph
     run: Callable[[Sequence[Any]], Sequence[Any]]
     choice: Choice
+    way: str | None = "autopar"  # "eager" or "autopar"; None while a trial decides
+    trial: Trial | None = None
 
     @property
     def sharded(self) -> Sharded | None:
@@ -118,14 +135,15 @@ class DataParallelStep:
         if not step.params:
             raise TypeError("the step has no parameters (tensors that require grad): name its "
                             "batch arguments with batch_argnums=(...)")
-        rest = [j for j, t in enumerate(tensors) if j not in step.params and t.dim() >= 1]
+        rest = [j for j, t in enumerate(tensors)
+                if j < step.n_args and j not in step.params and t.dim() >= 1]
         if not rest:
             raise NotShardable("no tensor argument without requires_grad to split")
         n = tensors[rest[0]].shape[0]
         return {inputs[j]: 0 for j in rest if tensors[j].shape[0] == n}
 
-    def _compile(self, args: Sequence[Any]) -> _Compiled:
-        step = capture_step(self.fn, args)
+    def _compile(self, args: Sequence[Any], state: State) -> _Compiled:
+        step = capture_step(self.fn, args, state=state)
         cost = self.runner.cost_model()
         batch = self._batch(step, args)
         shard_devices(batch, cost, self.options.devices, self.shards)  # the user's mistakes
@@ -141,32 +159,70 @@ class DataParallelStep:
             raise Unsupported(f"planning failed: {type(e).__name__}: {e}") from e
         log.info("autopar: %s: predicted %s; running %s", step.graph.name, choice.predicted,
                  "unsplit" if choice.sharded is None else ",".join(choice.sharded.devices))
-        return _Compiled(step, run, choice)
+        compiled = _Compiled(step, run, choice)
+        if self.shards is None:  # the user didn't ask for a split: measured against eager
+            if choice.sharded is None:
+                compiled.way = "eager"  # unsplit is the step as written
+            else:
+                compiled.way = None
+                compiled.trial = Trial({"eager": _gpus(self._eager_devices(args)),
+                                        "autopar": _gpus(choice.sharded.devices)},
+                                       getattr(self.fn, "__name__", "step"))
+        return compiled
+
+    @staticmethod
+    def _eager_devices(args: Sequence[Any]) -> list[str]:
+        return [str(x.device) for x in tree_flatten(tuple(args))[0]
+                if isinstance(x, torch.Tensor)]
 
     # -- calling ----------------------------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
         leaves, spec = tree_flatten(tuple(args))
-        key = _signature(leaves, spec)
+        state = find_state(self.fn, args)
+        key = (_signature(leaves, spec), state.signature)
         if key not in self._compiled:
             try:
-                self._compiled[key] = self._compile(args)
+                self._compiled[key] = self._compile(args, state)
+            except StateNotReady as e:  # this call makes the optimizer's state: trace the next
+                log.info("autopar: %s", e)
+                self.last = None
+                return self.fn(*args)
             except (Unsupported, NotShardable) as e:
                 log.warning("autopar: running %s eagerly: %s",
                             getattr(self.fn, "__name__", "step"), e)
                 self._compiled[key] = None
         compiled = self._compiled[key]
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        if compiled is None or any(tensors[j].grad is not None for j in compiled.step.params):
-            self.last = None
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)] + state.tensors
+        self.last = None
+        if compiled is None or compiled.way == "eager" or any(
+                tensors[j].grad is not None for j in compiled.step.arg_params):
             return self.fn(*args)
-        self.last = compiled
-        return self._run(compiled, tensors)
+        if compiled.trial is None:
+            self.last = compiled
+            return self._run(compiled, tensors)
+
+        def way_of(way: str) -> Callable:
+            if way == "eager":
+                return self.fn
+
+            def split(*_: Any) -> Any:
+                self.last = compiled
+                return self._run(compiled, tensors)
+            return split
+
+        out = compiled.trial.run(way_of, args, {})
+        won = compiled.trial.verdict()
+        if won is not None:
+            log.info("autopar: %s keeps %s (%s)", getattr(self.fn, "__name__", "step"), won,
+                     compiled.trial.summary())
+            compiled.way, compiled.trial = won, None
+        return out
 
     def _run(self, c: _Compiled, tensors: list[torch.Tensor]) -> Any:
         step = c.step
         replicas = c.sharded.replicas if c.sharded is not None else []
-        call_args = [t.detach() for t in tensors] + [self._replica(tensors, i, d)
-                                                     for i, d in replicas]
+        call_args = [t.detach() for t in tensors] + step.constants + \
+            [self._replica(tensors, i, d) for i, d in replicas]
         outs = list(c.run(call_args))
         n, g, m = step.n_outputs, len(step.grads), len(step.mutated)
         user, grads, new = outs[:n], outs[n:n + g], outs[n + g:n + g + m]
@@ -175,6 +231,8 @@ class DataParallelStep:
                 tensors[j].copy_(value)
         for j, grad in zip(step.grads, grads):
             tensors[j].grad = grad
+        for j in step.cleared:
+            tensors[j].grad = None
         nexts = c.sharded.replica_outputs if c.sharded is not None else []
         for (j, device), fresh in zip(nexts, outs[n + g + m:], strict=True):
             where = torch.device(torch_device(device))
@@ -214,7 +272,7 @@ def predict_step(fn: Callable, args: Sequence[Any], machine: Any,
     """What :func:`data_parallel` would do with ``fn(*args)`` on ``machine`` (a preset name or a
     Machine), without running it: tensors built on the CPU are taken to live on ``inputs_on``.
     """
-    step = capture_step(fn, args)
+    step = capture_step(fn, args, state=find_state(fn, args))
     if inputs_on is not None:
         relabel_devices(step.graph, "cpu", inputs_on)
     cost = CostModel(load_machine(machine))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..ir.graph import Graph, Node
 from .direct import free_values
 from .fx import Unsupported, from_fx
+from .state import State
 
 __all__ = ["StepGraph", "capture_step"]
 
@@ -26,8 +27,12 @@ _COPY_ = torch.ops.aten.copy_.default
 class StepGraph:
     """One traced step: a functional graph over the step's tensor arguments.
 
-    ``graph.outputs`` are, in order: the step's own outputs (``n_outputs`` of them, flattened),
-    the ``.grad`` of each index in ``grads``, and the new value of each index in ``mutated``.
+    The graph's inputs are the step's tensor arguments (``n_args`` of them) followed by the
+    :class:`~autopar.capture.state.State`'s tensors. ``graph.outputs`` are, in order: the
+    step's own outputs (``n_outputs`` of them, flattened), the ``.grad`` of each index in
+    ``grads``, and the new value of each index in ``mutated``; each index in ``cleared`` held a
+    ``.grad`` the step set to None. ``constants`` (tensors made during the trace) are the
+    graph's last inputs.
     """
 
     graph: Graph
@@ -36,6 +41,14 @@ class StepGraph:
     grads: list[int]
     mutated: list[int]
     params: list[int]
+    n_args: int = 0
+    cleared: list[int] = field(default_factory=list)
+    constants: list[torch.Tensor] = field(default_factory=list)  # inputs after the tensors
+
+    @property
+    def arg_params(self) -> list[int]:
+        """The parameters among the step's arguments (their ``.grad`` must be None on entry)."""
+        return [j for j in self.params if j < self.n_args]
 
     @property
     def updates(self) -> dict[Node, Node]:
@@ -45,43 +58,70 @@ class StepGraph:
         return {inputs[j]: self.graph.outputs[first + k] for k, j in enumerate(self.mutated)}
 
 
-def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None) -> StepGraph:
-    """Trace ``fn(*args)`` (forward, backward, update) into one functional :class:`StepGraph`.
+def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
+                 state: State | None = None) -> StepGraph:
+    """Trace ``fn(*args)`` (forward, backward, update) into one functional :class:`StepGraph`;
+    ``state`` (see :mod:`autopar.capture.state`) is what it reads besides its arguments.
 
-    Nothing is computed and nothing of ``args`` changes: the trace runs on fake tensors.
+    Nothing is computed and nothing of ``args`` or ``state`` changes: the trace runs on fake
+    tensors. Raises :class:`Unsupported` (:class:`StateNotReady`: try the next call).
     """
+    state = state if state is not None else State()
     leaves, spec = tree_flatten(tuple(args))
     tensor_at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    tensors = [leaves[i] for i in tensor_at]
+    n_args = len(tensor_at)
+    tensors = [leaves[i] for i in tensor_at] + list(state.tensors)
     params = [j for j, t in enumerate(tensors) if t.requires_grad and t.is_leaf]
-    held = [j for j in params if tensors[j].grad is not None]
+    held = [j for j in params if j < n_args and tensors[j].grad is not None]
     if held:
         raise Unsupported(f"argument tensor {held[0]} has a .grad already: the step would add "
                           "into it; set it to None (optimizer.zero_grad()) before the step")
+    holds = {n_args + p: n_args + g for g, p in state.grad_of.items()}  # param -> its grad
     found: dict[str, Any] = {}
 
     def flat(*ts: torch.Tensor) -> list[torch.Tensor]:
         full = list(leaves)
         for i, t in zip(tensor_at, ts):
             full[i] = t
-        out = fn(*tree_unflatten(full, spec))
+        with state.swapped(ts[n_args:], {id(r): f for r, f in zip(tensors, ts[:n_args])},
+                           compiling=found.get("compiling", True)):
+            out = fn(*tree_unflatten(full, spec))
+            after = {j: ts[j].grad for j in params}
         outs, out_spec = tree_flatten(out)
         bad = [o for o in outs if not isinstance(o, torch.Tensor)]
         if bad:
             raise Unsupported(f"the step returns a {type(bad[0]).__name__}; only tensors are "
                               "captured")
-        grads = [j for j in params if ts[j].grad is not None]
-        found.update(n=len(outs), spec=out_spec, grads=grads)
-        return [o.detach() for o in outs] + [ts[j].grad for j in grads]
+        grads = [j for j in params if after[j] is not None
+                 and (j not in holds or after[j] is not ts[holds[j]])]
+        cleared = [j for j in holds if after[j] is None]
+        found.update(n=len(outs), spec=out_spec, grads=grads, cleared=cleared)
+        return [o.detach() for o in outs] + [after[j] for j in grads]
+
+    stepped = {id(opt) for _, opt in state.optimizers}
 
     def refuse_optimizer(opt: Any, *_: Any) -> None:
-        raise Unsupported(f"the step calls {type(opt).__name__}.step(): torch.optim optimizers "
-                          "hold the parameters themselves, which the trace can't follow; write "
-                          "the update on the step's arguments (p -= lr * p.grad)")
+        if id(opt) in stepped:
+            return
+        raise Unsupported(f"the step calls {type(opt).__name__}.step() on an optimizer it "
+                          "doesn't name (not an argument, global or closure variable of the "
+                          "step): pass it as an argument")
 
     hook = register_optimizer_step_pre_hook(refuse_optimizer)
     try:
-        gm = make_fx(flat, tracing_mode="fake")(*tensors)
+        try:
+            gm = make_fx(flat, tracing_mode="fake")(*tensors)
+        except Unsupported:
+            raise
+        except Exception:
+            if not state.optimizers:
+                raise
+            # torch.optim's compile-friendly path (tensor bias corrections) fails for some
+            # optimizers' options (foreach's stacked step sizes on fake tensors): its eager path
+            # reads the step counts with .item(), which the trace keeps as graph values
+            found["compiling"] = False
+            gm = make_fx(flat, tracing_mode="fake")(*tensors)
+        _drop_profiler_ranges(gm)
         plain = [t.detach() for t in tensors]
         gm = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="fake")(*plain)
     except Unsupported:
@@ -93,22 +133,46 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None) -> 
             op = text.split("Found in ", 1)[1].split("(", 1)[0] if "Found in " in text else "an op"
             raise Unsupported(
                 f"the step reads a tensor that is not its argument in {op}{where}: "
-                f"{_not_arguments(fn)}; {_PASS_THEM}") from e
+                f"{_not_arguments(fn, state)}; {_PASS_THEM}") from e
         first = (text.splitlines() or [type(e).__name__])[0]
         raise Unsupported(f"can't trace the step{where}: {type(e).__name__}: {first}") from e
     finally:
         hook.remove()
     graph, constants = from_fx(gm, name or getattr(fn, "__name__", "step"))
-    if constants:
-        raise Unsupported(f"the step reads {len(constants)} tensor(s) that are not its "
-                          f"arguments: {_not_arguments(fn, constants)}; {_PASS_THEM}")
+    outside = _held_outside(fn, constants)
+    if outside:
+        raise Unsupported(f"the step reads {len(outside)} tensor(s) that are not its "
+                          f"arguments: {_not_arguments(fn, state, outside)}; {_PASS_THEM}")
     mutated = _take_input_copies(graph)
-    return StepGraph(graph, found["n"], found["spec"], found["grads"], mutated, params)
+    return StepGraph(graph, found["n"], found["spec"], found["grads"], mutated, params, n_args,
+                     found["cleared"], constants)
 
 
-_PASS_THEM = ("data_parallel splits a step whose parameters and buffers are its arguments: pass "
-              "them as arguments (a module's own parameters and torch.optim optimizers are not "
-              "split yet)")
+def _held_outside(fn: Callable, constants: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The constants the trace met that the user holds (a module's tensor, a global or closure
+    tensor): a later call could see them changed or replaced, so they are refused. The rest
+    were made during the trace (``torch.tensor([...])`` in the step) and are the graph's own."""
+    held = {id(v) for _, v, _ in free_values(fn) if isinstance(v, torch.Tensor)}
+    for module in _reachable_modules(fn).values():
+        held.update(id(t) for t in [*module.parameters(), *module.buffers()])
+    return [c for c in constants if id(c) in held]
+
+
+_PROFILER_OPS = (torch.ops.profiler._record_function_exit._RecordFunction,
+                 torch.ops.profiler._record_function_enter_new.default)
+
+
+def _drop_profiler_ranges(gm: torch.fx.GraphModule) -> None:
+    """Take out the ``record_function`` ranges ``torch.optim`` opens (they carry no value)."""
+    for target in _PROFILER_OPS:
+        for node in [n for n in gm.graph.nodes if n.target is target]:
+            if not node.users:
+                gm.graph.erase_node(node)
+    gm.recompile()
+
+
+_PASS_THEM = ("pass it as an argument, or hold it in a module or optimizer the step names (as an "
+              "argument, a global or a closure variable)")
 
 
 def _reachable_modules(fn: Callable) -> dict[str, torch.nn.Module]:
@@ -116,13 +180,17 @@ def _reachable_modules(fn: Callable) -> dict[str, torch.nn.Module]:
     return {name: v for name, v, _ in free_values(fn) if isinstance(v, torch.nn.Module)}
 
 
-def _not_arguments(fn: Callable, tensors: Sequence[torch.Tensor] | None = None) -> str:
+def _not_arguments(fn: Callable, state: State,
+                   tensors: Sequence[torch.Tensor] | None = None) -> str:
     """Names of the tensors a step reads that are not its arguments: a module's parameters
     and buffers by their qualified names (``model.fc.weight (2x3)``), others by shape."""
     names: dict[int, str] = {}
+    lifted = {id(t) for t in state.tensors}
     for var, module in _reachable_modules(fn).items():
         for qual, t in [*module.named_parameters(), *module.named_buffers()]:
-            names.setdefault(id(t), f"{var}.{qual} ({'x'.join(map(str, t.shape)) or 'scalar'})")
+            if id(t) not in lifted:
+                names.setdefault(id(t),
+                                 f"{var}.{qual} ({'x'.join(map(str, t.shape)) or 'scalar'})")
     if tensors is None:  # which ones the trace met is not known: the candidates
         return ", ".join(list(names.values())[:6]) + (" ..." if len(names) > 6 else "") \
             if names else "a tensor held outside the step"

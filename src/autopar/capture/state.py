@@ -1,0 +1,256 @@
+"""The state a training step reaches without taking it as an argument, lifted into its trace.
+
+A step written as users write it (``opt.zero_grad(); loss_fn(model(x), y).backward();
+opt.step()``) reads the parameters and buffers of ``nn.Module``\\ s and the parameters and state
+of ``torch.optim`` optimizers it names. :func:`find_state` collects those tensors; they become
+extra inputs of the step's trace, and during the trace the modules and optimizers see the
+trace's fake tensors in their place (:meth:`State.swapped`), swapped back after, even on error.
+
+Policy and invariants
+- Where state is looked for, in order: the step's arguments, the globals its code reads and its
+  closure (:func:`autopar.capture.direct.free_values`), the attributes of a bound method's
+  object, and, one level down, the items of dicts, lists and tuples found there and the free
+  values of plain functions (a ``loss_fn`` that names the model). Each module and optimizer
+  once; a module inside another found one is not walked again. A tensor once (tied weights:
+  its first name); a step argument is not state (an optimizer that steps an argument sees the
+  argument's fake).
+- Tensors, in order: each module's parameters then buffers, then parameters an optimizer steps
+  that no module holds, then tensors among param groups' values (a tensor ``lr``, which a
+  scheduler may change without a new capture), then each optimizer's state tensors, then the
+  ``.grad`` each parameter holds on entry (the step may zero it, set it to None or add into it:
+  all three are traced).
+- :attr:`State.signature` keys the compiled graph: every tensor's metadata and whether each
+  parameter holds a ``.grad``, every param group's non-tensor values (``lr``, ``betas``,
+  ``weight_decay``, ``foreach``, ...) and the keys of each optimizer's state. A changed learning
+  rate is a new signature, captured again.
+- The trace runs with ``torch.compiler.is_compiling()`` true, as ``torch.export``'s non-strict
+  trace does: ``torch.optim`` then computes bias corrections from its step-count tensors
+  instead of baking a Python number read by ``.item()`` into the graph.
+- A step whose optimizer makes its state during the call (the first step: Adam's moments, SGD's
+  momentum buffers) can't be replayed from the trace: :class:`StateNotReady`; that call runs
+  eagerly and the next one is traced. A step that changes a param group's values (a scheduler
+  stepped inside the step) is refused: that change would happen at capture only. What the
+  trace did to the param groups and to the schedulers it can see is undone after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils._pytree import tree_flatten
+
+from .direct import free_values
+from .fx import Unsupported
+
+__all__ = ["State", "StateNotReady", "find_state"]
+
+_MAX_ITEMS = 64  # items of a dict, list or tuple among the free values looked into
+
+
+class StateNotReady(Unsupported):
+    """The optimizer makes its state in this call: run it eagerly, trace the next one."""
+
+
+@dataclass
+class State:
+    """The modules and optimizers a step reaches and their tensors (see the module docstring)."""
+
+    modules: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
+    optimizers: list[tuple[str, Optimizer]] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    grad_of: dict[int, int] = field(default_factory=dict)  # grad's index -> its parameter's
+    schedulers: list[Any] = field(default_factory=list)  # restored after a trace
+
+    def __bool__(self) -> bool:
+        return bool(self.modules or self.optimizers)
+
+    @property
+    def signature(self) -> tuple:
+        metas = tuple((tuple(t.shape), t.dtype, str(t.device), t.requires_grad)
+                      for t in self.tensors)
+        groups = tuple(
+            tuple(tuple((k, _plain(v)) for k, v in sorted(g.items()) if k != "params")
+                  for g in opt.param_groups)
+            for _, opt in self.optimizers)
+        states = tuple(tuple(tuple(sorted(s)) for s in opt.state.values())
+                       for _, opt in self.optimizers)
+        return metas, tuple(sorted(self.grad_of)), groups, states
+
+    def group_values(self) -> list:
+        return [[{k: _plain(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+                for _, opt in self.optimizers]
+
+    @contextlib.contextmanager
+    def swapped(self, fakes: Sequence[torch.Tensor],
+                also: dict[int, torch.Tensor] | None = None,
+                compiling: bool = True) -> Iterator[None]:
+        """Modules and optimizers see ``fakes`` (one per :attr:`tensors`) in place of their
+        tensors until the block ends; ``also`` maps the ids of the step's argument tensors to
+        their fakes (an argument an optimizer steps is the same tensor there)."""
+        fake = {**(also or {}), **{id(real): f for real, f in
+                                   zip(self.tensors, fakes, strict=True)}}
+        values = self.group_values()
+        keys = [dict(self._state_keys(opt)) for _, opt in self.optimizers]
+        with contextlib.ExitStack() as stack:
+            for _, module in self.modules:
+                named = {**dict(module.named_parameters(remove_duplicate=False)),
+                         **dict(module.named_buffers(remove_duplicate=False))}
+                stack.enter_context(_reparametrize_module(
+                    module, {name: fake[id(t)] for name, t in named.items() if id(t) in fake}))
+            for scheduler in self.schedulers:  # a scheduler stepped in the trace: undone
+                stack.callback(scheduler.load_state_dict, scheduler.state_dict())
+            for _, opt in self.optimizers:
+                groups = [dict(g) for g in opt.param_groups]
+                state = opt.state
+                stack.callback(_restore, opt, groups, state)
+                for g in opt.param_groups:
+                    g["params"] = [fake[id(p)] for p in g["params"]]
+                    for k, v in list(g.items()):
+                        if isinstance(v, torch.Tensor) and id(v) in fake:
+                            stack.callback(g.__setitem__, k, v)
+                            g[k] = fake[id(v)]
+                opt.state = defaultdict(dict, {
+                    fake[id(p)]: {k: fake.get(id(v), v) if isinstance(v, torch.Tensor) else v
+                                  for k, v in s.items()}
+                    for p, s in state.items()})
+            for g, p in self.grad_of.items():
+                fakes[p].grad = fakes[g]
+            if compiling:
+                stack.enter_context(_compiling())
+            yield
+            self._check_unchanged(values, keys)
+
+    def _check_unchanged(self, values: list, keys: list) -> None:
+        for (name, opt), was, had in zip(self.optimizers, values, keys, strict=True):
+            now = [{k: _plain(v) for k, v in g.items() if k != "params"}
+                   for g in opt.param_groups]
+            if now != was:
+                i = next(i for i, (a, b) in enumerate(zip(now, was)) if a != b)
+                keys = sorted(k for k in now[i] if now[i][k] != was[i].get(k))
+                raise Unsupported(
+                    f"the step changes {', '.join(keys)} of {name}'s param group {i} (a "
+                    "learning-rate scheduler stepped inside the step?): step it outside")
+            if dict(self._state_keys(opt)) != had:
+                raise StateNotReady(f"{name} makes its state in this call ({type(opt).__name__}"
+                                    "'s first step): it runs eagerly, the next call is traced")
+
+    @staticmethod
+    def _state_keys(opt: Optimizer) -> Iterator[tuple[int, set]]:
+        """Each stepped parameter's position in the param groups and its state's keys (the
+        trace's optimizer is keyed by fake tensors: positions match the real one's)."""
+        where = {id(p): k for k, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+        for p, s in opt.state.items():
+            yield where.get(id(p), -1), set(s)
+
+
+def _restore(opt: Optimizer, groups: list[dict], state: Any) -> None:
+    for g, was in zip(opt.param_groups, groups, strict=True):
+        g.clear()
+        g.update(was)
+    opt.state = state
+
+
+@contextlib.contextmanager
+def _compiling() -> Iterator[None]:
+    was = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = was
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return ("tensor", tuple(v.shape), v.dtype, str(v.device))
+    if isinstance(v, list | tuple):
+        return tuple(_plain(x) for x in v)
+    return v
+
+
+def find_state(fn: Callable, args: Sequence[Any]) -> State:
+    """The modules and optimizers ``fn(*args)`` reaches and their tensors, in the module
+    docstring's order."""
+    found: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+
+    def visit(name: str, value: Any, depth: int = 1) -> None:
+        if isinstance(value, torch.nn.Module | Optimizer | LRScheduler):
+            if id(value) in seen:
+                return
+            seen.add(id(value))
+            found.append((name, value))
+        elif depth and isinstance(value, dict):
+            for k, v in list(value.items())[:_MAX_ITEMS]:
+                visit(f"{name}[{k!r}]", v, depth - 1)
+        elif depth and isinstance(value, list | tuple):
+            for k, v in enumerate(value[:_MAX_ITEMS]):
+                visit(f"{name}[{k}]", v, depth - 1)
+
+    for i, a in enumerate(args):
+        visit(f"argument {i}", a)
+    functions: list[Callable] = []
+    for name, value, _ in free_values(fn):
+        visit(name, value)
+        if isinstance(value, types.FunctionType):
+            functions.append(value)
+    owner = getattr(fn, "__self__", None)
+    if owner is not None:
+        visit("self", owner)
+        for name, value in vars(owner).items() if hasattr(owner, "__dict__") else ():
+            visit(f"self.{name}", value)
+    for f in functions:
+        for name, value, _ in free_values(f):
+            visit(name, value)
+
+    state = State()
+    given = {id(x) for x in tree_flatten(tuple(args))[0] if isinstance(x, torch.Tensor)}
+    modules = [(n, m) for n, m in found if isinstance(m, torch.nn.Module)]
+    inner = {id(s) for _, m in modules for s in m.modules() if s is not m}
+    state.modules = [(n, m) for n, m in modules if id(m) not in inner]
+    state.optimizers = [(n, o) for n, o in found if isinstance(o, Optimizer)]
+    state.schedulers = [s for _, s in found if isinstance(s, LRScheduler)]
+    at: dict[int, int] = {}
+
+    def add(t: torch.Tensor, name: str) -> None:
+        if id(t) not in at and id(t) not in given:
+            at[id(t)] = len(state.tensors)
+            state.tensors.append(t)
+            state.names.append(name)
+
+    for var, module in state.modules:
+        for qual, t in [*module.named_parameters(), *module.named_buffers()]:
+            add(t, f"{var}.{qual}")
+    for var, opt in state.optimizers:
+        for i, g in enumerate(opt.param_groups):
+            for k, p in enumerate(g["params"]):
+                add(p, f"{var}.param_groups[{i}]['params'][{k}]")
+    names_of = dict(zip(map(id, state.tensors), state.names))
+    for var, opt in state.optimizers:
+        for i, g in enumerate(opt.param_groups):
+            for key, v in g.items():
+                if isinstance(v, torch.Tensor):
+                    add(v, f"{var}.param_groups[{i}][{key!r}]")
+    for var, opt in state.optimizers:
+        for p, s in opt.state.items():
+            for key, v in s.items():
+                if isinstance(v, torch.Tensor):
+                    add(v, f"{var}.state[{names_of.get(id(p), 'an argument')}][{key!r}]")
+    params = [j for j, t in enumerate(state.tensors) if t.requires_grad and t.is_leaf]
+    for j in params:
+        g = state.tensors[j].grad
+        if g is not None:
+            state.grad_of[len(state.tensors)] = j
+            state.tensors.append(g)
+            state.names.append(f"{state.names[j]}.grad")
+    return state

@@ -1,0 +1,202 @@
+"""``autopar.data_parallel`` on training steps as users write them: an ``nn.Module``'s own
+parameters and buffers, a ``torch.optim`` optimizer, ``zero_grad``/``backward``/``clip``/
+``step``, schedulers. Two logical CPU workers; after every step the loss, parameters, their
+``.grad``, the buffers and the optimizer's state are eager's (float tolerance: reductions are
+summed in another order)."""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autopar
+
+CPUS = "cpu:0,cpu:1"
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def _net(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)  # no bias before batch norm: its gradient is zero up to rounding,
+    # which Adam would scale up to lr-sized noise (both ways, differently)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.BatchNorm1d(16),
+                               torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01),
+    "adam-foreach": lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True),
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    "sgd-nesterov": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True,
+                                               weight_decay=1e-3),
+}
+
+
+def _step_of(model, opt, clip: float | None = 1.0, set_to_none: bool = True):
+    def step(x, y):
+        opt.zero_grad(set_to_none=set_to_none)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        return loss.detach()
+    return step
+
+
+def _batches(n: int, batch: int = 10):
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(batch, 8, generator=g), torch.randint(0, 4, (batch,), generator=g))
+            for _ in range(n)]
+
+
+def assert_same_training(model, ref, opt, ref_opt) -> None:
+    for (name, got), want in zip(model.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(got, want, **TOL, msg=name)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=f"{name}.grad")
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert opt.state[p].keys() == ref_opt.state[q].keys()
+        for key, value in ref_opt.state[q].items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(opt.state[p][key], value, **TOL, msg=key)
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_twenty_module_steps_with_torch_optim_split_over_two_workers_equal_eager(optimizer):
+    model, ref = _net(), _net()
+    opt, ref_opt = OPTIMIZERS[optimizer](model.parameters()), \
+        OPTIMIZERS[optimizer](ref.parameters())
+    step = autopar.data_parallel(_step_of(model, opt), devices=CPUS, shards=2)
+    ref_step = _step_of(ref, ref_opt)
+    for i, (x, y) in enumerate(_batches(20)):
+        torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
+        # the first call makes the optimizer's state: it runs eagerly; the rest are split
+        assert (step.last is None) == (i == 0), i
+    assert step.last.sharded.devices == ("cpu:0", "cpu:1")
+    assert_same_training(model, ref, opt, ref_opt)
+
+
+def test_fused_adamw_runs_eagerly_and_says_why(caplog):
+    """torch.func.functionalize fails on ``_fused_adamw_`` (PyTorch's internal assert): the step
+    runs as written, every call, with the reason logged once."""
+    model, ref = _net(), _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    step = autopar.data_parallel(_step_of(model, opt), devices=CPUS, shards=2)
+    ref_step = _step_of(ref, ref_opt)
+    with caplog.at_level(logging.WARNING, logger="autopar"):
+        for x, y in _batches(3):
+            torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
+            assert step.last is None
+    assert caplog.text.count("running step eagerly: can't trace the step") == 1
+    assert_same_training(model, ref, opt, ref_opt)
+
+
+def test_held_gradients_zeroed_in_place_are_traced():
+    model, ref = _net(), _net()
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), \
+        torch.optim.SGD(ref.parameters(), lr=0.1)
+    step = autopar.data_parallel(_step_of(model, opt, None, set_to_none=False), devices=CPUS,
+                                 shards=2)
+    ref_step = _step_of(ref, ref_opt, None, set_to_none=False)
+    grads = None
+    for x, y in _batches(4):
+        torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
+        assert step.last is not None  # SGD without momentum has no state: traced at once
+        if grads is None:
+            grads = [p.grad for p in model.parameters()]
+    # zero_grad(set_to_none=False) and backward wrote into the same .grad tensors, as eagerly
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+    assert_same_training(model, ref, opt, ref_opt)
+
+
+def test_a_scheduler_stepped_outside_the_step_is_followed():
+    model, ref = _net(), _net()
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), \
+        torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=3, gamma=0.5)
+    step = autopar.data_parallel(_step_of(model, opt), devices=CPUS, shards=2)
+    ref_step = _step_of(ref, ref_opt)
+    for x, y in _batches(9):
+        torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
+        sched.step()
+        ref_sched.step()
+    assert_same_training(model, ref, opt, ref_opt)
+    # a float lr is part of the graph: one capture per value (1e-2, 5e-3, 2.5e-3)
+    assert sum(c is not None for c in step._compiled.values()) == 3
+
+
+def test_a_tensor_learning_rate_is_an_input_not_a_new_capture():
+    model, ref = _net(), _net()
+    opt = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1), momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=torch.tensor(0.1), momentum=0.9)
+    step = autopar.data_parallel(_step_of(model, opt), devices=CPUS, shards=2)
+    ref_step = _step_of(ref, ref_opt)
+    for k, (x, y) in enumerate(_batches(6)):
+        torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
+        for o in (opt, ref_opt):
+            o.param_groups[0]["lr"].fill_(0.1 / (k + 2))
+    assert_same_training(model, ref, opt, ref_opt)
+    assert sum(c is not None for c in step._compiled.values()) == 1
+
+
+def test_a_scheduler_stepped_inside_the_step_runs_eagerly_and_says_why(caplog):
+    model, ref = _net(), _net()
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), \
+        torch.optim.SGD(ref.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+
+    def with_scheduler(inner, s):
+        def step(x, y):
+            loss = inner(x, y)
+            s.step()
+            return loss
+        return step
+
+    step = autopar.data_parallel(with_scheduler(_step_of(model, opt), sched), devices=CPUS)
+    ref_step = with_scheduler(_step_of(ref, ref_opt), ref_sched)
+    with caplog.at_level(logging.WARNING, logger="autopar"):
+        for x, y in _batches(3):
+            torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
+    assert "the step changes lr of opt's param group 0" in caplog.text
+    assert step.last is None
+    assert_same_training(model, ref, opt, ref_opt)
+
+
+def test_a_module_the_step_cannot_see_is_named_and_the_step_runs_eagerly(caplog):
+    model, ref = _net(), _net()
+    holder = types.SimpleNamespace(model=model)  # not a module, dict, list or optimizer
+
+    def step(x, y):
+        loss = F.cross_entropy(holder.model(x), y)
+        loss.backward()
+        with torch.no_grad():
+            for p in holder.model.parameters():
+                p -= 0.1 * p.grad
+                p.grad = None
+        return loss.detach()
+
+    def ref_step(x, y):
+        loss = F.cross_entropy(ref(x), y)
+        loss.backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p -= 0.1 * p.grad
+                p.grad = None
+        return loss.detach()
+
+    dp = autopar.data_parallel(step, devices=CPUS, batch_argnums=(0, 1))
+    (x, y), = _batches(1)
+    with caplog.at_level(logging.WARNING, logger="autopar"):
+        torch.testing.assert_close(dp(x, y), ref_step(x, y), **TOL)
+    assert "running step eagerly" in caplog.text and dp.last is None
+    assert "reads a tensor that is not its argument" in caplog.text
+    assert f"test_dataparallel_modules.py:{step.__code__.co_firstlineno + 1}" in caplog.text
