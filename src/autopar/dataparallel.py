@@ -1,4 +1,4 @@
-"""Whole-step data parallelism: ``autopar.data_parallel(step)`` runs a training step written for
+r"""Whole-step data parallelism: ``autopar.data_parallel(step)`` runs a training step written for
 one device on several, splitting the batch when the cost model says it pays.
 
 Capture (why not ``torch.compile``): dynamo breaks a training step at ``loss.backward()`` and
