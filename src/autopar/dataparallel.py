@@ -130,7 +130,8 @@ class DataParallelStep:
                 if not 0 <= i < len(args) or not isinstance(args[i], torch.Tensor):
                     raise TypeError(f"batch_argnums names argument {i}, which is not a tensor "
                                     f"(the step got {len(args)} arguments)")
-                picked.append(next(j for j, t in enumerate(tensors) if t is args[i]))
+                # every position of that tensor (one tensor passed twice: ids and labels)
+                picked += [j for j, t in enumerate(tensors) if t is args[i]]
             return {inputs[j]: 0 for j in picked}
         if not step.params:
             raise TypeError("the step has no parameters (tensors that require grad): name its "

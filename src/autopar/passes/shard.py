@@ -95,7 +95,14 @@ class Whole:
     node: Any  # a Node, or a tuple-valued Node read through getitem
 
 
-Layout = Split | Whole
+@dataclass(frozen=True)
+class Items:
+    """A tuple-valued op split per shard: each item's own layout (``getitem`` reads one)."""
+
+    items: tuple[Split | Whole, ...]
+
+
+Layout = Split | Whole | Items
 
 
 @dataclass
@@ -150,6 +157,7 @@ class _Builder:
         self._replica_nodes: dict[tuple[Node, str], Node] = {}  # (src input, device) -> input
         self._local: dict[tuple[Node, int], Node] = {}  # (src node, shard) -> shard-local copy
         self._gathered: dict[Node, Node] = {}
+        self._scattered: dict[tuple, Split] = {}
         self._partials: dict[Node, tuple[Node, ...]] = {}  # reduced sum -> its partials
         self._chunks: dict[Node, tuple[Node, ...]] = {}  # cat of reduced chunks -> the chunks
         self.reduce_chunks: int | None = None  # at most this many chunks (None: the default)
@@ -194,6 +202,22 @@ class _Builder:
         if got is None:
             parts = [self.to_home(p) for p in lay.parts]
             got = self._gathered[src] = self.call(aten.cat.default, (parts, lay.dim), like=src)
+        return got
+
+    def scatter(self, src: Node, dim: int, rows: Sequence[int]) -> Split:
+        """A Whole value of ``src`` cut along ``dim`` into shards of ``rows`` (slices on home,
+        each moved to its shard's device): a mask or an expanded parameter made whole meets
+        a Split value of the same batch."""
+        key = (src, dim, tuple(rows))
+        got = self._scattered.get(key)
+        if got is None:
+            whole, parts, start = self.whole(src), [], 0
+            for i, n in enumerate(rows):
+                view = self.call(aten.slice.Tensor, (whole, dim, start, start + n), like=src,
+                                 part=f"_cut{i}")
+                parts.append(self.to_device(view, i) if i else view)
+                start += n
+            got = self._scattered[key] = Split(dim, tuple(parts))
         return got
 
     def reduce(self, parts: Sequence[Node]) -> Node:
@@ -309,6 +333,11 @@ def _dim(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
 
 
+def _rows(s: Split) -> list[int]:
+    """Each shard's size along a Split value's dim."""
+    return [p.meta.shape[s.dim] for p in s.parts]
+
+
 def _split_of(b: _Builder, x: Any) -> Split | None:
     if isinstance(x, Node):
         lay = b.layout.get(x)
@@ -365,12 +394,18 @@ def _elementwise(b: _Builder, node: Node) -> Layout | None:
         out_dim = d
     if out_dim is None:
         return None
-    for x in node.inputs:
-        if _split_of(b, x) is None and isinstance(x.meta, TensorMeta):
+    rows = next(_rows(s) for x in node.inputs if (s := _split_of(b, x)) is not None)
+    cut: dict[int, Node] = {}
+    for k, x in enumerate(node.args):
+        if isinstance(x, Node) and _split_of(b, x) is None and isinstance(x.meta, TensorMeta):
             d = out_dim - (nd - _ndim(x))
-            if d >= 0 and x.meta.shape[d] != 1:
+            if d >= 0 and x.meta.shape[d] == out.shape[out_dim]:  # the whole batch: cut it
+                cut[k] = b.scatter(x, d, rows)
+            elif d >= 0 and x.meta.shape[d] != 1:
                 return None
-    return _per_shard(b, node, out_dim)
+    if not cut:
+        return _per_shard(b, node, out_dim)
+    return _per_shard(b, node, out_dim, replace=lambda i: {k: c.parts[i] for k, c in cut.items()})
 
 
 def _same(b: _Builder, node: Node) -> Layout | None:
@@ -396,23 +431,37 @@ def _transpose(b: _Builder, node: Node) -> Layout | None:
 
 
 def _reshape(b: _Builder, node: Node) -> Layout | None:
-    """A view/reshape keeps the batch dim when the dims before it and the dim itself map."""
+    """A view/reshape keeps the batch split where every shard boundary (a row of the batch dim)
+    falls on an index boundary of one output dim with the same dims before it: the batch dim
+    kept, merged with the dims after it (``(B, H, L) -> (B*H, L)``) or split back."""
     x = node.args[0]
     s = _split_of(b, x)
     if s is None or not isinstance(node.meta, TensorMeta):
         return None
     ins, outs = list(x.meta.shape), list(node.meta.shape)
-    before = 1
-    for d in range(s.dim):
-        before *= ins[d]
-    acc = 1
-    for d, size in enumerate(outs):
-        if acc == before and size == ins[s.dim]:
-            def shard_shape(i: int, d: int = d) -> dict:
-                return {1: [*outs[:d], b.sizes[i], *outs[d + 1:]]}
-            return _per_shard(b, node, d, replace=shard_shape)
-        acc *= size
+    before = _prod(ins[:s.dim])
+    inner = _prod(ins[s.dim + 1:])
+    rows = [p.meta.shape[s.dim] for p in s.parts]
+    for d in range(len(outs)):
+        if _prod(outs[:d]) != before:
+            continue
+        out_inner = _prod(outs[d + 1:])
+        if out_inner == 0 or any(r * inner % out_inner for r in rows):
+            continue
+        if sum(r * inner // out_inner for r in rows) != outs[d]:
+            continue
+
+        def shard_shape(i: int, d: int = d, out_inner: int = out_inner) -> dict:
+            return {1: [*outs[:d], rows[i] * inner // out_inner, *outs[d + 1:]]}
+        return _per_shard(b, node, d, replace=shard_shape)
     return None
+
+
+def _prod(xs: Sequence[int]) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
 
 
 def _mm(b: _Builder, node: Node) -> Layout | None:
@@ -554,6 +603,287 @@ def _nll_backward(b: _Builder, node: Node) -> Layout | None:
     return _per_shard(b, node, 0)  # the global total weight makes each row eager's
 
 
+def _dims_kept(b: _Builder, node: Node, dim_of: Callable[[int], int | None],
+               replace: Callable[[int], dict] | None = None) -> Layout | None:
+    """A view or reshuffle of one Split input whose batch dim ``s.dim`` lands on
+    ``dim_of(s.dim)`` (None: the op touches the batch dim, left unsplit)."""
+    s = _split_of(b, node.args[0])
+    if s is None or any(_split_of(b, x) is not None for x in node.inputs[1:]):
+        return None
+    d = dim_of(s.dim)
+    return None if d is None else _per_shard(b, node, d, replace)
+
+
+def _unsqueeze(b: _Builder, node: Node) -> Layout | None:
+    d = _dim(node.args[1], _ndim(node.args[0]) + 1)
+    return _dims_kept(b, node, lambda s: s + 1 if d <= s else s)
+
+
+def _squeeze(b: _Builder, node: Node) -> Layout | None:
+    dims = node.args[1] if len(node.args) > 1 else None
+    nd = _ndim(node.args[0])
+    dims = [dims] if isinstance(dims, int) else list(dims or range(nd))
+    dims = [_dim(d, nd) for d in dims if node.args[0].meta.shape[_dim(d, nd)] == 1]
+    return _dims_kept(b, node, lambda s: None if s in dims else s - sum(d < s for d in dims))
+
+
+def _permute(b: _Builder, node: Node) -> Layout | None:
+    order = [_dim(d, _ndim(node.args[0])) for d in node.args[1]]
+    return _dims_kept(b, node, lambda s: order.index(s))
+
+
+def _expand(b: _Builder, node: Node) -> Layout | None:
+    x, size = node.args[:2]
+    lead = len(size) - _ndim(x)
+
+    def dim_of(s: int) -> int | None:
+        return s + lead if size[s + lead] in (-1, x.meta.shape[s]) else None
+
+    def rows(i: int) -> dict:
+        s = _split_of(b, x)
+        new = list(size)
+        new[s.dim + lead] = s.parts[i].meta.shape[s.dim]
+        return {1: new}
+    return _dims_kept(b, node, dim_of, rows)
+
+
+def _slice(b: _Builder, node: Node) -> Layout | None:
+    d = _dim(node.args[1] if len(node.args) > 1 else 0, _ndim(node.args[0]))
+    return _dims_kept(b, node, lambda s: None if s == d else s)
+
+
+def _select(b: _Builder, node: Node) -> Layout | None:
+    d = _dim(node.args[1], _ndim(node.args[0]))
+    return _dims_kept(b, node, lambda s: None if s == d else s - (d < s))
+
+
+def _pad(b: _Builder, node: Node) -> Layout | None:
+    pad = node.args[1]
+    nd = _ndim(node.args[0])
+    padded = {nd - 1 - k // 2 for k, p in enumerate(pad) if p}  # pairs from the last dim
+    return _dims_kept(b, node, lambda s: None if s in padded else s)
+
+
+def _split_tuple(b: _Builder, node: Node) -> Layout | None:
+    """``split``/``chunk`` along another dim: each piece keeps the batch dim."""
+    x = node.args[0]
+    s = _split_of(b, x)
+    d = _dim(node.args[2] if len(node.args) > 2 else 0, _ndim(x))
+    if s is None or s.dim == d or not isinstance(node.meta, tuple):
+        return None
+    return _items(b, node, ["split"] * len(node.meta), s.dim)
+
+
+def _backward_of_view(b: _Builder, node: Node) -> Layout | None:
+    """``slice_backward``/``select_backward``(grad, input_sizes, dim, ...): the batch dim of
+    the input, not the viewed one; sizes made the shard's."""
+    g, sizes, d = node.args[:3]
+    s = _split_of(b, g)
+    nd = len(sizes)
+    d = _dim(d, nd)
+    if s is None:
+        return None
+    out = s.dim + (node.op is aten.select_backward.default and d <= s.dim)
+    if out == d:
+        return None
+
+    def rows(i: int) -> dict:
+        new = list(sizes)
+        new[out] = s.parts[i].meta.shape[s.dim]
+        return {1: new}
+    return _per_shard(b, node, out, rows)
+
+
+def _cat(b: _Builder, node: Node) -> Layout | None:
+    """``cat`` of Split values along another dim; a Whole value of the whole batch among them
+    (an expanded class token) is cut per shard; an empty 1-d value (a cache begun as
+    ``torch.tensor([])``, which ``cat`` skips) goes to every shard as it is."""
+    xs, d = node.args[0], node.args[1] if len(node.args) > 1 else 0
+    real = [x for x in xs if not (isinstance(x, Node) and x.meta.shape == (0,))]
+    splits = [s for x in real if (s := _split_of(b, x)) is not None]
+    if not splits or len({s.dim for s in splits}) != 1:
+        return None
+    dim, rows = splits[0].dim, _rows(splits[0])
+    if _dim(d, _ndim(real[0])) == dim:
+        return None
+    full = sum(rows)
+    pieces = []
+    for x in xs:
+        if x in real and _split_of(b, x) is None:
+            if x.meta.shape[dim] != full:
+                return None
+            pieces.append(b.scatter(x, dim, rows))
+        else:
+            pieces.append(_split_of(b, x) or x)
+    parts = []
+    for i in range(len(b.devices)):
+        here = [p.parts[i] if isinstance(p, Split) else b.local(p, i) for p in pieces]
+        parts.append(b.call(node.op, (here, *node.args[1:]), node.kwargs, shard=i, like=node))
+    return Split(dim, tuple(parts))
+
+
+def _cast(b: _Builder, node: Node) -> Layout | None:
+    """``_to_copy`` that changes the dtype (or nothing) on the value's own device: per shard,
+    each on its shard's device; a move to another device is left to the plan (unsplit)."""
+    x = node.args[0]
+    s = _split_of(b, x)
+    if s is None or len(node.inputs) != 1 or ("device" in node.kwargs and
+                                             str(node.kwargs["device"]) != x.device):
+        return None
+    parts = []
+    for i, part in enumerate(s.parts):
+        kwargs = dict(node.kwargs)
+        if "device" in kwargs:
+            kwargs["device"] = torch.device(torch_device(b.devices[i]))
+        parts.append(b.call(node.op, (part, *node.args[1:]), kwargs, shard=i, like=node))
+    return Split(s.dim, tuple(parts))
+
+
+def _mean_dims(b: _Builder, node: Node) -> Layout | None:
+    """``mean`` over dims other than the batch dim (a pooled image) per shard; over the batch
+    (a loss): the shards' sums reduced, divided by the count (eager's mean up to summation
+    order)."""
+    x = node.args[0]
+    s = _split_of(b, x)
+    if s is None or node.kwargs.get("dtype") is not None:
+        return None
+    nd = _ndim(x)
+    dims = [_dim(d, nd) for d in node.args[1]] if len(node.args) > 1 and node.args[1] \
+        else list(range(nd))
+    keep = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim"))
+    if s.dim not in dims:
+        return _per_shard(b, node, s.dim if keep else s.dim - sum(d < s.dim for d in dims))
+    count = _prod([x.meta.shape[d] for d in dims])
+    sums = []
+    for i, part in enumerate(s.parts):
+        sums.append(b.call(aten.sum.dim_IntList, (part, dims, keep), shard=i, like=node,
+                           part="_sum"))
+    return Whole(b.call(aten.div.Tensor, (b.reduce(sums), count), like=node))
+
+
+def _items(b: _Builder, node: Node, kinds: Sequence[str], dim: int = 0) -> Items:
+    """``node`` once per shard; item k of its result is ``Split(dim)`` (``"split"``), the sum
+    of the shards' items (``"sum"``: a parameter's gradient), or each shard's own value read
+    only by the matching backward op (``"own"``: an RNG seed), or absent (``"none"``)."""
+    return _items_of(b, _per_shard(b, node, dim).parts, kinds, dim)
+
+
+def _items_of(b: _Builder, parts: tuple[Node, ...], kinds: Sequence[str],
+              dim: int = 0) -> Items:
+    items: list[Split | Whole] = []
+    for k, kind in enumerate(kinds):
+        if kind == "none":
+            items.append(Whole(None))
+            continue
+        got = tuple(b.call(operator.getitem, (p, k), shard=i) for i, p in enumerate(parts))
+        for g in got:
+            g.meta = g.args[0].meta[k]
+        items.append(Whole(b.reduce(got)) if kind == "sum" else Split(dim, got))
+    return Items(tuple(items))
+
+
+def _batched(batch_args: Sequence[int], outs: Sequence[str] | None = None,
+             broadcast: Sequence[int | str] = ()) -> Rule:
+    """A rule for an op whose work is independent per batch row: the tensor arguments at
+    ``batch_args`` (positions) must be Split along dim 0, those at ``broadcast`` (positions or
+    keyword names: an attention mask) Split along dim 0 or of size 1 there or absent, every
+    other tensor argument Whole; ``outs``: the kinds of its tuple items (see :func:`_items`),
+    None for a single tensor Split along dim 0."""
+    def rule(b: _Builder, node: Node) -> Layout | None:
+        args = list(node.args)
+        for i in batch_args:
+            s = _split_of(b, args[i]) if i < len(args) else None
+            if s is None or s.dim != 0:
+                return None
+        checked = set(batch_args)
+        rows = _rows(_split_of(b, args[batch_args[0]]))
+        full = args[batch_args[0]].meta.shape[0]
+        cut: dict[int | str, Node] = {}
+        for key in broadcast:
+            x = node.kwargs.get(key) if isinstance(key, str) else \
+                args[key] if key < len(args) else None
+            if isinstance(key, int):
+                checked.add(key)
+            if isinstance(x, Node):
+                s = _split_of(b, x)
+                if s is None and x.meta.shape and x.meta.shape[0] == full and full != 1:
+                    cut[key] = b.scatter(x, 0, rows)  # a mask made whole: cut per shard
+                elif (s is None and x.meta.shape and x.meta.shape[0] != 1) or \
+                        (s is not None and s.dim != 0):
+                    return None
+        for i, x in enumerate(args):
+            if i not in checked and isinstance(x, Node) and _split_of(b, x) is not None:
+                return None
+        if cut:
+            return _cut_then(b, node, cut, outs)
+        if outs is None:
+            return _per_shard(b, node, 0)
+        if not isinstance(node.meta, tuple):  # one tensor, summed over the shards
+            return _reduced(b, node)
+        return _items(b, node, outs)
+    return rule
+
+
+def _cut_then(b: _Builder, node: Node, cut: dict[int | str, Split],
+              outs: Sequence[str] | None) -> Layout:
+    """:func:`_batched`'s op with the Whole arguments in ``cut`` read by their shard's part."""
+    parts = []
+    for i in range(len(b.devices)):
+        args, kwargs = _map_args(b, node, i)
+        args = tuple(cut[k].parts[i] if k in cut else a for k, a in enumerate(args))
+        kwargs = {k: cut[k].parts[i] if k in cut else v for k, v in kwargs.items()}
+        parts.append(b.call(node.op, args, kwargs, shard=i, like=node))
+    if outs is None:
+        return Split(0, tuple(parts))
+    if not isinstance(node.meta, tuple):
+        return Whole(b.reduce(parts))
+    return _items_of(b, tuple(parts), outs)
+
+
+def _dropout_free(rule: Rule, p_at: int | str) -> Rule:
+    """``rule`` for attention only without dropout (each shard would draw its own mask)."""
+    def checked(b: _Builder, node: Node) -> Layout | None:
+        p = node.kwargs.get(p_at, 0.0) if isinstance(p_at, str) else \
+            node.args[p_at] if p_at < len(node.args) else 0.0
+        return rule(b, node) if p == 0.0 else None
+    return checked
+
+
+def _layer_norm(b: _Builder, node: Node) -> Layout | None:
+    x, shape = node.args[:2]
+    if len(shape) >= _ndim(x):
+        return None
+    return _batched((0,), ("split", "split", "split"))(b, node)
+
+
+def _layer_norm_backward(b: _Builder, node: Node) -> Layout | None:
+    mask = node.args[7]
+    kinds = ["split" if mask[0] else "none", "sum" if mask[1] else "none",
+             "sum" if mask[2] else "none"]
+    return _batched((0, 1, 3, 4), kinds)(b, node)
+
+
+def _conv_backward(b: _Builder, node: Node) -> Layout | None:
+    if node.args[7]:  # transposed
+        return None
+    mask = node.args[10]
+    kinds = ["split" if mask[0] else "none", "sum" if mask[1] else "none",
+             "sum" if mask[2] else "none"]
+    return _batched((0, 1), kinds)(b, node)
+
+
+def _conv(b: _Builder, node: Node) -> Layout | None:
+    return None if node.args[6] else _batched((0,))(b, node)  # not transposed
+
+
+def _sdpa_efficient_backward(b: _Builder, node: Node) -> Layout | None:
+    mask = node.args[10]
+    bias = node.args[4]
+    bias_kind = "none" if not mask[3] else "split" if _split_of(b, bias) is not None else "sum"
+    kinds = ["split" if m else "none" for m in mask[:3]] + [bias_kind]
+    return _batched((0, 1, 2, 3, 5, 6, 7, 8), kinds, broadcast=(4,))(b, node)
+
+
 def _table() -> dict[Any, Rule]:
     t: dict[Any, Rule] = {
         aten.mm.default: _mm,
@@ -571,11 +901,57 @@ def _table() -> dict[Any, Rule]:
         aten.sum.default: _sum_all,
         aten.nll_loss_forward.default: _nll_forward,
         aten.nll_loss_backward.default: _nll_backward,
+        # views and reshuffles that keep the batch dim
+        aten.unsqueeze.default: _unsqueeze,
+        aten.squeeze.dim: _squeeze,
+        aten.squeeze.dims: _squeeze,
+        aten.squeeze.default: _squeeze,
+        aten.permute.default: _permute,
+        aten.expand.default: _expand,
+        aten.slice.Tensor: _slice,
+        aten.select.int: _select,
+        aten.constant_pad_nd.default: _pad,
+        aten.split.Tensor: _split_tuple,
+        aten.split_with_sizes.default: _split_tuple,
+        aten.slice_backward.default: _backward_of_view,
+        aten.select_backward.default: _backward_of_view,
+        aten.cat.default: _cat,
+        aten.mean.dim: _mean_dims,
+        aten.mean.default: _mean_dims,
+        # per-row work: real models' layers and their backward ops
+        aten.bmm.default: _batched((0, 1)),
+        aten.embedding.default: _batched((1,)),
+        aten.embedding_dense_backward.default: _batched((0,), ("sum",), broadcast=(1,)),
+        aten.native_layer_norm.default: _layer_norm,
+        aten.native_layer_norm_backward.default: _layer_norm_backward,
+        aten.convolution.default: _conv,
+        aten.convolution_backward.default: _conv_backward,
+        aten.max_pool2d_with_indices.default: _batched((0,), ("split", "split")),
+        aten.max_pool2d_with_indices_backward.default: _batched((0, 1, 7)),
+        aten.avg_pool2d.default: _batched((0,)),
+        aten.avg_pool2d_backward.default: _batched((0, 1)),
+        aten._adaptive_avg_pool2d.default: _batched((0,)),
+        aten._adaptive_avg_pool2d_backward.default: _batched((0, 1)),
+        aten._scaled_dot_product_flash_attention_for_cpu.default: _dropout_free(
+            _batched((0, 1, 2), ("split", "split"), broadcast=("attn_mask",)), 3),
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _dropout_free(
+            _batched((0, 1, 2, 3, 4, 5), ("split", "split", "split"),
+                     broadcast=("attn_mask", 8)), 6),
+        aten._scaled_dot_product_efficient_attention.default: _dropout_free(
+            _batched((0, 1, 2), ("split", "split", "own", "own"), broadcast=(3,)), 5),
+        aten._scaled_dot_product_efficient_attention_backward.default: _dropout_free(
+            _sdpa_efficient_backward, 9),
+        aten._scaled_dot_product_flash_attention.default: _dropout_free(
+            _batched((0, 1, 2), ("split", "split", "none", "none", "own", "own", "own",
+                                 "own", "none")), 3),
+        aten._scaled_dot_product_flash_attention_backward.default: _dropout_free(
+            _batched((0, 1, 2, 3, 4, 5, 12, 13), ("split", "split", "split")), 10),
     }
     for op in (aten.detach.default, aten.alias.default, aten.clone.default,
                aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default,
-               aten.full_like.default):
+               aten.full_like.default, aten.lift_fresh_copy.default):
         t[op] = _same
+    t[aten._to_copy.default] = _cast
     return t
 
 
@@ -698,6 +1074,8 @@ def _rewrite(b: _Builder, node: Node, nll: dict[Node, _NllParts]) -> Layout:
     """``node``'s layout in the sharded graph, emitting its nodes."""
     if node.op is operator.getitem and node.args[0] in nll:
         return _nll_getitem(b, node, nll[node.args[0]])
+    if node.op is operator.getitem and isinstance(b.layout.get(node.args[0]), Items):
+        return b.layout[node.args[0]].items[node.args[1]]
     if node.op in _FILLS and _split_of(b, node.args[0]) is None:
         filled = _fill(b, node)
         if filled is not None:
