@@ -176,6 +176,39 @@ class DataParallelStep:
         return [str(x.device) for x in tree_flatten(tuple(args))[0]
                 if isinstance(x, torch.Tensor)]
 
+    # -- explaining -------------------------------------------------------------------------
+    def explain(self) -> str:
+        """What each captured signature runs: the predictions per split, the devices and shard
+        sizes, the trial's verdict, and each op left unsplit with its reason and user line."""
+        name = getattr(self.fn, "__name__", "step")
+        if not self._compiled:
+            return f"{name}: not called yet"
+        lines = []
+        for k, c in enumerate(self._compiled.values()):
+            if c is None:
+                lines.append(f"{name} [{k}]: runs eagerly (see the warning logged at capture)")
+                continue
+            predicted = ", ".join(f"{label} {v * 1e3:.3f} ms"
+                                  for label, v in c.choice.predicted.items())
+            way = {"eager": "the step as written", "autopar": "autopar's plan",
+                   None: "trial in progress"}[c.way]
+            lines.append(f"{name} [{k}]: {len(c.step.graph.ops)} ops; predicted {predicted}; "
+                         f"runs {way}")
+            sh = c.sharded
+            if sh is None:
+                lines.append("  unsplit")
+                continue
+            pinned = sum(1 for d in sh.pins.values() if d != sh.devices[0])
+            lines.append(f"  split over {', '.join(sh.devices)} (rows {list(sh.sizes)}); "
+                         f"{pinned} ops on the other shards; {len(sh.replicas)} replicas")
+            by_name = {n.name: n for n in c.step.graph.nodes}
+            for op, why in sh.unsplit.items():
+                node = by_name.get(op)
+                where = f" at {node.source}" if node is not None and node.source else ""
+                what = f"{op} ({node.op})" if node is not None else op
+                lines.append(f"  left unsplit: {what}: {why}{where}")
+        return "\n".join(lines)
+
     # -- calling ----------------------------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
         leaves, spec = tree_flatten(tuple(args))

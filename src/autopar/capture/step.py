@@ -110,7 +110,7 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
     hook = register_optimizer_step_pre_hook(refuse_optimizer)
     try:
         try:
-            gm = make_fx(flat, tracing_mode="fake")(*tensors)
+            gm = make_fx(flat, tracing_mode="fake", record_stack_traces=True)(*tensors)
         except Unsupported:
             raise
         except Exception:
@@ -120,10 +120,13 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
             # optimizers' options (foreach's stacked step sizes on fake tensors): its eager path
             # reads the step counts with .item(), which the trace keeps as graph values
             found["compiling"] = False
-            gm = make_fx(flat, tracing_mode="fake")(*tensors)
+            gm = make_fx(flat, tracing_mode="fake", record_stack_traces=True)(*tensors)
         _drop_profiler_ranges(gm)
         plain = [t.detach() for t in tensors]
-        gm = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="fake")(*plain)
+        with torch.fx.traceback.preserve_node_meta():  # user lines carried, for messages
+            gm = make_fx(torch.func.functionalize(torch.fx.Interpreter(gm).run,
+                                                  remove="mutations"),
+                         tracing_mode="fake")(*plain)
     except Unsupported:
         raise
     except Exception as e:

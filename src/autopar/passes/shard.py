@@ -158,6 +158,7 @@ class _Builder:
         self._local: dict[tuple[Node, int], Node] = {}  # (src node, shard) -> shard-local copy
         self._gathered: dict[Node, Node] = {}
         self._scattered: dict[tuple, Split] = {}
+        self._local_new: dict[tuple[Node, int], Node] = {}
         self._partials: dict[Node, tuple[Node, ...]] = {}  # reduced sum -> its partials
         self._chunks: dict[Node, tuple[Node, ...]] = {}  # cat of reduced chunks -> the chunks
         self.reduce_chunks: int | None = None  # at most this many chunks (None: the default)
@@ -268,6 +269,29 @@ class _Builder:
         if isinstance(kwargs.get("device"), torch.device):
             kwargs["device"] = torch.device(dev)
         return self.call(src.op, args, kwargs, shard=shard, like=src)
+
+    def local_value(self, node: Node, shard: int) -> Node:
+        """A value as shard ``shard`` reads it: a source node's by :meth:`local`; a node a
+        rule made (a reduced sum, arithmetic on such sums on home) made again on the shard's
+        device from the same partials, else the node itself (the plan copies it)."""
+        if node in self.layout:
+            return self.local(node, shard)
+        if shard == 0 or torch_device(self.devices[shard]) == self.home:
+            return node
+        key = (node, shard)
+        got = self._local_new.get(key)
+        if got is None:
+            if node in self._partials:
+                got = self._sum_here(node, shard)
+            elif node.op in (aten.div.Tensor, aten.add.Tensor, aten.mul.Tensor,
+                             aten.rsqrt.default) and node.inputs:
+                args = tuple(self.local_value(a, shard) if isinstance(a, Node) else a
+                             for a in node.args)
+                got = self.call(node.op, args, node.kwargs, shard=shard)
+            else:
+                got = node
+            self._local_new[key] = got
+        return got
 
     def _sum_here(self, total: Node, shard: int) -> Node:
         """The reduced sum ``total`` added again on shard's device, from the same partials in
@@ -884,6 +908,111 @@ def _sdpa_efficient_backward(b: _Builder, node: Node) -> Layout | None:
     return _batched((0, 1, 2, 3, 5, 6, 7, 8), kinds, broadcast=(4,))(b, node)
 
 
+def _batch_norm(b: _Builder, node: Node) -> Layout | None:
+    """Training batch norm split exactly (as SyncBatchNorm): each shard sums its rows, the sums
+    are reduced to the whole batch's mean, then each shard's centred squares to its variance;
+    every shard normalizes with those statistics, which are the whole batch's (not gathered,
+    not per shard). The running statistics (which the kernel updates in place) are updated
+    once, on home, from the same statistics, as eager does (unbiased variance)."""
+    x, w, bias, rm, rv, training, momentum, eps = node.args[:8]
+    s = _split_of(b, x)
+    if (s is None or s.dim != 0 or not training or _ndim(x) < 2
+            or any(_split_of(b, a) is not None for a in (w, bias, rm, rv))):
+        return None
+    nd, shape = _ndim(x), x.meta.shape
+    dims = [0, *range(2, nd)]
+    count = shape[0] * _prod(shape[2:])
+    bcast = [1, shape[1], *[1] * (nd - 2)]
+
+    def per_shard(op: Any, make: Callable[[int, Node], tuple], part: str) -> list[Node]:
+        return [b.call(op, make(i, p), shard=i, like=node, part=part)
+                for i, p in enumerate(s.parts)]
+
+    def along(v: Node, i: int) -> Node:  # a Whole per-channel value, broadcastable, on shard i
+        return b.call(aten.view.default, (b.local_value(v, i), bcast), shard=i, like=node,
+                      part="_c")
+
+    sums = per_shard(aten.sum.dim_IntList, lambda i, p: (p, dims), "_sum")
+    mean = b.call(aten.div.Tensor, (b.reduce(sums), count), like=node, part="_mean")
+    centred = per_shard(aten.sub.Tensor, lambda i, p: (p, along(mean, i)), "_xc")
+    squares = [b.call(aten.sum.dim_IntList, (b.call(aten.mul.Tensor, (c, c), shard=i,
+                                                     like=node, part="_sq"), dims),
+                      shard=i, like=node, part="_sqsum") for i, c in enumerate(centred)]
+    var = b.call(aten.div.Tensor, (b.reduce(squares), count), like=node, part="_var")
+    invstd = b.call(aten.rsqrt.default, (b.call(aten.add.Tensor, (var, eps), like=node,
+                                                part="_veps"),), like=node, part="_invstd")
+    outs = []
+    for i, c in enumerate(centred):
+        y = b.call(aten.mul.Tensor, (c, along(invstd, i)), shard=i, like=node, part="_xhat")
+        if isinstance(w, Node):
+            y = b.call(aten.mul.Tensor, (y, along(w, i)), shard=i, like=node, part="_w")
+        if isinstance(bias, Node):
+            y = b.call(aten.add.Tensor, (y, along(bias, i)), shard=i, like=node, part="_b")
+        outs.append(y)
+    for stat, new in ((rm, mean), (rv, b.call(aten.mul.Tensor, (var, count / max(count - 1, 1)),
+                                               like=node, part="_unbiased"))):
+        if isinstance(stat, Node):  # running = (1 - momentum) * running + momentum * new
+            old = b.whole(stat)
+            kept = b.call(aten.mul.Tensor, (old, 1 - momentum), like=node, part="_keep")
+            moved = b.call(aten.add.Tensor, (kept, new), {"alpha": momentum}, like=node,
+                           part="_run")
+            b.call(aten.copy_.default, (old, moved), shard=0, like=node, part="_update")
+    return Items((Split(0, tuple(outs)), Whole(mean), Whole(invstd)))
+
+
+def _batch_norm_backward(b: _Builder, node: Node) -> Layout | None:
+    """Training batch norm's backward split exactly: each shard sums its ``dy`` and
+    ``dy * x_hat``; the reduced sums are ``grad_bias`` and ``grad_weight``, and every shard
+    makes its rows of ``grad_input`` from them: ``w invstd (dy - Σdy/N - x_hat Σ(dy x_hat)/N)``."""
+    g, x, w, _rm, _rv, mean, invstd, training, _eps, mask = node.args[:10]
+    sg, sx = _split_of(b, g), _split_of(b, x)
+    if (sg is None or sx is None or sg.dim != 0 or sx.dim != 0 or not training
+            or any(_split_of(b, a) is not None for a in (w, mean, invstd))
+            or not isinstance(mean, Node) or not isinstance(invstd, Node)):
+        return None
+    nd, shape = _ndim(x), x.meta.shape
+    dims = [0, *range(2, nd)]
+    count = shape[0] * _prod(shape[2:])
+    bcast = [1, shape[1], *[1] * (nd - 2)]
+
+    def along(v: Node, i: int) -> Node:
+        return b.call(aten.view.default, (b.local_value(v, i), bcast), shard=i, like=node,
+                      part="_c")
+
+    xhat = [b.call(aten.mul.Tensor, (b.call(aten.sub.Tensor, (p, along(mean, i)), shard=i,
+                                            like=node, part="_xc"), along(invstd, i)),
+                   shard=i, like=node, part="_xhat") for i, p in enumerate(sx.parts)]
+    sum_g = b.reduce([b.call(aten.sum.dim_IntList, (p, dims), shard=i, like=node, part="_sg")
+                      for i, p in enumerate(sg.parts)])
+    sum_gx = b.reduce([b.call(aten.sum.dim_IntList, (b.call(aten.mul.Tensor, (p, xh),
+                                                            shard=i, like=node, part="_gx"),
+                                                     dims), shard=i, like=node, part="_sgx")
+                       for i, (p, xh) in enumerate(zip(sg.parts, xhat))])
+    items: list[Split | Whole] = [Whole(None), Whole(None), Whole(None)]
+    if mask[0]:
+        parts = []
+        for i, (p, xh) in enumerate(zip(sg.parts, xhat)):
+            mg = b.call(aten.div.Tensor, (along(sum_g, i), count), shard=i, like=node,
+                        part="_mg")
+            mgx = b.call(aten.div.Tensor, (along(sum_gx, i), count), shard=i, like=node,
+                         part="_mgx")
+            d = b.call(aten.sub.Tensor, (p, mg), shard=i, like=node, part="_d")
+            d = b.call(aten.sub.Tensor, (d, b.call(aten.mul.Tensor, (xh, mgx), shard=i,
+                                                   like=node, part="_xm")),
+                       shard=i, like=node, part="_d2")
+            scale = along(invstd, i)
+            if isinstance(w, Node):
+                scale = b.call(aten.mul.Tensor, (scale, along(w, i)), shard=i, like=node,
+                               part="_ws")
+            parts.append(b.call(aten.mul.Tensor, (d, scale), shard=i, like=node, part="_gi"))
+        items[0] = Split(0, tuple(parts))
+    if mask[1]:
+        items[1] = Whole(sum_gx)
+    if mask[2]:
+        items[2] = Whole(sum_g)
+    return Items(tuple(items))
+
+
 def _table() -> dict[Any, Rule]:
     t: dict[Any, Rule] = {
         aten.mm.default: _mm,
@@ -916,6 +1045,8 @@ def _table() -> dict[Any, Rule]:
         aten.slice_backward.default: _backward_of_view,
         aten.select_backward.default: _backward_of_view,
         aten.cat.default: _cat,
+        aten.native_batch_norm.default: _batch_norm,
+        aten.native_batch_norm_backward.default: _batch_norm_backward,
         aten.mean.dim: _mean_dims,
         aten.mean.default: _mean_dims,
         # per-row work: real models' layers and their backward ops
