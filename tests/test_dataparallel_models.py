@@ -13,7 +13,7 @@ import autopar
 
 pytest.importorskip("transformers")
 
-from autopar.bench.models import MODELS, inputs_for, loss_of  # noqa: E402
+from autopar.bench.models import MODELS, inputs_for, loss_of
 
 CPUS = "cpu:0,cpu:1"
 STEPS = 20

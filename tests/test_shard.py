@@ -152,17 +152,19 @@ def test_place_rejects_pins_to_devices_the_machine_lacks():
         place(step.graph, CostModel(preset("h200x2")), pins={node: "cuda:7"})
 
 
-def test_batch_norm_is_left_unsplit_on_the_gathered_batch():
+def test_batch_norm_is_split_with_the_whole_batchs_statistics():
+    """As SyncBatchNorm: per-shard sums reduced to the batch's mean, then centred squares to
+    its variance; no shard normalizes with its own statistics, nothing is gathered."""
     step = capture_step(bn_step, bn_inputs())
     s = shard(step.graph, {step.graph.inputs[3]: 0}, ["cpu:0", "cpu:1"])
-    assert any("batch_norm" in name for name in s.unsplit)
-    (norm,) = [n for n in s.graph.ops if "batch_norm" in op_name(n.op)
-               and "backward" not in op_name(n.op)]
-    assert norm.args[0].meta.shape == (7, 4)  # the whole batch
-    cat = norm.args[0]
-    assert op_name(cat.op) == "aten.cat" and [p.meta.shape for p in cat.args[0]] == [
-        (4, 4), (3, 4)]
-    assert norm not in s.pins
+    assert not any("batch_norm" in name for name in s.unsplit)
+    assert not any("batch_norm" in op_name(n.op) for n in s.graph.ops)
+    assert not any(op_name(n.op) == "aten.cat" for n in s.graph.ops)  # no gather
+    sums = [n for n in s.graph.ops if n.name.startswith("native_batch_norm_sum")]
+    assert [s.pins[n] for n in sums] == ["cpu:0", "cpu:1"]
+    assert [n.args[0].meta.shape for n in sums] == [(4, 4), (3, 4)]  # each shard's rows
+    mean = next(n for n in s.graph.ops if n.name == "native_batch_norm_mean")
+    assert op_name(mean.op) == "aten.div.Tensor" and mean.args[1] == 7  # the whole batch
 
 
 def test_non_functional_graphs_and_bad_batches_are_refused():
