@@ -1,0 +1,112 @@
+"""Real models' training steps (as users write them: ``nn.Module``, ``torch.optim``,
+``zero_grad``/``backward``/``step``) with the batch split by ``autopar.data_parallel``,
+predicted on a preset: eager on one GPU against the best split, and the planning time.
+
+    python benchmarks/data_parallel_models.py [--machines h200x2 h200x8] [--json out.json]
+
+Models: GPT-2 small (124M parameters, batch 16 x 512, AdamW) and a ResNet-50 (Hugging Face's
+ResNet, the torchvision-shaped default config, batch 256 x 224 x 224, SGD with momentum). The
+trace runs on fake tensors: nothing of the step is computed here (the optimizer's state is made
+by one step on zero gradients).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+try:
+    import autopar  # noqa: F401
+except ImportError:  # run from a checkout without installing
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from autopar.dataparallel import predict_step
+from autopar.ir.units import fmt_seconds
+
+
+def _with_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Make the optimizer's state (Adam's moments, SGD's momentum) without a real step."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad()
+
+
+def gpt2_small() -> tuple:
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    _with_state(model, opt)
+    ids = torch.randint(0, 50257, (16, 512))
+
+    def step(ids):
+        opt.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    return "GPT-2 small, 16x512, AdamW", step, (ids,), (0,)
+
+
+def resnet50() -> tuple:
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.ResNetForImageClassification(transformers.ResNetConfig()).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    _with_state(model, opt)
+    images, labels = torch.randn(256, 3, 224, 224), torch.randint(0, 1000, (256,))
+
+    def step(images, labels):
+        opt.zero_grad()
+        loss = model(pixel_values=images, labels=labels).loss
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    return "ResNet-50, 256x224x224, SGD momentum", step, (images, labels), (0, 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--machines", nargs="+", default=["h200x2", "h200x8"])
+    ap.add_argument("--models", nargs="+", default=["gpt2", "resnet50"])
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args(argv)
+    makers = {"gpt2": gpt2_small, "resnet50": resnet50}
+    rows = []
+    print(f"{'model':40s} {'machine':8s} {'eager':>10s} {'split':>10s} {'ratio':>6s} "
+          f"{'devices':>6s} {'plan s':>7s}")
+    for key in a.models:
+        name, step, args, batch = makers[key]()
+        for machine in a.machines:
+            start = time.perf_counter()
+            got = predict_step(step, args, machine, batch_argnums=batch)
+            planning = time.perf_counter() - start
+            sharded = got.choice.sharded
+            k = 1 if sharded is None else len(sharded.devices)
+            row = {"model": name, "machine": machine, "eager_s": got.eager_s,
+                   "predicted_s": got.predicted_s, "ratio": got.eager_s / got.predicted_s,
+                   "devices": k, "planning_s": planning, "candidates_s": got.choice.predicted,
+                   "unsplit": dict(sharded.unsplit) if sharded is not None else None}
+            rows.append(row)
+            print(f"{name:40s} {machine:8s} {fmt_seconds(got.eager_s):>10s} "
+                  f"{fmt_seconds(got.predicted_s):>10s} {row['ratio']:5.2f}x {k:6d} "
+                  f"{planning:7.1f}", flush=True)
+    if a.json is not None:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows},
+                                     indent=1, default=str))
+        print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
