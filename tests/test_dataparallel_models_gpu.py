@@ -14,7 +14,7 @@ import autopar
 
 pytest.importorskip("transformers")
 
-from autopar.bench.models import MODELS, inputs_for, loss_of  # noqa: E402
+from autopar.bench.models import MODELS, inputs_for, loss_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 TOL = {"rtol": 1e-4, "atol": 1e-4}
