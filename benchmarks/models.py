@@ -300,11 +300,18 @@ def main() -> None:
     if a.warm_jobs:
         from concurrent.futures import ThreadPoolExecutor
 
+        def warm(t: tuple[str, str]) -> str | None:
+            try:
+                subprocess.run([*command(*t), "--warm"], capture_output=True, timeout=a.timeout)
+            except subprocess.TimeoutExpired:  # its row runs (and times out) on its own later
+                return f"{t[0]}:{t[1]}"
+            return None
+
         start = time.perf_counter()
         with ThreadPoolExecutor(a.warm_jobs) as pool:
-            list(pool.map(lambda t: subprocess.run(
-                [*command(*t), "--warm"], capture_output=True, timeout=a.timeout), todo))
-        print(f"warm pass: {time.perf_counter() - start:.0f} s", flush=True)
+            slow = [w for w in pool.map(warm, todo) if w]
+        print(f"warm pass: {time.perf_counter() - start:.0f} s"
+              + (f" (timed out: {', '.join(slow)})" if slow else ""), flush=True)
     rows = []
     for model, mode in todo:
         cmd = command(model, mode)
