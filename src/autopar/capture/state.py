@@ -23,6 +23,8 @@ Policy and invariants
   parameter holds a ``.grad``, every param group's non-tensor values (``lr``, ``betas``,
   ``weight_decay``, ``foreach``, ...) and the keys of each optimizer's state. A changed learning
   rate is a new signature, captured again.
+- An optimizer left at ``foreach=None`` is traced on the path eager takes for the real
+  parameters (foreach on CUDA), not the per-tensor loop its fake tensors would select.
 - The trace runs with ``torch.compiler.is_compiling()`` true, as ``torch.export``'s non-strict
   trace does: ``torch.optim`` then computes bias corrections from its step-count tensors
   instead of baking a Python number read by ``.item()`` into the graph.
@@ -46,6 +48,7 @@ import torch
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.optimizer import _default_to_fused_or_foreach
 from torch.utils._pytree import tree_flatten
 
 from .direct import free_values
@@ -70,6 +73,7 @@ class State:
     names: list[str] = field(default_factory=list)
     grad_of: dict[int, int] = field(default_factory=dict)  # grad's index -> its parameter's
     schedulers: list[Any] = field(default_factory=list)  # restored after a trace
+    foreach: bool | None = None  # a group's foreach=None in the trace (None: eager's choice)
 
     def __bool__(self) -> bool:
         return bool(self.modules or self.optimizers)
@@ -99,7 +103,6 @@ class State:
         their fakes (an argument an optimizer steps is the same tensor there)."""
         fake = {**(also or {}), **{id(real): f for real, f in
                                    zip(self.tensors, fakes, strict=True)}}
-        values = self.group_values()
         keys = [dict(self._state_keys(opt)) for _, opt in self.optimizers]
         with contextlib.ExitStack() as stack:
             for _, module in self.modules:
@@ -114,6 +117,8 @@ class State:
                 state = opt.state
                 stack.callback(_restore, opt, groups, state)
                 for g in opt.param_groups:
+                    if g.get("foreach", False) is None and not g.get("fused"):
+                        g["foreach"] = self._foreach_default(g["params"])
                     g["params"] = [fake[id(p)] for p in g["params"]]
                     for k, v in list(g.items()):
                         if isinstance(v, torch.Tensor) and id(v) in fake:
@@ -123,12 +128,22 @@ class State:
                     fake[id(p)]: {k: fake.get(id(v), v) if isinstance(v, torch.Tensor) else v
                                   for k, v in s.items()}
                     for p, s in state.items()})
+            values = self.group_values()  # as the trace starts (foreach chosen)
             for g, p in self.grad_of.items():
                 fakes[p].grad = fakes[g]
             if compiling:
                 stack.enter_context(_compiling())
             yield
             self._check_unchanged(values, keys)
+
+    def _foreach_default(self, params: list[torch.Tensor]) -> bool:
+        """What ``torch.optim`` picks for ``foreach=None`` on the real parameters (the
+        trace's fake tensors would steer it to the per-tensor loop): the same code path, and
+        a few list kernels on CUDA instead of a loop of tiny ones."""
+        if self.foreach is not None:
+            return self.foreach
+        return bool(_default_to_fused_or_foreach(params, differentiable=False,
+                                                 use_fused=False)[1])
 
     def _check_unchanged(self, values: list, keys: list) -> None:
         for (name, opt), was, had in zip(self.optimizers, values, keys, strict=True):

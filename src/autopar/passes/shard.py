@@ -22,6 +22,10 @@ Policy and invariants
   are added on the home device right after they are made (copies into the home device, then a
   chain of ``add``), so gradient reduction overlaps with the rest of backward where the graph
   allows. Summation order differs from eager's (float tolerance, never another formula).
+- Over more than two GPUs, a big partial sum is reduced scattered: row chunk c is summed on
+  device c, and a device that needs the whole sum gathers the chunks from their owners
+  (``2 (k-1)/k`` of the sum received per device instead of ``k-1`` copies; every copy has the
+  same bits). On two devices, or for small sums, the all-to-all form above.
 - Big partial sums are made and reduced in row chunks: an ``mm`` partial of more than
   ``REDUCE_CHUNK_BYTES`` is computed as up to ``MAX_REDUCE_CHUNKS`` ``mm``\ s of row slices of
   its left operand, each chunk's partials reduced as above as soon as they are made, and the
@@ -65,7 +69,8 @@ from torch.utils._pytree import tree_map
 
 from ..ir.graph import INPUT, Graph, GraphError, Node, TensorMeta, op_kind
 
-__all__ = ["MAX_REDUCE_CHUNKS", "REDUCE_CHUNK_BYTES", "RULES", "NotShardable", "Sharded", "Split",
+__all__ = ["MAX_REDUCE_CHUNKS", "REDUCE_CHUNK_BYTES", "RULES", "SCATTER_BYTES", "NotShardable",
+           "Sharded", "Split",
            "Whole", "even_sizes", "shard"]
 
 aten = torch.ops.aten
@@ -74,6 +79,10 @@ REDUCE_CHUNK_BYTES = 32 << 20
 """An ``mm`` partial sum larger than this is made and reduced in row chunks of about this size."""
 MAX_REDUCE_CHUNKS = 4
 """...in at most this many (each chunk's ``mm`` stays big enough to keep a GPU busy)."""
+SCATTER_BYTES = 4 << 20
+"""A partial sum over more than two devices of their own memory from this size on is reduced
+scattered (a reduce-scatter, then an all-gather where the whole sum is read): below it, the
+extra hop costs more than the traffic it saves."""
 
 
 class NotShardable(ValueError):
@@ -159,6 +168,7 @@ class _Builder:
         self._gathered: dict[Node, Node] = {}
         self._scattered: dict[tuple, Split] = {}
         self._local_new: dict[tuple[Node, int], Node] = {}
+        self._owned: set[Node] = set()  # sums reduced scattered (their chunks: _chunks)
         self._partials: dict[Node, tuple[Node, ...]] = {}  # reduced sum -> its partials
         self._chunks: dict[Node, tuple[Node, ...]] = {}  # cat of reduced chunks -> the chunks
         self.reduce_chunks: int | None = None  # at most this many chunks (None: the default)
@@ -221,12 +231,27 @@ class _Builder:
             got = self._scattered[key] = Split(dim, tuple(parts))
         return got
 
-    def reduce(self, parts: Sequence[Node]) -> Node:
+    def item(self, tuple_node: Node, k: int, shard: int) -> Node:
+        """Item ``k`` of a tuple-valued shard node, on the shard."""
+        got = self.call(operator.getitem, (tuple_node, k), shard=shard)
+        got.meta = tuple_node.meta[k]
+        return got
+
+    def reduce(self, parts: Sequence[Node], pin: bool = False) -> Node:
         """Sum of per-shard partial results, on home (remembered: :meth:`local` adds them
-        again on a shard that needs the sum, in the same order, so every copy is identical)."""
+        again on a shard that needs the sum, in the same order, so every copy is identical);
+        ``pin``: the adds pinned to home (small sums a rule goes on computing with there).
+        A big sum over more than two devices of their own memory is reduced scattered
+        (:meth:`_reduce_scattered`)."""
+        m = parts[0].meta
+        if (len(parts) > 2 and isinstance(m, TensorMeta) and m.nbytes >= SCATTER_BYTES
+                and m.shape and m.shape[0] >= len(parts)
+                and len({torch_device(d) for d in self.devices}) == len(self.devices)):
+            return self._reduce_scattered(parts)
         total = self.to_home(parts[0])
         for p in parts[1:]:
-            total = self.call(aten.add.Tensor, (total, self.to_home(p)))
+            total = self.call(aten.add.Tensor, (total, self.to_home(p)),
+                              shard=0 if pin else None)
         self._partials[total] = tuple(parts)
         return total
 
@@ -256,6 +281,8 @@ class _Builder:
         self.pins.setdefault(node, self.devices[0])
         if node in self._partials:  # a reduced sum: add the partials again here (an all-reduce)
             return self._sum_here(node, shard)
+        if node in self._owned:  # reduced scattered: the chunks from their owners
+            return self._gathered_here(node, shard)
         chunks = self._chunks.get(node)
         if chunks is not None:  # reduced in chunks: each chunk's sum again here, then the cat
             self.pins.update(dict.fromkeys(chunks, self.devices[0]))
@@ -270,6 +297,33 @@ class _Builder:
             kwargs["device"] = torch.device(dev)
         return self.call(src.op, args, kwargs, shard=shard, like=src)
 
+    def _reduce_scattered(self, parts: Sequence[Node]) -> Node:
+        """As a reduce-scatter then an all-gather: row chunk c of the sum is added on device
+        c from the shards' slices (in shard order), and every device that needs the whole sum
+        concatenates the chunks copied from their owners. Each device receives ``2 (k-1)/k``
+        of the sum, not ``k-1`` copies of it; every copy has the same bits (one addition per
+        chunk, then copies)."""
+        k, rows = len(parts), parts[0].meta.shape[0]
+        totals, start = [], 0
+        for c, n in enumerate(even_sizes(rows, k)):
+            pieces = [self.call(aten.slice.Tensor, (p, 0, start, start + n), shard=i)
+                      for i, p in enumerate(parts)]
+            total = self.to_device(pieces[0], c)
+            for i in range(1, k):
+                total = self.call(aten.add.Tensor, (total, self.to_device(pieces[i], c)),
+                                  shard=c)
+            totals.append(total)
+            start += n
+        whole = self.call(aten.cat.default, ([self.to_home(t) for t in totals], 0), shard=0)
+        self._chunks[whole] = tuple(totals)
+        self._owned.add(whole)
+        return whole
+
+    def _gathered_here(self, whole: Node, shard: int) -> Node:
+        """A scattered sum on ``shard``: its chunks copied from their owners, concatenated."""
+        return self.call(aten.cat.default, ([self.to_device(t, shard)
+                                             for t in self._chunks[whole]], 0), shard=shard)
+
     def local_value(self, node: Node, shard: int) -> Node:
         """A value as shard ``shard`` reads it: a source node's by :meth:`local`; a node a
         rule made (a reduced sum, arithmetic on such sums on home) made again on the shard's
@@ -283,8 +337,9 @@ class _Builder:
         if got is None:
             if node in self._partials:
                 got = self._sum_here(node, shard)
-            elif node.op in (aten.div.Tensor, aten.add.Tensor, aten.mul.Tensor,
-                             aten.rsqrt.default) and node.inputs:
+            elif node in self._owned:
+                got = self._gathered_here(node, shard)
+            elif node.op in _REMADE and node.inputs:
                 args = tuple(self.local_value(a, shard) if isinstance(a, Node) else a
                              for a in node.args)
                 got = self.call(node.op, args, node.kwargs, shard=shard)
@@ -319,7 +374,8 @@ class _Builder:
             else:
                 kind = op_kind(src.op)
                 got = (not src.is_input and src.flops == 0 and not src.writes
-                       and (kind in ("view", "pointwise", "copy")
+                       and (kind in ("view", "pointwise", "copy", "getitem")
+                            or _is_foreach(src.op)  # an optimizer's update, per list
                             or (kind == "other" and not src.inputs))  # a fill
                        and all(self._localizable(i) for i in src.inputs))
             self._can_local[src] = got
@@ -334,6 +390,17 @@ class _Builder:
             got = self._replica_nodes[key] = Node(-1, INPUT, meta=meta, name=f"{src.name}@{device}")
             self.replicas.append((src.id, device))
         return got
+
+
+def _is_foreach(op: Any) -> bool:
+    """``torch._foreach_*`` ops: pointwise over lists of tensors (norms: per tensor)."""
+    return isinstance(op, torch._ops.OpOverload) and op._schema.name.startswith("aten::_foreach_")
+
+
+_REMADE = frozenset({aten.div.Tensor, aten.add.Tensor, aten.mul.Tensor, aten.sub.Tensor,
+                     aten.neg.default, aten.rsqrt.default, aten._to_copy.default})
+"""Ops :meth:`_Builder.local_value` makes again on a shard from values it has (a rule's
+arithmetic on reduced sums): the same op on the same values gives the same bits there."""
 
 
 def _on(meta: Any, device: str) -> Any:
@@ -909,11 +976,12 @@ def _sdpa_efficient_backward(b: _Builder, node: Node) -> Layout | None:
 
 
 def _batch_norm(b: _Builder, node: Node) -> Layout | None:
-    """Training batch norm split exactly (as SyncBatchNorm): each shard sums its rows, the sums
-    are reduced to the whole batch's mean, then each shard's centred squares to its variance;
-    every shard normalizes with those statistics, which are the whole batch's (not gathered,
-    not per shard). The running statistics (which the kernel updates in place) are updated
-    once, on home, from the same statistics, as eager does (unbiased variance)."""
+    """Training batch norm split exactly (as SyncBatchNorm): each shard takes its rows' mean
+    and variance in one kernel (``var_mean``); the shards' ``n_i mean_i`` and
+    ``n_i (var_i + mean_i^2)`` are reduced in float64 (one hop) to the whole batch's mean and
+    variance; every shard normalizes with those (``native_batch_norm`` in eval form, one
+    kernel). The running statistics (which the kernel updates in place) are updated once, on
+    home, from the same statistics, as eager does (unbiased variance)."""
     x, w, bias, rm, rv, training, momentum, eps = node.args[:8]
     s = _split_of(b, x)
     if (s is None or s.dim != 0 or not training or _ndim(x) < 2
@@ -922,94 +990,105 @@ def _batch_norm(b: _Builder, node: Node) -> Layout | None:
     nd, shape = _ndim(x), x.meta.shape
     dims = [0, *range(2, nd)]
     count = shape[0] * _prod(shape[2:])
-    bcast = [1, shape[1], *[1] * (nd - 2)]
-
-    def per_shard(op: Any, make: Callable[[int, Node], tuple], part: str) -> list[Node]:
-        return [b.call(op, make(i, p), shard=i, like=node, part=part)
-                for i, p in enumerate(s.parts)]
-
-    def along(v: Node, i: int) -> Node:  # a Whole per-channel value, broadcastable, on shard i
-        return b.call(aten.view.default, (b.local_value(v, i), bcast), shard=i, like=node,
-                      part="_c")
-
-    sums = per_shard(aten.sum.dim_IntList, lambda i, p: (p, dims), "_sum")
-    mean = b.call(aten.div.Tensor, (b.reduce(sums), count), like=node, part="_mean")
-    centred = per_shard(aten.sub.Tensor, lambda i, p: (p, along(mean, i)), "_xc")
-    squares = [b.call(aten.sum.dim_IntList, (b.call(aten.mul.Tensor, (c, c), shard=i,
-                                                     like=node, part="_sq"), dims),
-                      shard=i, like=node, part="_sqsum") for i, c in enumerate(centred)]
-    var = b.call(aten.div.Tensor, (b.reduce(squares), count), like=node, part="_var")
-    invstd = b.call(aten.rsqrt.default, (b.call(aten.add.Tensor, (var, eps), like=node,
-                                                part="_veps"),), like=node, part="_invstd")
+    per_row = count // shape[0]
+    f64 = {"dtype": torch.float64}
+    sums, squares = [], []
+    for i, p in enumerate(s.parts):
+        vm = b.call(aten.var_mean.correction, (p, dims), {"correction": 0}, shard=i,
+                    like=node, part="_vm")
+        var_i, mean_i = (b.item(vm, k, i) for k in (0, 1))
+        n_i = p.meta.shape[0] * per_row
+        m64 = b.call(aten._to_copy.default, (mean_i,), f64, shard=i, like=node, part="_m64")
+        v64 = b.call(aten._to_copy.default, (var_i,), f64, shard=i, like=node, part="_v64")
+        sums.append(b.call(aten.mul.Tensor, (m64, n_i), shard=i, like=node, part="_sum"))
+        sq = b.call(aten.addcmul.default, (v64, m64, m64), shard=i, like=node, part="_ex2")
+        squares.append(b.call(aten.mul.Tensor, (sq, n_i), shard=i, like=node, part="_sq"))
+    home = 0
+    mean64 = b.call(aten.div.Tensor, (b.reduce(sums, pin=True), count), shard=home,
+                    like=node, part="_mean64")
+    ex2 = b.call(aten.div.Tensor, (b.reduce(squares, pin=True), count), shard=home,
+                 like=node, part="_ex2all")
+    var64 = b.call(aten.sub.Tensor, (ex2, b.call(aten.mul.Tensor, (mean64, mean64),
+                                                 shard=home, like=node, part="_m2")),
+                   shard=home, like=node, part="_var64")
+    dtype = {"dtype": x.meta.dtype}
+    mean = b.call(aten._to_copy.default, (mean64,), dtype, shard=home, like=node, part="_mean")
+    var = b.call(aten._to_copy.default, (var64,), dtype, shard=home, like=node, part="_var")
+    invstd = b.call(aten.rsqrt.default, (b.call(aten.add.Tensor, (var, eps), shard=home,
+                                                like=node, part="_veps"),),
+                    shard=home, like=node, part="_invstd")
     outs = []
-    for i, c in enumerate(centred):
-        y = b.call(aten.mul.Tensor, (c, along(invstd, i)), shard=i, like=node, part="_xhat")
-        if isinstance(w, Node):
-            y = b.call(aten.mul.Tensor, (y, along(w, i)), shard=i, like=node, part="_w")
-        if isinstance(bias, Node):
-            y = b.call(aten.add.Tensor, (y, along(bias, i)), shard=i, like=node, part="_b")
-        outs.append(y)
+    for i, p in enumerate(s.parts):
+        here = [b.local(a, i) if isinstance(a, Node) else a for a in (w, bias)]
+        normed = b.call(aten.native_batch_norm.default,
+                        (p, *here, b.local_value(mean, i), b.local_value(var, i), False, 0.0,
+                         eps), shard=i, like=node, part="_norm")
+        outs.append(b.item(normed, 0, i))
     for stat, new in ((rm, mean), (rv, b.call(aten.mul.Tensor, (var, count / max(count - 1, 1)),
-                                               like=node, part="_unbiased"))):
+                                               shard=home, like=node, part="_unbiased"))):
         if isinstance(stat, Node):  # running = (1 - momentum) * running + momentum * new
             old = b.whole(stat)
-            kept = b.call(aten.mul.Tensor, (old, 1 - momentum), like=node, part="_keep")
-            moved = b.call(aten.add.Tensor, (kept, new), {"alpha": momentum}, like=node,
-                           part="_run")
-            b.call(aten.copy_.default, (old, moved), shard=0, like=node, part="_update")
+            kept = b.call(aten.mul.Tensor, (old, 1 - momentum), shard=home, like=node,
+                          part="_keep")
+            moved = b.call(aten.add.Tensor, (kept, new), {"alpha": momentum}, shard=home,
+                           like=node, part="_run")
+            b.call(aten.copy_.default, (old, moved), shard=home, like=node, part="_update")
     return Items((Split(0, tuple(outs)), Whole(mean), Whole(invstd)))
 
 
 def _batch_norm_backward(b: _Builder, node: Node) -> Layout | None:
-    """Training batch norm's backward split exactly: each shard sums its ``dy`` and
-    ``dy * x_hat``; the reduced sums are ``grad_bias`` and ``grad_weight``, and every shard
-    makes its rows of ``grad_input`` from them: ``w invstd (dy - Σdy/N - x_hat Σ(dy x_hat)/N)``."""
-    g, x, w, _rm, _rv, mean, invstd, training, _eps, mask = node.args[:10]
+    """Training batch norm's backward split exactly: each shard's ``Σdy`` and ``Σdy x_hat``
+    from ``native_batch_norm_backward`` (its weight and bias gradients, one kernel), reduced
+    (they are ``grad_bias`` and ``grad_weight``); every shard makes its rows of
+    ``grad_input = w invstd (dy - Σdy/N - x_hat Σ(dy x_hat)/N)`` as ``dy A + x B + C`` with
+    per-channel A, B, C (two kernels)."""
+    g, x, w, _rm, _rv, mean, invstd, training, eps, mask = node.args[:10]
     sg, sx = _split_of(b, g), _split_of(b, x)
     if (sg is None or sx is None or sg.dim != 0 or sx.dim != 0 or not training
             or any(_split_of(b, a) is not None for a in (w, mean, invstd))
             or not isinstance(mean, Node) or not isinstance(invstd, Node)):
         return None
     nd, shape = _ndim(x), x.meta.shape
-    dims = [0, *range(2, nd)]
     count = shape[0] * _prod(shape[2:])
     bcast = [1, shape[1], *[1] * (nd - 2)]
+    sum_gx, sum_g = [], []
+    for i, (gp, xp) in enumerate(zip(sg.parts, sx.parts)):
+        here = [b.local(a, i) if isinstance(a, Node) else a for a in (w, mean, invstd)]
+        r = b.call(aten.native_batch_norm_backward.default,
+                   (gp, xp, here[0], None, None, here[1], here[2], True, eps,
+                    [False, True, True]), shard=i, like=node, part="_sums")
+        sum_gx.append(b.item(r, 1, i))
+        sum_g.append(b.item(r, 2, i))
+    total_gx, total_g = b.reduce(sum_gx, pin=True), b.reduce(sum_g, pin=True)
+    items: list[Split | Whole] = [Whole(None), Whole(total_gx if mask[1] else None),
+                                  Whole(total_g if mask[2] else None)]
+    if not mask[0]:
+        return Items(tuple(items))
+    home = 0
 
-    def along(v: Node, i: int) -> Node:
-        return b.call(aten.view.default, (b.local_value(v, i), bcast), shard=i, like=node,
-                      part="_c")
+    def on_home(op: Any, *args: Any, part: str) -> Node:
+        return b.call(op, args, shard=home, like=node, part=part)
 
-    xhat = [b.call(aten.mul.Tensor, (b.call(aten.sub.Tensor, (p, along(mean, i)), shard=i,
-                                            like=node, part="_xc"), along(invstd, i)),
-                   shard=i, like=node, part="_xhat") for i, p in enumerate(sx.parts)]
-    sum_g = b.reduce([b.call(aten.sum.dim_IntList, (p, dims), shard=i, like=node, part="_sg")
-                      for i, p in enumerate(sg.parts)])
-    sum_gx = b.reduce([b.call(aten.sum.dim_IntList, (b.call(aten.mul.Tensor, (p, xh),
-                                                            shard=i, like=node, part="_gx"),
-                                                     dims), shard=i, like=node, part="_sgx")
-                       for i, (p, xh) in enumerate(zip(sg.parts, xhat))])
-    items: list[Split | Whole] = [Whole(None), Whole(None), Whole(None)]
-    if mask[0]:
-        parts = []
-        for i, (p, xh) in enumerate(zip(sg.parts, xhat)):
-            mg = b.call(aten.div.Tensor, (along(sum_g, i), count), shard=i, like=node,
-                        part="_mg")
-            mgx = b.call(aten.div.Tensor, (along(sum_gx, i), count), shard=i, like=node,
-                         part="_mgx")
-            d = b.call(aten.sub.Tensor, (p, mg), shard=i, like=node, part="_d")
-            d = b.call(aten.sub.Tensor, (d, b.call(aten.mul.Tensor, (xh, mgx), shard=i,
-                                                   like=node, part="_xm")),
-                       shard=i, like=node, part="_d2")
-            scale = along(invstd, i)
-            if isinstance(w, Node):
-                scale = b.call(aten.mul.Tensor, (scale, along(w, i)), shard=i, like=node,
-                               part="_ws")
-            parts.append(b.call(aten.mul.Tensor, (d, scale), shard=i, like=node, part="_gi"))
-        items[0] = Split(0, tuple(parts))
-    if mask[1]:
-        items[1] = Whole(sum_gx)
-    if mask[2]:
-        items[2] = Whole(sum_g)
+    inv = b.whole(invstd)
+    a = inv if not isinstance(w, Node) else on_home(aten.mul.Tensor, inv, b.whole(w),
+                                                    part="_a")
+    k = on_home(aten.mul.Tensor, on_home(aten.mul.Tensor, a, inv, part="_ai"),
+                on_home(aten.div.Tensor, total_gx, count, part="_mgx"), part="_k")
+    coef_x = on_home(aten.neg.default, k, part="_bx")
+    coef_c = on_home(aten.sub.Tensor, on_home(aten.mul.Tensor, k, b.whole(mean), part="_km"),
+                     on_home(aten.mul.Tensor, a, on_home(aten.div.Tensor, total_g, count,
+                                                         part="_mg"), part="_am"),
+                     part="_c")
+    parts = []
+    for i, (gp, xp) in enumerate(zip(sg.parts, sx.parts)):
+        def along(v: Node, i: int = i) -> Node:
+            return b.call(aten.view.default, (b.local_value(v, i), bcast), shard=i, like=node,
+                          part="_v")
+        lin = b.call(aten.addcmul.default, (along(coef_c), xp, along(coef_x)), shard=i,
+                     like=node, part="_lin")
+        parts.append(b.call(aten.addcmul.default, (lin, gp, along(a)), shard=i, like=node,
+                            part="_gi"))
+    items[0] = Split(0, tuple(parts))
     return Items(tuple(items))
 
 
