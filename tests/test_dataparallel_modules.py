@@ -200,3 +200,63 @@ def test_a_module_the_step_cannot_see_is_named_and_the_step_runs_eagerly(caplog)
     assert "running step eagerly" in caplog.text and dp.last is None
     assert "reads a tensor that is not its argument" in caplog.text
     assert f"test_dataparallel_modules.py:{step.__code__.co_firstlineno + 1}" in caplog.text
+
+
+def _gelu_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16),
+                               torch.nn.Linear(16, 4))
+
+
+def test_a_bf16_autocast_step_is_split_and_stays_within_bf16_rounding_of_eager():
+    model, ref = _gelu_net(), _gelu_net()
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), \
+        torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+    def step_of(m, o):
+        def step(x, y):
+            o.zero_grad()
+            with torch.autocast("cpu", torch.bfloat16):
+                loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            o.step()
+            return loss.detach()
+        return step
+
+    step = autopar.data_parallel(step_of(model, opt), devices=CPUS, shards=2)
+    ref_step = step_of(ref, ref_opt)
+    for x, y in _batches(6):
+        # bf16 partial sums of the weight gradients are rounded per shard: bf16's tolerance
+        torch.testing.assert_close(step(x, y), ref_step(x, y), rtol=2e-2, atol=2e-2)
+    assert step.last is not None and step.last.sharded.devices == ("cpu:0", "cpu:1")
+    assert any(n.meta.dtype == torch.bfloat16 for n in step.last.step.graph.ops
+               if hasattr(n.meta, "dtype"))  # the casts autocast made are in the graph
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-3)
+
+
+def test_a_grad_scaler_runs_the_step_eagerly_and_says_why(caplog):
+    model, ref = _gelu_net(), _gelu_net()
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), \
+        torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler, ref_scaler = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+
+    def step_of(m, o, s):
+        def step(x, y):
+            o.zero_grad()
+            with torch.autocast("cpu", torch.float16):
+                loss = F.cross_entropy(m(x), y)
+            s.scale(loss).backward()
+            s.step(o)
+            s.update()
+            return loss.detach()
+        return step
+
+    step = autopar.data_parallel(step_of(model, opt, scaler), devices=CPUS)
+    ref_step = step_of(ref, ref_opt, ref_scaler)
+    with caplog.at_level(logging.WARNING, logger="autopar"):
+        for x, y in _batches(3):
+            torch.testing.assert_close(step(x, y), ref_step(x, y))
+            assert step.last is None
+    assert caplog.text.count("uses the GradScaler") == 1
+    assert_same_training(model, ref, opt, ref_opt)

@@ -119,6 +119,7 @@ class DataParallelStep:
         self._compiled: dict[tuple, _Compiled | None] = {}
         self._replicas: dict[tuple[int, str], tuple[torch.Tensor, int, int]] = {}
         self.last: _Compiled | None = None
+        self.refused: str | None = None  # why every call runs eagerly, once known
 
     # -- compiling --------------------------------------------------------------------------
     def _batch(self, step: StepGraph, args: Sequence[Any]) -> dict[Node, int]:
@@ -212,7 +213,15 @@ class DataParallelStep:
     # -- calling ----------------------------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
         leaves, spec = tree_flatten(tuple(args))
-        state = find_state(self.fn, args)
+        try:
+            state = find_state(self.fn, args)
+        except Unsupported as e:  # the step names something no graph can replay
+            if self.refused is None:
+                log.warning("autopar: running %s eagerly: %s",
+                            getattr(self.fn, "__name__", "step"), e)
+                self.refused = str(e)
+            self.last = None
+            return self.fn(*args)
         key = (_signature(leaves, spec), state.signature)
         if key not in self._compiled:
             try:

@@ -200,6 +200,11 @@ def find_state(fn: Callable, args: Sequence[Any]) -> State:
     seen: set[int] = set()
 
     def visit(name: str, value: Any, depth: int = 1) -> None:
+        if isinstance(value, torch.amp.GradScaler):
+            raise Unsupported(
+                f"the step uses the GradScaler {name}: its step reads whether the gradients "
+                "are finite on the host and branches on it, which one graph can't replay; "
+                "with bf16 autocast no scaler is needed")
         if isinstance(value, torch.nn.Module | Optimizer | LRScheduler):
             if id(value) in seen:
                 return
