@@ -136,6 +136,12 @@ class State:
             yield
             self._check_unchanged(values, keys)
 
+    def uses_foreach(self) -> bool:
+        """Does any param group take the foreach path in the trace?"""
+        return any(g.get("foreach") or (g.get("foreach", False) is None and not g.get("fused")
+                                        and self._foreach_default(g["params"]))
+                   for _, opt in self.optimizers for g in opt.param_groups)
+
     def _foreach_default(self, params: list[torch.Tensor]) -> bool:
         """What ``torch.optim`` picks for ``foreach=None`` on the real parameters (the
         trace's fake tensors would steer it to the per-tensor loop): the same code path, and

@@ -77,7 +77,9 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
         raise Unsupported(f"argument tensor {held[0]} has a .grad already: the step would add "
                           "into it; set it to None (optimizer.zero_grad()) before the step")
     holds = {n_args + p: n_args + g for g, p in state.grad_of.items()}  # param -> its grad
-    found: dict[str, Any] = {}
+    # foreach updates fail on torch.optim's compile-friendly path under fake tensors (its
+    # stacked step sizes): those take the eager path, whose .item() reads stay graph values
+    found: dict[str, Any] = {"compiling": not state.uses_foreach()}
 
     def flat(*ts: torch.Tensor) -> list[torch.Tensor]:
         full = list(leaves)
@@ -114,11 +116,9 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
         except Unsupported:
             raise
         except Exception:
-            if not state.optimizers:
+            if not state.optimizers or not found["compiling"]:
                 raise
-            # torch.optim's compile-friendly path (tensor bias corrections) fails for some
-            # optimizers' options (foreach's stacked step sizes on fake tensors): its eager path
-            # reads the step counts with .item(), which the trace keeps as graph values
+            # the compile-friendly path failed for another optimizer option: the eager path
             found["compiling"] = False
             gm = make_fx(flat, tracing_mode="fake", record_stack_traces=True)(*tensors)
         _drop_profiler_ranges(gm)

@@ -32,11 +32,14 @@ class Choice:
 def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence[str], *,
            policy: str = "heft", shards: int | None = None) -> Choice:
     """Place ``step`` unsplit and split over the first k same-kind devices (home first) for
-    each k, and keep the one predicted fastest; ``shards`` forces k (1: don't split). A split
-    whose big partial sums are reduced in chunks (:mod:`autopar.passes.shard`) is also placed with
-    every sum reduced at once (key ``"<devices> at once"``): the model picks."""
+    k = 1, 2, 4, ... and all of them, and keep the one predicted fastest; ``shards`` forces k
+    (1: don't split). A split over two devices whose big partial sums are reduced in chunks
+    (:mod:`autopar.passes.shard`) is also placed with every sum reduced at once (key
+    ``"<devices> at once"``): the model picks."""
     devices, same_kind = shard_devices(batch, cost, devices, shards)
-    ks = range(1, len(same_kind) + 1) if shards is None else [shards]
+    n = len(same_kind)
+    ks = sorted({k for k in (1 << i for i in range(n.bit_length())) if k <= n} | {n}) \
+        if shards is None else [shards]  # powers of two and all: planning time stays bounded
     best: Choice | None = None
     predicted: dict[str, float] = {}
     for k in ks:
@@ -46,9 +49,11 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
             candidates = [(label, placed, sharded)]
         else:
             try:
-                chunked = shard(step.graph, batch, same_kind[:k], updates=step.updates)
+                # over more than two GPUs big sums are reduced scattered, not in mm chunks
+                chunked = shard(step.graph, batch, same_kind[:k], updates=step.updates,
+                                reduce_chunks=None if k == 2 else 1)
                 forms = [("", chunked)]
-                if chunked.reduced_in_chunks:
+                if chunked.reduced_in_chunks and k == 2:  # over more GPUs: scattered sums
                     forms.append((" at once", shard(step.graph, batch, same_kind[:k],
                                                     updates=step.updates, reduce_chunks=1)))
             except NotShardable as e:
