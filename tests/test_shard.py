@@ -43,7 +43,7 @@ def test_even_sizes_put_the_remainder_first():
 
 def test_batch_of_seven_over_two_cpu_workers_has_exact_shard_shapes():
     step = capture_step(w6_train_step, mlp_inputs(batch=7))
-    s = shard(step.graph, batch_of(step), ["cpu:0", "cpu:1"])
+    s = shard(step.graph, batch_of(step), ["cpu:0", "cpu:1"], bucket_bytes=0)
     assert s.sizes == (4, 3)
     slices = ops_named(s.graph, "aten.slice.Tensor")
     assert [(n.args[0].name, n.args[2:], n.meta.shape) for n in slices] == [
@@ -61,7 +61,8 @@ def test_batch_of_seven_over_two_cpu_workers_has_exact_shard_shapes():
 
 def test_weight_gradients_are_partial_products_summed_on_home():
     step = capture_step(w6_train_step, mlp_inputs(batch=8))
-    s = shard(step.graph, batch_of(step), ["cpu:0", "cpu:1"])
+    s = shard(step.graph, batch_of(step), ["cpu:0", "cpu:1"],
+              bucket_bytes=0)
     sums = ops_named(s.graph, "aten.add.Tensor")
     # loss sum, then dW2, db2, dW1, db1: one add of two partials each
     shapes = [n.meta.shape for n in sums]
@@ -109,7 +110,8 @@ def test_sharded_graph_computes_what_the_original_does():
 def test_on_gpus_parameters_are_replicated_and_gradients_all_reduced():
     step = capture_step(w6_train_step, mlp_inputs(batch=8))
     relabel_devices(step.graph, "cpu", "cuda:0")
-    s = shard(step.graph, batch_of(step), ["cuda:0", "cuda:1"], updates=step.updates)
+    s = shard(step.graph, batch_of(step), ["cuda:0", "cuda:1"], updates=step.updates,
+              bucket_bytes=0)
     assert sorted(s.replicas) == [(0, "cuda:1"), (1, "cuda:1"), (2, "cuda:1"), (3, "cuda:1")]
     replicas = s.graph.inputs[6:]
     assert [(n.name, n.device) for n in replicas] == [
@@ -163,7 +165,8 @@ def test_batch_norm_is_split_with_the_whole_batchs_statistics():
     # each shard normalizes with the batch's statistics (eval form) and its backward kernel
     # makes only the per-shard sums (weight and bias gradients)
     assert all(n.args[5] is False or n.args[9] == [False, True, True] for n in norms)
-    assert not any(op_name(n.op) == "aten.cat" for n in s.graph.ops)  # no gather
+    assert not any(op_name(n.op) == "aten.cat" and n.meta.shape[:1] == (7,)
+                   for n in s.graph.ops)  # no gather of the batch
     stats = [n for n in s.graph.ops if n.name.startswith("native_batch_norm_vm")]
     assert [s.pins[n] for n in stats] == ["cpu:0", "cpu:1"]
     assert [n.args[0].meta.shape for n in stats] == [(4, 4), (3, 4)]  # each shard's rows
@@ -269,7 +272,8 @@ def test_big_partial_sums_are_made_and_all_reduced_in_row_chunks(small_chunks):
     step = capture_step(w6_train_step, inputs)
     want = SequentialRunner(step.graph)([t.detach() for t in inputs])
     relabel_devices(step.graph, "cpu", "cuda:0")
-    s = shard(step.graph, batch_of(step), ["cuda:0", "cuda:1"], updates=step.updates)
+    s = shard(step.graph, batch_of(step), ["cuda:0", "cuda:1"], updates=step.updates,
+              bucket_bytes=0)
     assert s.reduced_in_chunks == 2  # dW1 and dW2
     chunks = [n for n in ops_named(s.graph, "aten.mm") if n.name.startswith("mm_2_c")]
     assert sorted((n.name, n.meta.shape, n.device) for n in chunks) == sorted(
@@ -293,7 +297,7 @@ def test_big_partial_sums_are_made_and_all_reduced_in_row_chunks(small_chunks):
 
 def test_small_partial_sums_are_reduced_at_once():
     step = capture_step(w6_train_step, mlp_inputs(batch=9))
-    s = shard(step.graph, batch_of(step), ["cpu:0", "cpu:1"])
+    s = shard(step.graph, batch_of(step), ["cpu:0", "cpu:1"], bucket_bytes=0)
     assert not ops_named(s.graph, "aten.cat") and not ops_named(s.graph, "aten.slice.Tensor")[4:]
     assert s.reduced_in_chunks == 0
 
@@ -321,7 +325,7 @@ def test_big_sums_over_more_than_two_gpus_are_reduced_scattered():
     step = capture_step(w6_train_step, mlp_inputs(batch=12, d_in=1024, hidden=1024, classes=3))
     relabel_devices(step.graph, "cpu", "cuda:0")
     gpus = ["cuda:0", "cuda:1", "cuda:2"]
-    s = shard(step.graph, batch_of(step), gpus, updates=step.updates)
+    s = shard(step.graph, batch_of(step), gpus, updates=step.updates, bucket_bytes=0)
     ops = [n for n in s.graph.ops if isinstance(n.meta, TensorMeta)]
     chunk_adds = [n for n in ops if op_name(n.op) == "aten.add.Tensor"
                   and n.meta.shape in ((342, 1024), (341, 1024))]
@@ -332,3 +336,22 @@ def test_big_sums_over_more_than_two_gpus_are_reduced_scattered():
     two = shard(step.graph, batch_of(step), gpus[:2], updates=step.updates)
     assert not any(isinstance(n.meta, TensorMeta) and n.meta.shape == (512, 1024)
                    and op_name(n.op) == "aten.add.Tensor" for n in two.graph.ops)
+
+
+def test_small_gradients_are_reduced_in_one_bucket():
+    """W6's four gradients (each far below a bucket) are flattened and concatenated per shard
+    and reduced once; each gradient is a view of the bucket's sum. With buckets off, one
+    reduction per gradient."""
+    step = capture_step(w6_train_step, mlp_inputs(batch=8))
+    s = shard(step.graph, batch_of(step), ["cpu:0", "cpu:1"], updates=step.updates)
+    cats = [n for n in s.graph.ops if op_name(n.op) == "aten.cat" and n in s.pins]
+    assert sorted(s.pins[n] for n in cats) == ["cpu:0", "cpu:1"]
+    sizes = {5 * 6, 5, 3 * 5, 3}  # w1, b1, w2, b2
+    assert cats[0].meta.shape == (sum(sizes),)
+    adds = [n for n in s.graph.ops if op_name(n.op) == "aten.add.Tensor"
+            and n.args[0] is not None and getattr(n.args[0], "meta", None) is not None
+            and n.args[0].meta.shape == (sum(sizes),)]
+    assert len(adds) == 1  # the bucket's one reduction
+    alone = shard(step.graph, batch_of(step), ["cpu:0", "cpu:1"], updates=step.updates,
+                  bucket_bytes=0)
+    assert not any(op_name(n.op) == "aten.cat" and n in alone.pins for n in alone.graph.ops)

@@ -22,6 +22,11 @@ Policy and invariants
   are added on the home device right after they are made (copies into the home device, then a
   chain of ``add``), so gradient reduction overlaps with the rest of backward where the graph
   allows. Summation order differs from eager's (float tolerance, never another formula).
+- Gradients are reduced in buckets (as DDP does): a parameter's partial sums smaller than
+  ``BUCKET_BYTES`` wait in a bucket of their dtype; once it holds that many bytes (or one of
+  its values is read) each shard flattens and concatenates its partials and the bucket is
+  reduced once; each gradient is a view of the bucket's sum. Buckets fill in the order
+  backward makes gradients, so the first ones are reduced while backward goes on.
 - Over more than two GPUs, a big partial sum is reduced scattered: row chunk c is summed on
   device c, and a device that needs the whole sum gathers the chunks from their owners
   (``2 (k-1)/k`` of the sum received per device instead of ``k-1`` copies; every copy has the
@@ -79,6 +84,9 @@ REDUCE_CHUNK_BYTES = 32 << 20
 """An ``mm`` partial sum larger than this is made and reduced in row chunks of about this size."""
 MAX_REDUCE_CHUNKS = 4
 """...in at most this many (each chunk's ``mm`` stays big enough to keep a GPU busy)."""
+BUCKET_BYTES = 25 << 20
+"""Gradient sums smaller than this are reduced in buckets of about this size (as DDP's
+default): one reduction per bucket instead of one per tensor."""
 SCATTER_BYTES = 4 << 20
 """A partial sum over more than two devices of their own memory from this size on is reduced
 scattered (a reduce-scatter, then an all-gather where the whole sum is read): below it, the
@@ -102,6 +110,18 @@ class Whole:
     """A value held whole by one node."""
 
     node: Any  # a Node, or a tuple-valued Node read through getitem
+
+
+class _Pending:
+    """A gradient sum waiting in a bucket: ``node`` is set when the bucket is reduced (when it
+    is full, or when a value it holds is first read); or a view of such a value (``make``
+    emits it when it is read: a gradient's ``t()`` doesn't close its bucket)."""
+
+    __slots__ = ("make", "node")
+
+    def __init__(self, make: Callable[[], Node] | None = None) -> None:
+        self.node: Node | None = None
+        self.make = make
 
 
 @dataclass(frozen=True)
@@ -169,6 +189,9 @@ class _Builder:
         self._scattered: dict[tuple, Split] = {}
         self._local_new: dict[tuple[Node, int], Node] = {}
         self._owned: set[Node] = set()  # sums reduced scattered (their chunks: _chunks)
+        self.bucket_bytes = BUCKET_BYTES
+        self._open: dict[Any, list[tuple[_Pending, Sequence[Node]]]] = {}  # dtype -> bucket
+        self._bucket_views: dict[Node, tuple[Node, int, int, list[int]]] = {}
         self._partials: dict[Node, tuple[Node, ...]] = {}  # reduced sum -> its partials
         self._chunks: dict[Node, tuple[Node, ...]] = {}  # cat of reduced chunks -> the chunks
         self.reduce_chunks: int | None = None  # at most this many chunks (None: the default)
@@ -208,7 +231,7 @@ class _Builder:
         """The whole value of ``src`` (gathering a Split value once, on home)."""
         lay = self.layout[src]
         if isinstance(lay, Whole):
-            return lay.node
+            return self._resolve(lay)
         got = self._gathered.get(src)
         if got is None:
             parts = [self.to_home(p) for p in lay.parts]
@@ -230,6 +253,58 @@ class _Builder:
                 start += n
             got = self._scattered[key] = Split(dim, tuple(parts))
         return got
+
+    def _resolve(self, lay: Whole) -> Any:
+        """A Whole layout's node; a gradient sum still in its bucket is reduced now."""
+        node = lay.node
+        if isinstance(node, _Pending):
+            if node.node is None:
+                if node.make is not None:
+                    node.node = node.make()
+                else:
+                    self.flush()
+            return node.node
+        return node
+
+    def reduce_later(self, parts: Sequence[Node]) -> Node | _Pending:
+        """:meth:`reduce` for a gradient sum, which may wait in a bucket (see the module
+        docstring): small sums of one dtype are flattened and reduced together once the
+        bucket holds ``bucket_bytes`` or one of its values is read."""
+        m = parts[0].meta
+        if (not self.bucket_bytes or len(parts) < 2 or not isinstance(m, TensorMeta)
+                or m.nbytes >= self.bucket_bytes):
+            return self.reduce(parts)
+        pending = _Pending()
+        bucket = self._open.setdefault(m.dtype, [])
+        bucket.append((pending, parts))
+        if sum(ps[0].meta.nbytes for _, ps in bucket) >= self.bucket_bytes:
+            self._flush(m.dtype)
+        return pending
+
+    def flush(self) -> None:
+        """Reduce every open bucket."""
+        for dtype in list(self._open):
+            self._flush(dtype)
+
+    def _flush(self, dtype: Any) -> None:
+        members = self._open.pop(dtype)
+        if len(members) == 1:
+            pending, parts = members[0]
+            pending.node = self.reduce(parts)
+            return
+        flats = []
+        for i in range(len(self.devices)):
+            views = [self.call(aten.view.default, (parts[i], [-1]), shard=i)
+                     for _, parts in members]
+            flats.append(self.call(aten.cat.default, (views, 0), shard=i))
+        total, start = self.reduce(flats), 0
+        for pending, parts in members:
+            shape = list(parts[0].meta.shape)
+            n = _prod(shape)
+            piece = self.call(aten.slice.Tensor, (total, 0, start, start + n), shard=0)
+            pending.node = self.call(aten.view.default, (piece, shape), shard=0)
+            self._bucket_views[pending.node] = (total, start, n, shape)
+            start += n
 
     def item(self, tuple_node: Node, k: int, shard: int) -> Node:
         """Item ``k`` of a tuple-valued shard node, on the shard."""
@@ -262,7 +337,7 @@ class _Builder:
         lay = self.layout[src]
         assert isinstance(lay, Whole)
         if shard == 0 or torch_device(self.devices[shard]) == self.home:
-            return lay.node
+            return self._resolve(lay)
         key = (src, shard)
         got = self._local.get(key)
         if got is None:
@@ -270,8 +345,13 @@ class _Builder:
         return got
 
     def _make_local(self, src: Node, shard: int) -> Node:
-        node = self.layout[src].node
+        node = self._resolve(self.layout[src])
         dev = torch_device(self.devices[shard])
+        if node in self._bucket_views:  # a gradient reduced in a bucket: the bucket's sum here
+            total, start, n, shape = self._bucket_views[node]
+            here = self.call(aten.slice.Tensor, (self.local_value(total, shard), 0, start,
+                                                 start + n), shard=shard)
+            return self.call(aten.view.default, (here, shape), shard=shard, like=src)
         if src.is_input:
             return self._replica(src, self.devices[shard])
         if not self._localizable(src):
@@ -365,11 +445,12 @@ class _Builder:
         got = self._can_local.get(src)
         if got is None:
             lay = self.layout.get(src)
-            if not isinstance(lay, Whole) or lay.node is None:
+            node = self._resolve(lay) if isinstance(lay, Whole) else None
+            if node is None:
                 got = False
-            elif lay.node in self._partials or lay.node in self._chunks \
+            elif node in self._partials or node in self._chunks or node in self._bucket_views \
                     or (src.is_input and src.device == self.home) \
-                    or _is_fill(lay.node):  # _fill's ones_like: made on each device
+                    or _is_fill(node):  # _fill's ones_like: made on each device
                 got = True
             else:
                 kind = op_kind(src.op)
@@ -463,8 +544,8 @@ def _per_shard(b: _Builder, node: Node, dim: int,
 
 
 def _reduced(b: _Builder, node: Node) -> Whole:
-    """Per-shard partial results of ``node``, summed on home."""
-    return Whole(b.reduce(_per_shard(b, node, 0).parts))
+    """Per-shard partial results of ``node``, summed on home (in a bucket, maybe)."""
+    return Whole(b.reduce_later(_per_shard(b, node, 0).parts))
 
 
 def _elementwise(b: _Builder, node: Node) -> Layout | None:
@@ -869,7 +950,7 @@ def _items_of(b: _Builder, parts: tuple[Node, ...], kinds: Sequence[str],
         got = tuple(b.call(operator.getitem, (p, k), shard=i) for i, p in enumerate(parts))
         for g in got:
             g.meta = g.args[0].meta[k]
-        items.append(Whole(b.reduce(got)) if kind == "sum" else Split(dim, got))
+        items.append(Whole(b.reduce_later(got)) if kind == "sum" else Split(dim, got))
     return Items(tuple(items))
 
 
@@ -927,7 +1008,7 @@ def _cut_then(b: _Builder, node: Node, cut: dict[int | str, Split],
     if outs is None:
         return Split(0, tuple(parts))
     if not isinstance(node.meta, tuple):
-        return Whole(b.reduce(parts))
+        return Whole(b.reduce_later(parts))
     return _items_of(b, tuple(parts), outs)
 
 
@@ -1183,7 +1264,7 @@ def _rule(op: Any) -> Rule | None:
 # -- the pass -----------------------------------------------------------------------------------
 def shard(graph: Graph, batch: dict[Node, int], devices: Sequence[str],
           sizes: Sequence[int] | None = None, updates: dict[Node, Node] | None = None,
-          reduce_chunks: int | None = None) -> Sharded:
+          reduce_chunks: int | None = None, bucket_bytes: int = BUCKET_BYTES) -> Sharded:
     """Split ``graph``'s batch-parallel work over ``devices`` (see the module docstring).
 
     ``batch`` maps graph inputs to their batch dimension; they must agree on the batch size.
@@ -1191,7 +1272,8 @@ def shard(graph: Graph, batch: dict[Node, int], devices: Sequence[str],
     node holding their next value (a training step's updated parameters): each replica of such
     an input gets its next value as an extra output (:attr:`Sharded.replica_outputs`).
     ``reduce_chunks``: the most row chunks a partial sum is reduced in (None:
-    ``MAX_REDUCE_CHUNKS``; 1: every partial sum at once).
+    ``MAX_REDUCE_CHUNKS``; 1: every partial sum at once). ``bucket_bytes``: the gradient
+    buckets' size (0: each sum reduced alone).
     """
     if len(devices) < 1 or len(set(devices)) != len(devices):
         raise NotShardable(f"devices {list(devices)} must be distinct and non-empty")
@@ -1208,6 +1290,7 @@ def shard(graph: Graph, batch: dict[Node, int], devices: Sequence[str],
                            f"summing to the batch size {n}")
     b = _Builder(graph, devices, sizes)
     b.reduce_chunks = reduce_chunks
+    b.bucket_bytes = bucket_bytes
     inputs = {x: b.out.input(x.meta, x.name) for x in graph.inputs}
     for x in graph.inputs:
         b.layout[x] = Whole(inputs[x])
@@ -1217,6 +1300,7 @@ def shard(graph: Graph, batch: dict[Node, int], devices: Sequence[str],
     nll: dict[Node, _NllParts] = {}
     for node in graph.ops:
         b.layout[node] = _rewrite(b, node, nll)
+    b.flush()
     outs = [b.whole(o) if isinstance(o, Node) else o for o in graph.outputs]
     shard_of = {d: i for i, d in enumerate(devices)}
     nexts = []
@@ -1305,10 +1389,17 @@ def _rewrite(b: _Builder, node: Node, nll: dict[Node, _NllParts]) -> Layout:
             return got
         b.unsplit.setdefault(node.name, "no rule splits it" if rule is None
                              else "its rule does not apply to these layouts")
-    args, kwargs = tree_map(lambda x: b.whole(x) if isinstance(x, Node) else x,
-                            (node.args, node.kwargs))
-    return Whole(b.out.call(node.op, args, kwargs, meta=node.meta, name=node.name,
-                            source=node.source, flops=node.flops))
+    def emit() -> Node:
+        args, kwargs = tree_map(lambda x: b.whole(x) if isinstance(x, Node) else x,
+                                (node.args, node.kwargs))
+        return b.out.call(node.op, args, kwargs, meta=node.meta, name=node.name,
+                          source=node.source, flops=node.flops)
+
+    if op_kind(node.op) == "view" and any(
+            isinstance(lay := b.layout.get(x), Whole) and isinstance(lay.node, _Pending)
+            for x in node.inputs):
+        return Whole(_Pending(emit))  # a view of a gradient in a bucket: made when read
+    return Whole(emit())
 
 
 def _move_replicas_to_inputs(b: _Builder) -> None:
