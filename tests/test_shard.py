@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _steps import bn_inputs, bn_step, mlp_inputs
-from autopar.bench.workloads import w6_train_step
+from autopar.bench.workloads import WORKLOADS, w6_train_step
 from autopar.capture.fake import relabel_devices
 from autopar.capture.step import capture_step
 from autopar.cost.model import CostModel
@@ -355,3 +355,24 @@ def test_small_gradients_are_reduced_in_one_bucket():
     alone = shard(step.graph, batch_of(step), ["cpu:0", "cpu:1"], updates=step.updates,
                   bucket_bytes=0)
     assert not any(op_name(n.op) == "aten.cat" and n in alone.pins for n in alone.graph.ops)
+
+
+def test_a_split_that_would_not_fit_a_gpus_memory_is_not_chosen():
+    """W6 at full size splits over h200x2's GPUs; with cuda:1 given 100 MB (less than the
+    replica of w1 alone), the split is refused with the reason and the step stays unsplit."""
+    import dataclasses
+
+    from autopar.dataparallel import predict_step
+    from autopar.machine.model import GiB
+
+    w = WORKLOADS["W6"]
+    full = preset("h200x2")
+    got = predict_step(w.eager, w.make_inputs(("cpu",), "full"), full)
+    assert got.choice.sharded is not None and not got.choice.refused
+    gpu1 = dataclasses.replace(full.profile.devices["cuda:1"], memory_bytes=int(0.1 * GiB))
+    small = dataclasses.replace(full, profile=dataclasses.replace(
+        full.profile, devices={**full.profile.devices, "cuda:1": gpu1}))
+    got = predict_step(w.eager, w.make_inputs(("cpu",), "full"), small)
+    assert got.choice.sharded is None
+    (why,) = [v for k, v in got.choice.refused.items() if k.startswith("cuda:0,cuda:1")][:1]
+    assert "on cuda:1, which has 0.10 GiB" in why

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..capture.step import StepGraph
 from ..ir.graph import Node
+from ..machine.model import GiB
 from ..schedule.place import place
+from ..schedule.plan import make_plan
+from ..schedule.simulate import peak_memory, simulate
 from .shard import NotShardable, Sharded, shard
 
 __all__ = ["Choice", "choose", "shard_devices"]
@@ -27,6 +30,7 @@ class Choice:
     placement: Any
     sharded: Sharded | None
     predicted: dict[str, float]
+    refused: dict[str, str] = field(default_factory=dict)  # candidate -> why it can't run
 
 
 def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence[str], *,
@@ -40,8 +44,8 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
     n = len(same_kind)
     ks = sorted({k for k in (1 << i for i in range(n.bit_length())) if k <= n} | {n}) \
         if shards is None else [shards]  # powers of two and all: planning time stays bounded
-    best: Choice | None = None
     predicted: dict[str, float] = {}
+    placed_all: list[tuple[str, Any, Sharded | None]] = []
     for k in ks:
         if k == 1:
             placed, sharded = place(step.graph, cost, policy=policy, devices=devices), None
@@ -66,10 +70,33 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
                                                  pins=s.pins), s) for suffix, s in forms]
         for label, placed, sharded in candidates:
             predicted[label] = placed.predicted_s
-            if best is None or placed.predicted_s < best.placement.predicted_s:
-                best = Choice(placed, sharded, predicted)
-    assert best is not None
-    return best
+            placed_all.append((label, placed, sharded))
+    ranked = sorted(placed_all, key=lambda c: c[1].predicted_s)
+    refused: dict[str, str] = {}
+    for label, placed, sharded in ranked:  # the fastest that fits every device's memory
+        why = _does_not_fit(placed, cost)
+        if why is None:
+            return Choice(placed, sharded, predicted, refused)
+        refused[label] = why
+        log.info("autopar: %s %s: %s", step.graph.name, label, why)
+    _, placed, sharded = ranked[0]  # nothing fits (eager's own form neither): the fastest
+    return Choice(placed, sharded, predicted, refused)
+
+
+def _does_not_fit(placed: Any, cost: Any) -> str | None:
+    """Why a placement's simulated peak memory exceeds a device's, or None."""
+    plan = make_plan(placed, cost)
+    for pool, peak in peak_memory(plan, simulate(plan, cost)).items():
+        name = pool if ":" in pool else f"{pool}:0"
+        try:
+            has = cost.machine.profile.device(name).memory_bytes
+        except KeyError:
+            continue
+        if peak > has:
+            return f"needs {peak / GiB:.2f} GiB on {pool}, which has {has / GiB:.2f} GiB"
+    return None
+
+
 
 
 def shard_devices(batch: dict[Node, int], cost: Any, devices: Sequence[str],
