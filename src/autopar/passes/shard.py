@@ -294,7 +294,7 @@ class _Builder:
             return
         flats = []
         for i in range(len(self.devices)):
-            views = [self.call(aten.view.default, (parts[i], [-1]), shard=i)
+            views = [self.call(aten.reshape.default, (parts[i], [-1]), shard=i)  # any strides
                      for _, parts in members]
             flats.append(self.call(aten.cat.default, (views, 0), shard=i))
         total, start = self.reduce(flats), 0
