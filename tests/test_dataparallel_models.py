@@ -13,7 +13,7 @@ import autopar
 
 pytest.importorskip("transformers")
 
-from autopar.bench.models import MODELS, inputs_for, loss_of
+from autopar.bench.models import MODELS, inputs_for, train_step
 
 CPUS = "cpu:0,cpu:1"
 STEPS = 20
@@ -41,17 +41,6 @@ def _model(name: str) -> torch.nn.Module:
     return model
 
 
-def _step_of(model, opt, keys):
-    def step(*batch):
-        opt.zero_grad()
-        loss = loss_of(model(**dict(zip(keys, batch))))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return loss.detach()
-    return step
-
-
 @pytest.mark.parametrize(("name", "optimizer", "batch"), [
     ("gpt2", "adamw", 5), ("bert", "adamw", 4), ("hf-resnet", "sgd-momentum", 5),
     ("vit", "adamw", 4)])
@@ -62,9 +51,9 @@ def test_twenty_steps_split_over_two_workers_equal_eager(name, optimizer, batch)
     opt, ref_opt = OPTIMIZERS[optimizer](model.parameters()), \
         OPTIMIZERS[optimizer](ref.parameters())
     keys = list(inputs_for(m, "tiny", batch=batch)[1])
-    step = autopar.data_parallel(_step_of(model, opt, keys), devices=CPUS, shards=2,
+    step = autopar.data_parallel(train_step(model, opt, keys), devices=CPUS, shards=2,
                                  batch_argnums=tuple(range(len(keys))))
-    ref_step = _step_of(ref, ref_opt, keys)
+    ref_step = train_step(ref, ref_opt, keys)
     for i in range(STEPS):
         kwargs = inputs_for(m, "tiny", batch=batch, seed=i)[1]
         torch.testing.assert_close(step(*kwargs.values()), ref_step(*kwargs.values()), **TOL)
@@ -99,9 +88,9 @@ def test_every_hf_models_adamw_step_splits_and_equals_eager(name):
     opt, ref_opt = OPTIMIZERS["adamw"](model.parameters()), \
         OPTIMIZERS["adamw"](ref.parameters())
     keys = list(inputs_for(m, "tiny", batch=5)[1])
-    step = autopar.data_parallel(_step_of(model, opt, keys), devices=CPUS, shards=2,
+    step = autopar.data_parallel(train_step(model, opt, keys), devices=CPUS, shards=2,
                                  batch_argnums=tuple(range(len(keys))))
-    ref_step = _step_of(ref, ref_opt, keys)
+    ref_step = train_step(ref, ref_opt, keys)
     for i in range(3):
         kwargs = inputs_for(m, "tiny", batch=5, seed=i)[1]
         torch.testing.assert_close(step(*kwargs.values()), ref_step(*kwargs.values()), **TOL)
@@ -115,7 +104,7 @@ def test_explain_names_what_is_left_unsplit_and_where():
     model = _model("gpt2")
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     keys = list(inputs_for(m, "tiny", batch=4)[1])
-    step = autopar.data_parallel(_step_of(model, opt, keys), devices=CPUS, shards=2,
+    step = autopar.data_parallel(train_step(model, opt, keys), devices=CPUS, shards=2,
                                  batch_argnums=tuple(range(len(keys))))
     step(*inputs_for(m, "tiny", batch=4)[1].values())
     text = step.explain()

@@ -14,7 +14,7 @@ import autopar
 
 pytest.importorskip("transformers")
 
-from autopar.bench.models import MODELS, inputs_for, loss_of
+from autopar.bench.models import MODELS, inputs_for, train_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 TOL = {"rtol": 1e-4, "atol": 1e-4}
@@ -42,24 +42,13 @@ def _pair(name: str, optimizer: str):
         OPTIMIZERS[optimizer](ref.parameters())
 
 
-def _step_of(model, opt, keys):
-    def step(*batch):
-        opt.zero_grad()
-        loss = loss_of(model(**dict(zip(keys, batch))))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return loss.detach()
-    return step
-
-
 def _run(name, optimizer, steps, **options):
     m = MODELS[name]
     model, ref, opt, ref_opt = _pair(name, optimizer)
     keys = list(inputs_for(m, "tiny", batch=4)[1])
-    step = autopar.data_parallel(_step_of(model, opt, keys),
+    step = autopar.data_parallel(train_step(model, opt, keys),
                                  batch_argnums=tuple(range(len(keys))), **options)
-    ref_step = _step_of(ref, ref_opt, keys)
+    ref_step = train_step(ref, ref_opt, keys)
     for i in range(steps):
         kwargs = inputs_for(m, "tiny", batch=4, seed=i, device="cuda:0")[1]
         got, want = step(*kwargs.values()), ref_step(*kwargs.values())

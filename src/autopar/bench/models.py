@@ -16,7 +16,7 @@ and lengths are whatever the caller asks (odd ones included).
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,3 +176,19 @@ def loss_of(out: Any) -> torch.Tensor:
     if loss is not None:
         return loss
     return sum(t.float().pow(2).mean() for t in flat_tensors(out) if t.is_floating_point())
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, keys: Sequence[str],
+               clip: float | None = 1.0) -> Callable[..., torch.Tensor]:
+    """A training step as users write it: ``step(*batch)`` calls ``model(**dict(zip(keys,
+    batch)))``, then ``zero_grad``, :func:`loss_of`, ``backward``, ``clip_grad_norm_`` (unless
+    ``clip`` is None) and ``opt.step()``; returns the loss, detached."""
+    def step(*batch: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = loss_of(model(**dict(zip(keys, batch))))
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        return loss.detach()
+    return step
