@@ -19,8 +19,9 @@ def host(monkeypatch, tmp_path):
     monkeypatch.setenv("AUTOPAR_NO_MEASURE", "0")  # the suite plans with defaults elsewhere
     monkeypatch.setitem(calibrate_mod.MODES, "quick", calibrate_mod.MODES["smoke"])
     monkeypatch.setattr(calibrate_mod, "BUSY_SPREAD", 100.0)  # smoke numbers are rough
-    state = {"load": 0.0}
+    state = {"load": 0.0, "others": 0.0}
     monkeypatch.setattr(calibrate_mod, "_load_per_core", lambda: state["load"])
+    monkeypatch.setattr(calibrate_mod, "_other_cpu_share", lambda start: state["others"])
     monkeypatch.setattr(calibrate_mod, "_reference_s", lambda: 1e-3)
     return state
 
@@ -53,6 +54,40 @@ def test_a_busy_first_profile_is_saved_with_a_warning(host, capsys):
     profile = detect(calibrate=True).profile
     assert "may be slow" in capsys.readouterr().err
     assert load_profile(profile_path(fingerprint_of(host_info()))).busy == profile.busy
+
+
+def test_a_competitor_running_all_along_is_a_busy_host(host, capsys):
+    """Neither the load before nor the reference loop's drift sees a process that competes
+    from start to end: the cores' busy time less this process's own does."""
+    good = detect(calibrate=True).profile
+    host["others"] = 0.9
+    kept = detect(calibrate=True).profile
+    err = capsys.readouterr().err
+    assert "other processes used 90% of the cores while measuring" in err and "kept" in err
+    assert kept.created == good.created
+
+
+def test_other_processes_share_is_read_from_the_host():
+    """A process spinning beside this one (which sleeps) shows as others' share of the cores;
+    this process's own work does not."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    start = calibrate_mod._cpu_busy()
+    if start is None:
+        pytest.skip("no /proc/stat")
+    sum(range(3_000_000))  # own work
+    assert calibrate_mod._other_cpu_share(start) < 0.5
+    spinner = subprocess.Popen([sys.executable, "-c",
+                                "import time\nt = time.time()\nwhile time.time() - t < 1.0: pass"])
+    time.sleep(0.2)  # the interpreter has started
+    start = calibrate_mod._cpu_busy()
+    time.sleep(0.6)
+    share = calibrate_mod._other_cpu_share(start)
+    spinner.wait()
+    assert share > 0.5 / (os.cpu_count() or 1), share  # one of the cores was someone else's
 
 
 def test_a_drifting_reference_loop_is_a_busy_host(host, monkeypatch):

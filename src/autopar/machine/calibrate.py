@@ -40,7 +40,9 @@ Policy
 - Trust: each measurement goes on past its budget (up to twice it) while the last
   ``STABLE_LAST`` samples spread by more than ``STABLE_SPREAD`` of their median; the spread of
   each step (the median of its measurements' spreads) is kept in ``Profile.quality``. A busy
-  host is said in ``quality["busy"]``: a load average over ``BUSY_LOAD`` per core before
+  host is said in ``quality["busy"]``: other processes using over ``BUSY_OTHERS`` of the cores
+  while measuring (``/proc/stat`` less this process's own time), a load average over
+  ``BUSY_LOAD`` per core before
   measuring, a reference loop that ran ``BUSY_DRIFT`` slower or faster at the end than at the
   start, or steps whose spread stays over ``BUSY_SPREAD``. :func:`autopar.machine.detect.detect`
   then keeps an earlier good profile instead (``--force`` saves this one).
@@ -125,6 +127,7 @@ STABLE_SPREAD = 0.10  # (max - min) / median of those
 BUSY_LOAD = 0.75  # load average per core before measuring
 BUSY_DRIFT = 0.30  # reference loop, end against start
 BUSY_SPREAD = 0.25  # median spread of a step
+BUSY_OTHERS = 0.25  # share of the cores other processes (or the hypervisor) used meanwhile
 _spreads: dict[str, list[float]] = {}  # step -> its measurements' spreads (while calibrating)
 _step = [""]
 aten = torch.ops.aten
@@ -178,6 +181,32 @@ def _load_per_core() -> float:
         return 0.0
 
 
+def _cpu_busy() -> tuple[float, float, float] | None:
+    """(wall clock, seconds the host's CPUs were busy (steal included), seconds this process
+    ran) now, from ``/proc/stat`` (None where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle, iowait
+    guest = sum(fields[8:10]) if len(fields) > 9 else 0.0  # counted in user already
+    own = os.times()
+    return time.perf_counter(), (sum(fields) - idle - guest) / tick, own.user + own.system
+
+
+def _other_cpu_share(start: tuple[float, float, float] | None) -> float:
+    """The share of the host's cores that other processes (and the hypervisor's steal) used
+    since ``start`` (a :func:`_cpu_busy` reading): a competitor running all along, which
+    neither the load before nor the reference loop's drift sees."""
+    end = _cpu_busy()
+    if start is None or end is None or end[0] <= start[0]:
+        return 0.0
+    others = (end[1] - start[1]) - (end[2] - start[2])
+    return max(0.0, others / ((end[0] - start[0]) * (os.cpu_count() or 1)))
+
+
 def _reference_s() -> float:
     """Seconds of a fixed pure-Python loop (best of 7): timed at the start and the end."""
     best = math.inf
@@ -188,13 +217,16 @@ def _reference_s() -> float:
     return best
 
 
-def _quality(load: float, drift: float) -> dict[str, Any]:
-    """``Profile.quality`` from this calibration's spreads, the load before and the drift of
-    the reference loop; ``busy`` says why the host was judged busy ("" if it was not)."""
+def _quality(load: float, drift: float, others: float = 0.0) -> dict[str, Any]:
+    """``Profile.quality`` from this calibration's spreads, the load before, the drift of
+    the reference loop and the share of the cores others used meanwhile; ``busy`` says why
+    the host was judged busy ("" if it was not)."""
     spread = {step: round(statistics.median(s), 4) for step, s in _spreads.items() if s}
     why = []
     if load > BUSY_LOAD:
         why.append(f"load average {load:.2f} per core")
+    if others > BUSY_OTHERS:
+        why.append(f"other processes used {others:.0%} of the cores while measuring")
     if abs(drift) > BUSY_DRIFT:
         why.append(f"a reference loop ran {abs(drift):.0%} "
                    f"{'slower' if drift > 0 else 'faster'} at the end than at the start")
@@ -202,7 +234,7 @@ def _quality(load: float, drift: float) -> dict[str, Any]:
     if noisy:
         why.append(f"samples spread over {BUSY_SPREAD:.0%} in {', '.join(noisy)}")
     return {"spread": spread, "load": round(load, 3), "drift": round(drift, 3),
-            "busy": "; ".join(why)}
+            "others": round(others, 3), "busy": "; ".join(why)}
 
 
 def host_time(fn: Callable[[], Any], mode: _Mode, sync: Callable[[], None] = lambda: None,
@@ -278,13 +310,16 @@ def _reference(mm_curve: tuple[tuple[float, float], ...], n: int) -> tuple[int, 
     return round((flops / 2) ** (1 / 3)), rate
 
 
-def _dtype_peaks(measure: Callable[[torch.dtype, int], float], fp32_rate: float, n: int,
-                 fp32_peak: float, dtypes: dict[str, torch.dtype]) -> dict[str, float]:
-    """Peak FLOP/s of each dtype: its ratio to float32 at size ``n``, times the float32 peak."""
+def _dtype_peaks(measure: Callable[[torch.dtype, int], float], n: int, fp32_peak: float,
+                 dtypes: dict[str, torch.dtype]) -> dict[str, float]:
+    """Peak FLOP/s of each dtype: its speed relative to float32 at size ``n``, times the float32
+    peak. float32 is timed again right before each dtype, so that each ratio is of two
+    measurements taken under the same conditions (a float32 rate from the curve, minutes
+    earlier, made float64's figure differ by 23-44% between two runs on the 2-core VM)."""
     out = {"float32": fp32_peak}
     for name, dt in dtypes.items():
-        seconds = measure(dt, n)
-        out[name] = _mm_flops(n) / seconds / fp32_rate * fp32_peak
+        fp32_s = measure(torch.float32, n)
+        out[name] = fp32_s / measure(dt, n) * fp32_peak
     return out
 
 
@@ -361,13 +396,13 @@ def _calibrate_cpu(mode: _Mode, step: Callable[[str], None]) -> tuple[DeviceProf
         curves.update({f"{k}@1t": v for k, v in single.items()})
 
     step("cpu: matmul other dtypes")
-    ref_n, ref_rate = _reference(curves["matmul"], 256)
+    ref_n, _ = _reference(curves["matmul"], 512)
 
     def mm_time(dt: torch.dtype, n: int) -> float:
         a, b = _rand(n, n, n, dtype=dt), _rand(n, n, n, dtype=dt)
         return timer(lambda: aten.mm(a, b))
 
-    flops = _dtype_peaks(mm_time, ref_rate, ref_n, max(r for _, r in curves["matmul"]),
+    flops = _dtype_peaks(mm_time, ref_n, max(r for _, r in curves["matmul"]),
                          {"float64": torch.float64, "bfloat16": torch.bfloat16,
                           "float16": torch.float16})
 
@@ -434,7 +469,7 @@ def _calibrate_gpu(i: int, mode: _Mode, step: Callable[[str], None]) -> DevicePr
         step(f"{dev}: matmul float32 and memory")
         curves = _curves(timer, dev, mode.gpu_mm, mode.gpu_add, usable / 4, mode.max_op_s)
         torch.cuda.empty_cache()
-        ref_n, ref_rate = _reference(curves["matmul"], mode.gpu_mm[-1])
+        ref_n, _ = _reference(curves["matmul"], mode.gpu_mm[-1])
 
         step(f"{dev}: matmul tf32, float16, bfloat16, float64")
 
@@ -444,7 +479,7 @@ def _calibrate_gpu(i: int, mode: _Mode, step: Callable[[str], None]) -> DevicePr
             a, b = _rand(n, n, n, dtype=real, device=dev), _rand(n, n, n, dtype=real, device=dev)
             return clock.time(lambda: aten.mm(a, b), mode)
 
-        flops = _dtype_peaks(mm_time, ref_rate, ref_n, max(r for _, r in curves["matmul"]),
+        flops = _dtype_peaks(mm_time, ref_n, max(r for _, r in curves["matmul"]),
                              {"tf32": "tf32", "float16": torch.float16,  # type: ignore[dict-item]
                               "bfloat16": torch.bfloat16, "float64": torch.float64})
     finally:
@@ -591,7 +626,7 @@ def _calibrate(mode: str, host: dict[str, Any] | None, progress: Progress | None
         done += 1
 
     _spreads.clear()
-    load, reference = _load_per_core(), _reference_s()
+    load, reference, busy_at = _load_per_core(), _reference_s(), _cpu_busy()
     with torch.no_grad():
         cpu, handoff = _calibrate_cpu(m, step)
         devices = {"cpu": cpu}
@@ -609,7 +644,7 @@ def _calibrate(mode: str, host: dict[str, Any] | None, progress: Progress | None
         step("view ops")
         base = torch.ones(16, 16)
         view = host_time(lambda: aten.view.default(base, [256]), m)
-    quality = _quality(load, _reference_s() / reference - 1)
+    quality = _quality(load, _reference_s() / reference - 1, _other_cpu_share(busy_at))
     if progress is not None:
         progress("done", total, total)
     return Profile(fingerprint=fingerprint_of(host), host=host, devices=devices, links=links,
