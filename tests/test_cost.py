@@ -125,7 +125,7 @@ def test_host_read_of_a_gpu_value_waits_for_the_device():
     assert cost.host_s == pytest.approx(10e-6 + 5e-6 + 5e-6)  # launch, kernel, sync
 
 
-def test_inputs_are_free_and_views_cost_host_time_only():
+def test_inputs_and_tuple_items_are_free_and_views_cost_host_time_only():
     g = Graph("views")
     x = g.input(TensorMeta.make((4, 6), device="cuda:0"))
     v = g.call(aten.view.default, (x, [24]))
@@ -133,8 +133,11 @@ def test_inputs_are_free_and_views_cost_host_time_only():
     first = g.call(__import__("operator").getitem, (parts, 0))
     cm = CostModel(toy_machine())
     assert cm.op_cost(x, "cuda:0") == OpCost(0.0, 0.0, "input")
-    for node in (v, parts, first):
+    for node in (v, parts):
         assert cm.op_cost(node, "cuda:0") == OpCost(1e-6, 0.0, "view")
+    # the generated code indexes the tuple: no dispatch (1,431 of them on an 8-GPU GPT-2
+    # step's home device had cost 3.4 ms of the prediction)
+    assert cm.op_cost(first, "cuda:0") == OpCost(0.0, 0.0, "getitem")
 
 
 def test_transfer_times():

@@ -1,7 +1,8 @@
 """The cost model: how long a graph node takes on a device, and bytes over a link.
 
 Policy, in order of preference for a node ``n`` on device ``d``
-1. ``input``: free (0). ``view`` / ``getitem``: host-only, ``profile.view_s``, no kernel.
+1. ``input`` and ``getitem`` (a tuple index in the generated code): free (0). ``view``:
+   host-only, ``profile.view_s``, no kernel.
 2. History: once the history holds ``min_samples`` trusted measurements of the same op with the
    same input shapes, dtypes and arguments on the same device (CPU workers share one entry), their
    outlier-robust median replaces the estimate below.
@@ -314,7 +315,9 @@ class CostModel:
         prof = self.machine.profile
         if node.is_input:
             return OpCost(0.0, 0.0, "input")
-        if node.op is operator.getitem or node.kind == "view":
+        if node.op is operator.getitem:  # a tuple index in the generated code: no dispatch
+            return OpCost(0.0, 0.0, "getitem")
+        if node.kind == "view":
             return OpCost(prof.view_s, 0.0, "view")
         dp = prof.device(dev.name)
         measured = self._measured(node, dev)
