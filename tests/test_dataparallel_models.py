@@ -110,3 +110,26 @@ def test_explain_names_what_is_left_unsplit_and_where():
     text = step.explain()
     line = next(ln for ln in text.splitlines() if "left unsplit: index" in ln)
     assert "aten.index.Tensor" in line and "no rule splits it" in line and ".py:" in line
+
+
+def test_a_big_inference_batch_splits_and_the_caller_state_is_part_of_the_key():
+    """Inference through data_parallel: BERT under no_grad over two workers equals eager; the
+    same call under bf16 autocast is another capture (the trace bakes autocast's casts in)."""
+    m = MODELS["bert"]
+    model = m.make("tiny").eval()
+
+    def infer(ids, mask):
+        return model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    step = autopar.data_parallel(infer, devices=CPUS, shards=2, batch_argnums=(0, 1))
+    with torch.no_grad():
+        for i in range(2):
+            kwargs = inputs_for(m, "tiny", batch=6, seed=i)[1]
+            args = kwargs["input_ids"], kwargs["attention_mask"]
+            torch.testing.assert_close(step(*args), infer(*args), rtol=1e-5, atol=1e-5)
+            assert step.last.sharded.sizes == (3, 3)
+        with torch.autocast("cpu", torch.bfloat16):
+            got, want = step(*args), infer(*args)
+        assert got.dtype == want.dtype  # (layer norm runs in float32 under autocast)
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert len(step._compiled) == 2

@@ -40,8 +40,9 @@ Policy and invariants
   update repeated there on all-reduced gradients, see :mod:`autopar.passes.shard`), so replicas stay
   resident and current with no broadcast.
 - One compiled graph per argument signature (shapes, dtypes, devices, requires_grad, the
-  non-tensor arguments). Anything that can't be captured or sharded runs eagerly, with one
-  warning on the ``autopar`` logger. Never a wrong result.
+  non-tensor arguments), state signature and caller state (grad mode, inference mode,
+  autocast: the trace bakes them in). Anything that can't be captured or sharded runs
+  eagerly, with one warning on the ``autopar`` logger. Never a wrong result.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ from .passes.dataparallel import Choice, choose, shard_devices
 from .passes.fusion import regions_to_fuse
 from .passes.shard import NotShardable, Sharded, torch_device
 from .runtime import Executor
+from .runtime.callerstate import CallerState
 from .schedule.place import place
 from .schedule.plan import make_plan
 from .schedule.simulate import simulate
@@ -224,7 +226,8 @@ class DataParallelStep:
                 self.refused = str(e)
             self.last = None
             return self.fn(*args)
-        key = (_signature(leaves, spec), state.signature)
+        # the trace bakes the caller's grad mode and autocast in: they are part of the key
+        key = (_signature(leaves, spec), state.signature, CallerState.capture())
         if key not in self._compiled:
             try:
                 self._compiled[key] = self._compile(args, state)
