@@ -53,6 +53,12 @@ def test_replicas_are_made_once_and_again_only_after_an_outside_change():
     torch.testing.assert_close(step(*mine), w6_train_step(*ref), rtol=1e-4, atol=1e-4)
     assert step.replica_copies == 5
     assert_same(mine, ref)
+    mine[0].data.mul_(0.5)  # unseen: .data leaves the version as it was
+    ref[0].data.mul_(0.5)
+    step.refresh()
+    torch.testing.assert_close(step(*mine), w6_train_step(*ref), rtol=1e-4, atol=1e-4)
+    assert step.replica_copies == 9  # every parameter again
+    assert_same(mine, ref)
 
 
 def test_batch_norm_step_over_two_gpus_equals_eager():

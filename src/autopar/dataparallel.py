@@ -289,6 +289,11 @@ class DataParallelStep:
             self._replicas[(j, device)] = (fresh, tensors[j]._version, tensors[j].data_ptr())
         return tree_unflatten(user, step.out_spec)
 
+    def refresh(self) -> None:
+        """Forget the replicas: the next call copies every parameter again. Needed after a
+        write the step can't see (through ``p.data``, which leaves ``p._version`` as it was)."""
+        self._replicas.clear()
+
     def _replica(self, tensors: list[torch.Tensor], j: int, device: str) -> torch.Tensor:
         t = tensors[j]
         got = self._replicas.get((j, device))
