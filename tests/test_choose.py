@@ -272,3 +272,59 @@ def test_a_module_gets_the_measured_choice_too(monkeypatch):
     model.train()
     compiled(x).sum().backward()
     assert len({k[-1] for k in [*d.kept, *d.trials]}) == 2  # eval and train apart
+
+
+def _model_and_input():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()).eval(), torch.randn(4, 8)
+
+
+def test_a_way_whose_results_are_not_eagers_is_left_out(monkeypatch, caplog):
+    """Inference (grad off, nothing written): a way's first call is checked against eager on
+    the same arguments; a way that is off is dropped, says why, and the call gets eager's."""
+    import logging
+
+    from autopar.api import Dispatcher
+
+    model, x = _model_and_input()
+    compiled = autopar.compile(model, devices="cpu:0,cpu:1", policy="round_robin",
+                               candidates=["eager", "autopar"])
+    wrong = Dispatcher.way
+
+    def off_by_one(self, name):
+        way = wrong(self, name)
+        return (lambda *a, **k: way(*a, **k) + 1) if name == "autopar" else way
+
+    monkeypatch.setattr(Dispatcher, "way", off_by_one)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="autopar"):
+        for _ in range(12):
+            torch.testing.assert_close(compiled(x), model(x))
+    assert "the autopar way is left out: its results differ from eager's" in caplog.text
+    assert "relative error" in caplog.text
+    assert set(autopar.api.dispatcher_of(compiled).kept.values()) == {"eager"}
+
+
+def test_a_way_within_the_tolerance_is_kept_in_the_trial(monkeypatch, caplog):
+    import logging
+
+    model, x = _model_and_input()
+    monkeypatch.setattr(choose, "TRIAL_MIN_S", 0.0)
+    compiled = autopar.compile(model, devices="cpu:0,cpu:1", policy="round_robin",
+                               candidates=["eager", "autopar"])
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="autopar"):
+        for _ in range(30):
+            torch.testing.assert_close(compiled(x), model(x))
+    assert "left out" not in caplog.text
+    assert autopar.api.dispatcher_of(compiled).kept  # a verdict, between both ways
+
+
+def test_results_differ_by_dtype_and_structure():
+    a = torch.ones(10)
+    assert choose.results_differ(a, a.clone()) is None
+    assert "relative error" in choose.results_differ(a * 1.01, a)
+    assert choose.results_differ(a * 1.01, a, low_precision=True) is None  # under autocast
+    half = torch.ones(10, dtype=torch.bfloat16)
+    assert choose.results_differ(half * 1.01, half) is None
+    assert "structure" in choose.results_differ((a, a), [a, a])
+    assert "shape" in choose.results_differ(a[:5], a)
+    assert "differs" in choose.results_differ(torch.arange(3), torch.arange(3) + 1)

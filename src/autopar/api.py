@@ -39,8 +39,8 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .capture.direct import Direct
-from .capture.dynamo import capturing_scalars, make_backend
-from .choose import WAYS, Trial, candidates, inductor_compiles_for
+from .capture.dynamo import any_autocast_enabled, capturing_scalars, make_backend
+from .choose import WAYS, Trial, candidates, inductor_compiles_for, results_differ
 from .cost.model import CostModel
 from .ir.graph import LOCAL_SCALAR_DENSE, Graph
 from .ir.logs import quiet
@@ -189,6 +189,7 @@ class Runner:
         # ...of them, those capture had already computed part of (autopar.capture.fold)
         self.folded = 0
         self.reads_scalars = False  # whether any of them reads a value to the host (.item())
+        self.writes = False  # whether any of them writes a tensor in place (inputs, buffers)
         self.gpus = _cuda_indices(options.devices)  # GPU indices autopar may use
         self.inductor_can = inductor_compiles_for(options.devices, options.fuse)
         self.inductor_candidate = self.inductor_can and "inductor" in options.candidates
@@ -241,6 +242,7 @@ class Runner:
         self.folded += graph.folded
         self.reads_scalars = self.reads_scalars or any(
             n.op is LOCAL_SCALAR_DENSE for n in graph.ops)
+        self.writes = self.writes or any(n.writes for n in graph.ops)
         try:
             cost = self.cost_model()
             placement = place(graph, cost, policy=options.policy, devices=options.devices)
@@ -515,6 +517,7 @@ class Dispatcher:
         self.name = _name(fn)  # for the log and the profiler's ranges
         self.kept: dict[Any, str] = {}  #: signature -> the way that runs it
         self.trials: dict[Any, Trial] = {}  #: signature -> its open trial
+        self._checked: set[tuple[Any, str]] = set()  # (signature, way) whose results were checked
         self.only: Callable | None = None  #: the one way every call takes, once settled
         # the latest plain call: its grad mode, weak references to its tensors (in order),
         # and each tensor's metadata
@@ -584,6 +587,9 @@ class Dispatcher:
         return out
 
     def _tried(self, key: Any, trial: Trial, args: tuple, kwargs: dict) -> Any:
+        way = trial.next_way()
+        check = way not in (None, "eager") and (key, way) not in self._checked \
+            and not _grad_enabled() and not self.runner.writes
         try:
             out = trial.run(self.way, args, kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:  # failed compiling: nothing ran
@@ -594,6 +600,20 @@ class Dispatcher:
             trials_log.warning("autopar: %s: the %s way failed where eager does not, and is "
                                "left out: %s", self.name, way, trial.dropped[way])
             out = self.fn(*args, **kwargs)
+        if check:  # a way's first call, where calling again changes nothing: eager's results?
+            self._checked.add((key, way))
+            want = self.fn(*args, **kwargs)
+            why = results_differ(out, want, low_precision=any_autocast_enabled())
+            if why is not None:
+                trial.drop(way, f"its results differ from eager's: {why}")
+                trials_log.warning("autopar: %s: the %s way is left out: its results differ "
+                                   "from eager's (%s)", self.name, way, why)
+                out = want
+                live = [w for w in trial.ways if w not in trial.dropped]
+                if len(live) == 1:  # nothing left to compare: kept at once
+                    del self.trials[key]
+                    self._keep(key, live[0])
+                    return out
         won = trial.verdict()
         if won is not None:
             del self.trials[key]

@@ -29,6 +29,11 @@ Policy (one place decides "is autopar's plan better than what the user would oth
   backward, optimizer step) is timed whole; a module's forward, called alone, is its forward.
 - A way that fails where eager would not (an internal or compile error before the function
   ran) is dropped for that signature, with the reason logged once, and the call runs eagerly.
+- A way whose results are not eager's is dropped too: on a way's first call, where calling the
+  function again changes nothing (grad off, no captured graph writes in place), eager runs on
+  the same arguments and the outputs are compared (:func:`results_differ`: relative error in
+  norm over ``RESULT_TOL``, ``RESULT_TOL_LOW`` under autocast or for 16-bit outputs); the call
+  returns eager's. Training steps are not checked here (a second call would step again).
 
 Glossary: a *way* is a name above; ``Trial.calls`` the counted calls ``(way, host_s,
 [(begin, end) CUDA events])``; ``Trial.times`` each way's counted seconds once decided.
@@ -43,15 +48,51 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from .ir.units import fmt_seconds
 from .machine.host import cpu_fusion_unavailable
 
-__all__ = ["TRIAL_CALLS", "WAYS", "Trial", "candidates"]
+__all__ = ["RESULT_TOL", "RESULT_TOL_LOW", "TRIAL_CALLS", "WAYS", "Trial", "candidates",
+           "results_differ"]
 
 log = logging.getLogger("autopar.trials")
 
 WAYS = ("eager", "inductor", "autopar")
+
+RESULT_TOL = 2e-3
+"""A way's outputs may differ from eager's by this relative error (in norm) at full precision:
+a fused kernel's other summation order, not another formula."""
+RESULT_TOL_LOW = 5e-2
+"""...and by this much under autocast or for 16-bit outputs (bfloat16 keeps 8 bits)."""
+
+
+def results_differ(got: Any, want: Any, low_precision: bool = False) -> str | None:
+    """How ``got`` (a way's result) differs from ``want`` (eager's) beyond the tolerance, or
+    None: the same structure, tensors of the same shape and dtype, floating ones within
+    ``RESULT_TOL`` (``RESULT_TOL_LOW`` where ``low_precision`` or the output is 16-bit) in
+    relative norm, others equal."""
+    g, g_spec = tree_flatten(got)
+    w, w_spec = tree_flatten(want)
+    if g_spec != w_spec:
+        return "another structure of outputs"
+    for i, (a, b) in enumerate(zip(g, w)):
+        if not isinstance(b, torch.Tensor):
+            continue
+        if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+            return f"output {i} is not a {b.dtype} tensor of shape {tuple(b.shape)}"
+        if not b.is_floating_point():
+            if not torch.equal(a, b):
+                return f"output {i} differs"
+            continue
+        low = low_precision or b.element_size() <= 2
+        tol = RESULT_TOL_LOW if low else RESULT_TOL
+        with torch.no_grad():
+            a64, b64 = a.detach().double(), b.detach().double()
+            err = float((a64 - b64).norm() / b64.norm().clamp_min(1e-12))
+        if not err <= tol:
+            return f"output {i}: relative error {err:.2e} > {tol:g}"
+    return None
 
 TRIAL_CALLS = 5
 """Counted calls of each way a signature's trial makes at least. Each is the second of a pair:
