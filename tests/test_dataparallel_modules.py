@@ -260,3 +260,22 @@ def test_a_grad_scaler_runs_the_step_eagerly_and_says_why(caplog):
             assert step.last is None
     assert caplog.text.count("uses the GradScaler") == 1
     assert_same_training(model, ref, opt, ref_opt)
+
+
+def test_train_and_eval_are_separate_captures():
+    """Batch norm computes differently in eval(): a graph traced in train() must not serve it."""
+    model, ref = _net(), _net()
+
+    def infer_of(m):
+        def infer(x):
+            return m(x)
+        return infer
+
+    step = autopar.data_parallel(infer_of(model), devices=CPUS, shards=2, batch_argnums=(0,))
+    (x, _), = _batches(1)
+    with torch.no_grad():
+        torch.testing.assert_close(step(x), infer_of(ref)(x), **TOL)  # train(): batch stats
+        model.eval()
+        ref.eval()
+        torch.testing.assert_close(step(x), infer_of(ref)(x), **TOL)  # eval(): running stats
+    assert sum(c is not None for c in step._compiled.values()) == 2

@@ -20,7 +20,8 @@ Policy and invariants
   ``.grad`` each parameter holds on entry (the step may zero it, set it to None or add into it:
   all three are traced).
 - :attr:`State.signature` keys the compiled graph: every tensor's metadata and whether each
-  parameter holds a ``.grad``, every param group's non-tensor values (``lr``, ``betas``,
+  parameter holds a ``.grad``, each module's ``training`` flags, every param group's non-tensor
+  values (``lr``, ``betas``,
   ``weight_decay``, ``foreach``, ...) and the keys of each optimizer's state. A changed learning
   rate is a new signature, captured again.
 - An optimizer left at ``foreach=None`` is traced on the path eager takes for the real
@@ -88,7 +89,9 @@ class State:
             for _, opt in self.optimizers)
         states = tuple(tuple(tuple(sorted(s)) for s in opt.state.values())
                        for _, opt in self.optimizers)
-        return metas, tuple(sorted(self.grad_of)), groups, states
+        # train() / eval() changes what a module computes (batch norm, dropout): baked in
+        modes = tuple(tuple(sub.training for sub in m.modules()) for _, m in self.modules)
+        return metas, tuple(sorted(self.grad_of)), groups, states, modes
 
     def group_values(self) -> list:
         return [[{k: _plain(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
@@ -157,9 +160,9 @@ class State:
                    for g in opt.param_groups]
             if now != was:
                 i = next(i for i, (a, b) in enumerate(zip(now, was)) if a != b)
-                keys = sorted(k for k in now[i] if now[i][k] != was[i].get(k))
+                changed = sorted(k for k in now[i] if now[i][k] != was[i].get(k))
                 raise Unsupported(
-                    f"the step changes {', '.join(keys)} of {name}'s param group {i} (a "
+                    f"the step changes {', '.join(changed)} of {name}'s param group {i} (a "
                     "learning-rate scheduler stepped inside the step?): step it outside")
             if dict(self._state_keys(opt)) != had:
                 raise StateNotReady(f"{name} makes its state in this call ({type(opt).__name__}"
