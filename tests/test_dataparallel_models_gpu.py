@@ -73,7 +73,7 @@ def test_captured_step_on_one_gpu_equals_eager(name, optimizer):
 def test_the_default_on_one_gpu_keeps_the_step_as_written():
     step = _run("gpt2", "adamw", 4)  # devices="auto": the host and one GPU: nothing to split
     assert step.last is None
-    assert "runs the step as written" in step.explain()
+    assert "unsplit (autopar.compile's choice)" in step.explain()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

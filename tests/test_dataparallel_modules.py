@@ -94,7 +94,7 @@ def test_fused_adamw_runs_eagerly_and_says_why(caplog):
         for x, y in _batches(3):
             torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
             assert step.last is None
-    assert caplog.text.count("running step eagerly: can't trace the step") == 1
+    assert caplog.text.count("running step unsplit: can't trace the step") == 1
     assert_same_training(model, ref, opt, ref_opt)
 
 
@@ -197,7 +197,7 @@ def test_a_module_the_step_cannot_see_is_named_and_the_step_runs_eagerly(caplog)
     (x, y), = _batches(1)
     with caplog.at_level(logging.WARNING, logger="autopar"):
         torch.testing.assert_close(dp(x, y), ref_step(x, y), **TOL)
-    assert "running step eagerly" in caplog.text and dp.last is None
+    assert "running step unsplit" in caplog.text and dp.last is None
     assert "reads a tensor that is not its argument" in caplog.text
     assert f"test_dataparallel_modules.py:{step.__code__.co_firstlineno + 1}" in caplog.text
 

@@ -30,10 +30,11 @@ Policy and invariants
 - k and devices: the graph is placed unsplit, and split over the home device (where the batch
   lives) and the next k-1 devices of its kind in ``devices``, for every k; the one with the
   least predicted time is the candidate, "don't split" included. Unless ``shards`` is given,
-  an unsplit prediction runs the step as written, and a split is kept only when a trial
-  (:class:`autopar.choose.Trial`, each call a real step) measured it faster than the step as
-  written (see :mod:`autopar.passes.shard` for the pass,
-  :mod:`autopar.schedule.place` for the timing). The host may still run whole, unsplit ops.
+  an unsplit prediction runs the step through :func:`autopar.compile` (its own measured
+  choice), and a split is kept only when a trial (:class:`autopar.choose.Trial`, each call a
+  real step) measured it faster than the step as written (see :mod:`autopar.passes.shard`
+  for the pass, :mod:`autopar.schedule.place` for the timing). The host may still run
+  whole, unsplit ops.
 - Replicas: a parameter's copy on another device is kept between calls and made again only
   when the parameter changed outside the step (its ``_version`` or storage differ from what
   the step itself left). The graph computes each replica's next value on its own device (the
@@ -42,7 +43,8 @@ Policy and invariants
 - One compiled graph per argument signature (shapes, dtypes, devices, requires_grad, the
   non-tensor arguments), state signature and caller state (grad mode, inference mode,
   autocast: the trace bakes them in). Anything that can't be captured or sharded runs
-  eagerly, with one warning on the ``autopar`` logger. Never a wrong result.
+  unsplit through :func:`autopar.compile`, with one warning on the ``autopar`` logger (the
+  first call that makes an optimizer's state: as written). Never a wrong result.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .api import Options, make_runner
+from .api import Options, compile, make_runner
 from .capture.fake import relabel_devices
 from .capture.fx import Unsupported
 from .capture.state import State, StateNotReady, find_state
@@ -111,9 +113,11 @@ class DataParallelStep:
     """The callable :func:`data_parallel` returns (see the module docstring)."""
 
     def __init__(self, fn: Callable, options: Any, batch_argnums: Sequence[int] | None,
-                 shards: int | None = None) -> None:
+                 shards: int | None = None, raw: dict[str, Any] | None = None) -> None:
         self.fn = fn
         self.options = options
+        self._raw = dict(raw or {})  # the options as given: autopar.compile's, for _unsplit
+        self._whole: Callable | None = None
         self.batch_argnums = None if batch_argnums is None else tuple(batch_argnums)
         self.shards = shards
         self.replica_copies = 0  # replicas made from a parameter (not by the step's broadcast)
@@ -189,11 +193,12 @@ class DataParallelStep:
         lines = []
         for k, c in enumerate(self._compiled.values()):
             if c is None:
-                lines.append(f"{name} [{k}]: runs eagerly (see the warning logged at capture)")
+                lines.append(f"{name} [{k}]: runs unsplit, through autopar.compile (see the "
+                             "warning logged at capture)")
                 continue
             predicted = ", ".join(f"{label} {v * 1e3:.3f} ms"
                                   for label, v in c.choice.predicted.items())
-            way = {"eager": "the step as written", "autopar": "autopar's plan",
+            way = {"eager": "unsplit (autopar.compile's choice)", "autopar": "autopar's plan",
                    None: "trial in progress"}[c.way]
             lines.append(f"{name} [{k}]: {len(c.step.graph.ops)} ops; predicted {predicted}; "
                          f"runs {way}")
@@ -215,17 +220,25 @@ class DataParallelStep:
         return "\n".join(lines)
 
     # -- calling ----------------------------------------------------------------------------
+    def _unsplit(self, *args: Any) -> Any:
+        """A call that runs unsplit: through :func:`autopar.compile` of the step (its measured
+        choice between the step as written, Inductor and autopar's plan), so that not
+        splitting is never slower than what ``autopar.compile`` gives the same step."""
+        if self._whole is None:
+            self._whole = compile(self.fn, **self._raw)
+        return self._whole(*args)
+
     def __call__(self, *args: Any) -> Any:
         leaves, spec = tree_flatten(tuple(args))
         try:
             state = find_state(self.fn, args)
         except Unsupported as e:  # the step names something no graph can replay
             if self.refused is None:
-                log.warning("autopar: running %s eagerly: %s",
+                log.warning("autopar: running %s unsplit: %s",
                             getattr(self.fn, "__name__", "step"), e)
                 self.refused = str(e)
             self.last = None
-            return self.fn(*args)
+            return self._unsplit(*args)
         # the trace bakes the caller's grad mode and autocast in: they are part of the key
         key = (_signature(leaves, spec), state.signature, CallerState.capture())
         if key not in self._compiled:
@@ -236,7 +249,7 @@ class DataParallelStep:
                 self.last = None
                 return self.fn(*args)
             except (Unsupported, NotShardable) as e:
-                log.warning("autopar: running %s eagerly: %s",
+                log.warning("autopar: running %s unsplit: %s",
                             getattr(self.fn, "__name__", "step"), e)
                 self._compiled[key] = None
         compiled = self._compiled[key]
@@ -244,7 +257,7 @@ class DataParallelStep:
         self.last = None
         if compiled is None or compiled.way == "eager" or any(
                 tensors[j].grad is not None for j in compiled.step.arg_params):
-            return self.fn(*args)
+            return self._unsplit(*args)
         if compiled.trial is None:
             self.last = compiled
             return self._run(compiled, tensors)
@@ -354,4 +367,4 @@ def data_parallel(fn: Callable, *, batch_argnums: Sequence[int] | None = None,
     if shards is not None and (not isinstance(shards, int) or shards < 1):
         raise ValueError(f"shards must be a positive int or None, not {shards!r}")
 
-    return DataParallelStep(fn, Options.parse(options), batch_argnums, shards)
+    return DataParallelStep(fn, Options.parse(options), batch_argnums, shards, raw=options)
