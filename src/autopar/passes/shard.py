@@ -64,6 +64,7 @@ Glossary: *home* ``devices[0]``; *shard i* the nodes pinned to ``devices[i]``; *
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -300,7 +301,7 @@ class _Builder:
         total, start = self.reduce(flats), 0
         for pending, parts in members:
             shape = list(parts[0].meta.shape)
-            n = _prod(shape)
+            n = math.prod(shape)
             piece = self.call(aten.slice.Tensor, (total, 0, start, start + n), shard=0)
             pending.node = self.call(aten.view.default, (piece, shape), shard=0)
             self._bucket_views[pending.node] = (total, start, n, shape)
@@ -611,13 +612,13 @@ def _reshape(b: _Builder, node: Node) -> Layout | None:
     if s is None or not isinstance(node.meta, TensorMeta):
         return None
     ins, outs = list(x.meta.shape), list(node.meta.shape)
-    before = _prod(ins[:s.dim])
-    inner = _prod(ins[s.dim + 1:])
-    rows = [p.meta.shape[s.dim] for p in s.parts]
+    before = math.prod(ins[:s.dim])
+    inner = math.prod(ins[s.dim + 1:])
+    rows = _rows(s)
     for d in range(len(outs)):
-        if _prod(outs[:d]) != before:
+        if math.prod(outs[:d]) != before:
             continue
-        out_inner = _prod(outs[d + 1:])
+        out_inner = math.prod(outs[d + 1:])
         if out_inner == 0 or any(r * inner % out_inner for r in rows):
             continue
         if sum(r * inner // out_inner for r in rows) != outs[d]:
@@ -627,13 +628,6 @@ def _reshape(b: _Builder, node: Node) -> Layout | None:
             return {1: [*outs[:d], rows[i] * inner // out_inner, *outs[d + 1:]]}
         return _per_shard(b, node, d, replace=shard_shape)
     return None
-
-
-def _prod(xs: Sequence[int]) -> int:
-    out = 1
-    for x in xs:
-        out *= x
-    return out
 
 
 def _mm(b: _Builder, node: Node) -> Layout | None:
@@ -925,7 +919,7 @@ def _mean_dims(b: _Builder, node: Node) -> Layout | None:
     keep = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim"))
     if s.dim not in dims:
         return _per_shard(b, node, s.dim if keep else s.dim - sum(d < s.dim for d in dims))
-    count = _prod([x.meta.shape[d] for d in dims])
+    count = math.prod([x.meta.shape[d] for d in dims])
     sums = []
     for i, part in enumerate(s.parts):
         sums.append(b.call(aten.sum.dim_IntList, (part, dims, keep), shard=i, like=node,
@@ -947,11 +941,16 @@ def _items_of(b: _Builder, parts: tuple[Node, ...], kinds: Sequence[str],
         if kind == "none":
             items.append(Whole(None))
             continue
-        got = tuple(b.call(operator.getitem, (p, k), shard=i) for i, p in enumerate(parts))
-        for g in got:
-            g.meta = g.args[0].meta[k]
+        got = tuple(b.item(p, k, i) for i, p in enumerate(parts))
         items.append(Whole(b.reduce_later(got)) if kind == "sum" else Split(dim, got))
     return Items(tuple(items))
+
+
+def _arg(node: Node, key: int | str, default: Any = None) -> Any:
+    """``node``'s argument at a position or of a keyword name, else ``default``."""
+    if isinstance(key, str):
+        return node.kwargs.get(key, default)
+    return node.args[key] if key < len(node.args) else default
 
 
 def _batched(batch_args: Sequence[int], outs: Sequence[str] | None = None,
@@ -972,8 +971,7 @@ def _batched(batch_args: Sequence[int], outs: Sequence[str] | None = None,
         full = args[batch_args[0]].meta.shape[0]
         cut: dict[int | str, Node] = {}
         for key in broadcast:
-            x = node.kwargs.get(key) if isinstance(key, str) else \
-                args[key] if key < len(args) else None
+            x = _arg(node, key)
             if isinstance(key, int):
                 checked.add(key)
             if isinstance(x, Node):
@@ -986,19 +984,15 @@ def _batched(batch_args: Sequence[int], outs: Sequence[str] | None = None,
         for i, x in enumerate(args):
             if i not in checked and isinstance(x, Node) and _split_of(b, x) is not None:
                 return None
-        if cut:
-            return _cut_then(b, node, cut, outs)
-        if outs is None:
-            return _per_shard(b, node, 0)
-        if not isinstance(node.meta, tuple):  # one tensor, summed over the shards
-            return _reduced(b, node)
-        return _items(b, node, outs)
+        return _per_row(b, node, cut, outs)
     return rule
 
 
-def _cut_then(b: _Builder, node: Node, cut: dict[int | str, Split],
-              outs: Sequence[str] | None) -> Layout:
-    """:func:`_batched`'s op with the Whole arguments in ``cut`` read by their shard's part."""
+def _per_row(b: _Builder, node: Node, cut: dict[int | str, Split],
+             outs: Sequence[str] | None) -> Layout:
+    """:func:`_batched`'s op once per shard, the Whole arguments in ``cut`` read by their
+    shard's part: Split along dim 0 (``outs`` None), summed over the shards (one tensor with
+    ``outs``), or :class:`Items` of ``outs``' kinds."""
     parts = []
     for i in range(len(b.devices)):
         args, kwargs = _map_args(b, node, i)
@@ -1007,7 +1001,7 @@ def _cut_then(b: _Builder, node: Node, cut: dict[int | str, Split],
         parts.append(b.call(node.op, args, kwargs, shard=i, like=node))
     if outs is None:
         return Split(0, tuple(parts))
-    if not isinstance(node.meta, tuple):
+    if not isinstance(node.meta, tuple):  # one tensor, summed over the shards
         return Whole(b.reduce_later(parts))
     return _items_of(b, tuple(parts), outs)
 
@@ -1015,9 +1009,7 @@ def _cut_then(b: _Builder, node: Node, cut: dict[int | str, Split],
 def _dropout_free(rule: Rule, p_at: int | str) -> Rule:
     """``rule`` for attention only without dropout (each shard would draw its own mask)."""
     def checked(b: _Builder, node: Node) -> Layout | None:
-        p = node.kwargs.get(p_at, 0.0) if isinstance(p_at, str) else \
-            node.args[p_at] if p_at < len(node.args) else 0.0
-        return rule(b, node) if p == 0.0 else None
+        return rule(b, node) if _arg(node, p_at, 0.0) == 0.0 else None
     return checked
 
 
@@ -1028,20 +1020,20 @@ def _layer_norm(b: _Builder, node: Node) -> Layout | None:
     return _batched((0,), ("split", "split", "split"))(b, node)
 
 
+def _input_weight_bias(mask: Sequence[bool]) -> list[str]:
+    """The kinds of a layer's backward items (grad input, weight, bias) its output mask asks:
+    the input's gradient per row, the parameters' summed over the shards."""
+    return [kind if asked else "none" for kind, asked in zip(("split", "sum", "sum"), mask)]
+
+
 def _layer_norm_backward(b: _Builder, node: Node) -> Layout | None:
-    mask = node.args[7]
-    kinds = ["split" if mask[0] else "none", "sum" if mask[1] else "none",
-             "sum" if mask[2] else "none"]
-    return _batched((0, 1, 3, 4), kinds)(b, node)
+    return _batched((0, 1, 3, 4), _input_weight_bias(node.args[7]))(b, node)
 
 
 def _conv_backward(b: _Builder, node: Node) -> Layout | None:
     if node.args[7]:  # transposed
         return None
-    mask = node.args[10]
-    kinds = ["split" if mask[0] else "none", "sum" if mask[1] else "none",
-             "sum" if mask[2] else "none"]
-    return _batched((0, 1), kinds)(b, node)
+    return _batched((0, 1), _input_weight_bias(node.args[10]))(b, node)
 
 
 def _conv(b: _Builder, node: Node) -> Layout | None:
@@ -1070,7 +1062,7 @@ def _batch_norm(b: _Builder, node: Node) -> Layout | None:
         return None
     nd, shape = _ndim(x), x.meta.shape
     dims = [0, *range(2, nd)]
-    count = shape[0] * _prod(shape[2:])
+    count = shape[0] * math.prod(shape[2:])
     per_row = count // shape[0]
     f64 = {"dtype": torch.float64}
     sums, squares = [], []
@@ -1130,7 +1122,7 @@ def _batch_norm_backward(b: _Builder, node: Node) -> Layout | None:
             or not isinstance(mean, Node) or not isinstance(invstd, Node)):
         return None
     nd, shape = _ndim(x), x.meta.shape
-    count = shape[0] * _prod(shape[2:])
+    count = shape[0] * math.prod(shape[2:])
     bcast = [1, shape[1], *[1] * (nd - 2)]
     sum_gx, sum_g = [], []
     for i, (gp, xp) in enumerate(zip(sg.parts, sx.parts)):
