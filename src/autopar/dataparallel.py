@@ -115,6 +115,7 @@ class DataParallelStep:
     def __init__(self, fn: Callable, options: Any, batch_argnums: Sequence[int] | None,
                  shards: int | None = None, raw: dict[str, Any] | None = None) -> None:
         self.fn = fn
+        self.name = getattr(fn, "__name__", "step")
         self.options = options
         self._raw = dict(raw or {})  # the options as given: autopar.compile's, for _unsplit
         self._whole: Callable | None = None
@@ -125,7 +126,7 @@ class DataParallelStep:
         self._compiled: dict[tuple, _Compiled | None] = {}
         self._replicas: dict[tuple[int, str], tuple[torch.Tensor, int, int]] = {}
         self.last: _Compiled | None = None
-        self.refused: str | None = None  # why every call runs eagerly, once known
+        self.refused: str | None = None  # why every call runs unsplit, once known
 
     # -- compiling --------------------------------------------------------------------------
     def _batch(self, step: StepGraph, args: Sequence[Any]) -> dict[Node, int]:
@@ -174,8 +175,7 @@ class DataParallelStep:
             else:
                 compiled.way = None
                 compiled.trial = Trial({"eager": _gpus(self._eager_devices(args)),
-                                        "autopar": _gpus(choice.sharded.devices)},
-                                       getattr(self.fn, "__name__", "step"))
+                                        "autopar": _gpus(choice.sharded.devices)}, self.name)
         return compiled
 
     @staticmethod
@@ -187,7 +187,7 @@ class DataParallelStep:
     def explain(self) -> str:
         """What each captured signature runs: the predictions per split, the devices and shard
         sizes, the trial's verdict, and each op left unsplit with its reason and user line."""
-        name = getattr(self.fn, "__name__", "step")
+        name = self.name
         if not self._compiled:
             return f"{name}: not called yet"
         lines = []
@@ -234,8 +234,7 @@ class DataParallelStep:
             state = find_state(self.fn, args)
         except Unsupported as e:  # the step names something no graph can replay
             if self.refused is None:
-                log.warning("autopar: running %s unsplit: %s",
-                            getattr(self.fn, "__name__", "step"), e)
+                log.warning("autopar: running %s unsplit: %s", self.name, e)
                 self.refused = str(e)
             self.last = None
             return self._unsplit(*args)
@@ -249,8 +248,7 @@ class DataParallelStep:
                 self.last = None
                 return self.fn(*args)
             except (Unsupported, NotShardable) as e:
-                log.warning("autopar: running %s unsplit: %s",
-                            getattr(self.fn, "__name__", "step"), e)
+                log.warning("autopar: running %s unsplit: %s", self.name, e)
                 self._compiled[key] = None
         compiled = self._compiled[key]
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)] + state.tensors
@@ -274,8 +272,7 @@ class DataParallelStep:
         out = compiled.trial.run(way_of, args, {})
         won = compiled.trial.verdict()
         if won is not None:
-            log.info("autopar: %s keeps %s (%s)", getattr(self.fn, "__name__", "step"), won,
-                     compiled.trial.summary())
+            log.info("autopar: %s keeps %s (%s)", self.name, won, compiled.trial.summary())
             compiled.way, compiled.trial = won, None
         return out
 
@@ -299,7 +296,7 @@ class DataParallelStep:
             where = torch.device(torch_device(device))
             if fresh.device != where:  # the graph delivered it to eager's device: move it back
                 fresh = fresh.to(where)
-            self._replicas[(j, device)] = (fresh, tensors[j]._version, tensors[j].data_ptr())
+            self._keep_replica(j, device, fresh, tensors[j])
         return tree_unflatten(user, step.out_spec)
 
     def refresh(self) -> None:
@@ -314,8 +311,12 @@ class DataParallelStep:
             return got[0]
         fresh = t.detach().to(torch_device(device))
         self.replica_copies += 1
-        self._replicas[(j, device)] = (fresh, t._version, t.data_ptr())
+        self._keep_replica(j, device, fresh, t)
         return fresh
+
+    def _keep_replica(self, j: int, device: str, fresh: torch.Tensor, t: torch.Tensor) -> None:
+        """``fresh`` is ``t``'s replica on ``device`` while ``t``'s version and storage stay."""
+        self._replicas[(j, device)] = (fresh, t._version, t.data_ptr())
 
 
 @dataclass

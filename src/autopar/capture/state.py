@@ -83,19 +83,14 @@ class State:
     def signature(self) -> tuple:
         metas = tuple((tuple(t.shape), t.dtype, str(t.device), t.requires_grad)
                       for t in self.tensors)
-        groups = tuple(
-            tuple(tuple((k, _plain(v)) for k, v in sorted(g.items()) if k != "params")
-                  for g in opt.param_groups)
-            for _, opt in self.optimizers)
+        groups = tuple(tuple(tuple(sorted(g.items())) for g in _group_values(opt))
+                       for _, opt in self.optimizers)
         states = tuple(tuple(tuple(sorted(s)) for s in opt.state.values())
                        for _, opt in self.optimizers)
         # train() / eval() changes what a module computes (batch norm, dropout): baked in
         modes = tuple(tuple(sub.training for sub in m.modules()) for _, m in self.modules)
         return metas, tuple(sorted(self.grad_of)), groups, states, modes
 
-    def group_values(self) -> list:
-        return [[{k: _plain(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
-                for _, opt in self.optimizers]
 
     @contextlib.contextmanager
     def swapped(self, fakes: Sequence[torch.Tensor],
@@ -120,8 +115,8 @@ class State:
                 state = opt.state
                 stack.callback(_restore, opt, groups, state)
                 for g in opt.param_groups:
-                    if g.get("foreach", False) is None and not g.get("fused"):
-                        g["foreach"] = self._foreach_default(g["params"])
+                    if "foreach" in g:
+                        g["foreach"] = self._traced_foreach(g)
                     g["params"] = [fake[id(p)] for p in g["params"]]
                     for k, v in list(g.items()):
                         if isinstance(v, torch.Tensor) and id(v) in fake:
@@ -131,7 +126,7 @@ class State:
                     fake[id(p)]: {k: fake.get(id(v), v) if isinstance(v, torch.Tensor) else v
                                   for k, v in s.items()}
                     for p, s in state.items()})
-            values = self.group_values()  # as the trace starts (foreach chosen)
+            values = [_group_values(opt) for _, opt in self.optimizers]  # foreach chosen
             for g, p in self.grad_of.items():
                 fakes[p].grad = fakes[g]
             if compiling:
@@ -141,23 +136,24 @@ class State:
 
     def uses_foreach(self) -> bool:
         """Does any param group take the foreach path in the trace?"""
-        return any(g.get("foreach") or (g.get("foreach", False) is None and not g.get("fused")
-                                        and self._foreach_default(g["params"]))
-                   for _, opt in self.optimizers for g in opt.param_groups)
+        return any(self._traced_foreach(g) for _, opt in self.optimizers
+                   for g in opt.param_groups)
 
-    def _foreach_default(self, params: list[torch.Tensor]) -> bool:
-        """What ``torch.optim`` picks for ``foreach=None`` on the real parameters (the
-        trace's fake tensors would steer it to the per-tensor loop): the same code path, and
-        a few list kernels on CUDA instead of a loop of tiny ones."""
+    def _traced_foreach(self, group: dict) -> Any:
+        """The group's ``foreach`` in the trace: as given, and for ``foreach=None`` (not fused)
+        what ``torch.optim`` picks on the real parameters (the trace's fake tensors would steer
+        it to the per-tensor loop): the same code path, and a few list kernels on CUDA instead
+        of a loop of tiny ones."""
+        if group.get("foreach", False) is not None or group.get("fused"):
+            return group.get("foreach")
         if self.foreach is not None:
             return self.foreach
-        return bool(_default_to_fused_or_foreach(params, differentiable=False,
+        return bool(_default_to_fused_or_foreach(group["params"], differentiable=False,
                                                  use_fused=False)[1])
 
     def _check_unchanged(self, values: list, keys: list) -> None:
         for (name, opt), was, had in zip(self.optimizers, values, keys, strict=True):
-            now = [{k: _plain(v) for k, v in g.items() if k != "params"}
-                   for g in opt.param_groups]
+            now = _group_values(opt)
             if now != was:
                 i = next(i for i, (a, b) in enumerate(zip(now, was)) if a != b)
                 changed = sorted(k for k in now[i] if now[i][k] != was[i].get(k))
@@ -192,6 +188,11 @@ def _compiling() -> Iterator[None]:
         yield
     finally:
         torch.compiler._is_compiling_flag = was
+
+
+def _group_values(opt: Optimizer) -> list[dict[str, Any]]:
+    """Each param group's values but its parameters, tensors by their metadata."""
+    return [{k: _plain(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
 
 
 def _plain(v: Any) -> Any:
