@@ -11,7 +11,7 @@ from typing import Any
 from ..capture.step import StepGraph
 from ..ir.graph import Node
 from ..machine.model import GiB
-from ..schedule.place import place
+from ..schedule.place import memory_limits, place
 from ..schedule.plan import make_plan
 from ..schedule.simulate import peak_memory, simulate
 from .shard import NotShardable, Sharded, shard
@@ -86,17 +86,12 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
 def _does_not_fit(placed: Any, cost: Any) -> str | None:
     """Why a placement's simulated peak memory exceeds a device's, or None."""
     plan = make_plan(placed, cost)
+    limits = memory_limits(cost)
     for pool, peak in peak_memory(plan, simulate(plan, cost)).items():
-        name = pool if ":" in pool else f"{pool}:0"
-        try:
-            has = cost.machine.profile.device(name).memory_bytes
-        except KeyError:
-            continue
-        if peak > has:
+        has = limits.get(pool)
+        if has is not None and peak > has:
             return f"needs {peak / GiB:.2f} GiB on {pool}, which has {has / GiB:.2f} GiB"
     return None
-
-
 
 
 def shard_devices(batch: dict[Node, int], cost: Any, devices: Sequence[str],

@@ -122,8 +122,8 @@ from ..ir.routing import (
 )
 from ..ir.units import fmt_bytes, fmt_seconds
 
-__all__ = ["POLICIES", "Placement", "Slot", "lower_bound", "merged_order", "place",
-           "places_by_cost", "retime"]
+__all__ = ["POLICIES", "Placement", "Slot", "lower_bound", "memory_limits", "merged_order",
+           "place", "places_by_cost", "retime"]
 
 HOST_PULL_BYTES = 1 << 20
 """The host takes no op reading a value larger than this that eager keeps on a GPU."""
@@ -867,7 +867,7 @@ def places_by_cost(policy: str) -> bool:
     return _POLICIES[policy].by_cost
 
 
-def _limits(cost: Any, memory: dict[str, int] | None) -> dict[str, int | None]:
+def memory_limits(cost: Any, memory: dict[str, int] | None = None) -> dict[str, int | None]:
     """Memory limit of each pool: the override, else the machine profile's ``memory_bytes``."""
     machine = cost.machine
     out: dict[str, int | None] = {}
@@ -987,7 +987,7 @@ def place(graph: Graph, cost: Any, policy: str = "heft", devices: Sequence[str] 
         raise ValueError(f"pins name devices {stray} that machine {cost.machine.name!r} "
                          f"does not have (devices: {names})")
     with gc_paused():
-        return _place(graph, cost, policy, chosen, _limits(cost, memory), pins)
+        return _place(graph, cost, policy, chosen, memory_limits(cost, memory), pins)
 
 
 def _place(graph: Graph, cost: Any, policy: str, chosen: list[str],
@@ -1072,7 +1072,7 @@ def retime(placement: Placement, cost: Any, memory: dict[str, int] | None = None
     """
     names = [d.name for d in cost.machine.devices]
     sched = _Schedule(placement.graph, cost, names, insertion=False,
-                      limits=_limits(cost, memory))
+                      limits=memory_limits(cost, memory))
     for node in merged_order(placement):
         device = placement.device[node]
         sched.commit(node, sched.trial(node, device), placement.notes.get(node, ""))
