@@ -32,14 +32,13 @@ from typing import Any
 import torch
 
 try:
-    from autopar.choose import RESULT_TOL, RESULT_TOL_LOW
+    from autopar.choose import results_differ
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from autopar.choose import RESULT_TOL, RESULT_TOL_LOW
+    from autopar.choose import results_differ
 
 MODES = ("infer", "bf16", "train")
 VARIANTS = ("eager", "compile", "compile-ro", "autopar")
-TOL = {"infer": RESULT_TOL, "bf16": RESULT_TOL_LOW, "train": RESULT_TOL}  # the trial's check
 
 
 def _device() -> str:
@@ -52,16 +51,9 @@ def _outputs(out: Any) -> list[torch.Tensor]:
     return [t.detach().float() for t in flat_tensors(out)]
 
 
-def _close(got: list[torch.Tensor], want: list[torch.Tensor], tol: float) -> str | None:
-    if len(got) != len(want):
-        return f"{len(got)} outputs, eager has {len(want)}"
-    for i, (g, w) in enumerate(zip(got, want)):
-        if g.shape != w.shape:
-            return f"output {i}: shape {tuple(g.shape)}, eager {tuple(w.shape)}"
-        err = ((g - w).norm() / w.norm().clamp_min(1e-12)).item()
-        if not err <= tol:
-            return f"output {i}: relative error {err:.2e} > {tol:g}"
-    return None
+def _close(got: list[torch.Tensor], want: list[torch.Tensor], mode: str) -> str | None:
+    """The trial's own check (:func:`autopar.choose.results_differ`), bf16's bound in bf16."""
+    return results_differ(got, want, low_precision=mode == "bf16")
 
 
 def _same_step(step: Any, model: torch.nn.Module, opt: Any, args: tuple, kwargs: dict,
@@ -76,14 +68,14 @@ def _same_step(step: Any, model: torch.nn.Module, opt: Any, args: tuple, kwargs:
     loss = loss_of(twin(*args, **kwargs))
     loss.backward()
     twin_opt.step()
-    bad = _close([step().float()], [loss.detach().float()], TOL["train"])
+    bad = _close([step().float()], [loss.detach().float()], "train")
     if bad:
         return f"loss: {bad}"
     # all parameters as one vector: Adam turns a gradient that is zero but for rounding (a
     # key bias's) into a step of lr either way, far from eager's relative to a bias near zero
     got = torch.cat([p.detach().float().flatten() for p in model.parameters()])
     want = torch.cat([p.detach().float().flatten() for p in twin.parameters()])
-    return _close([got], [want], TOL["train"])
+    return _close([got], [want], "train")
 
 
 def _variant(name: str, fn: Any) -> Any:
@@ -162,7 +154,7 @@ def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: i
             if name == "eager":
                 want = got
             else:
-                bad = _close(got, want, TOL[mode])
+                bad = _close(got, want, mode)
                 if bad:
                     cell["fail"] = bad
                     continue
@@ -180,7 +172,7 @@ def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: i
                 cell["kept"] = sorted(set(d.kept.values())) if d is not None else []
                 # the way kept is checked too, not only the first call's: in training, one
                 # step of it against an eager step from the same parameters and state
-                bad = _close(_outputs(call()), want, TOL[mode]) if mode != "train" else \
+                bad = _close(_outputs(call()), want, mode) if mode != "train" else \
                     _same_step(call, model, opt, args, kwargs, loss_of)
                 if bad:
                     cell["fail"] = f"after settling on {cell['kept']}: {bad}"
