@@ -271,6 +271,20 @@ def test_moves_left_on_the_host_hand_their_inputs_on_and_results_stay_eagers():
     torch.testing.assert_close((x, y), keep, rtol=0, atol=0)
 
 
+def test_an_expanded_value_crosses_devices_once_and_arrives_expanded():
+    """A copy moves a broadcast value's one row per broadcast dimension and expands it back:
+    the consumer sees eager's strides (0 there), which SDPA's efficient kernel checks."""
+    padded = torch.randn(4, 1, 11, 16)
+    bias = padded[..., :11].expand(4, 4, 11, 11)
+    compact, shape = executor_module._unexpanded(bias)
+    assert compact.shape == (4, 1, 11, 11) and shape == bias.shape
+    out = executor_module._copy_to(compact, "cpu").expand(shape)
+    assert out.stride() == bias.stride() == (176, 0, 16, 1) and torch.equal(out, bias)
+    plain = torch.randn(3, 4)
+    assert executor_module._unexpanded(plain) == (plain, None)
+    assert executor_module._unexpanded(torch.randn(3, 1).expand(3, 1))[1] is None
+
+
 def test_a_copy_keeps_the_strides_of_a_non_dense_view():
     """A slice of a padded buffer (SDPA's padded attention bias) crosses devices with its
     strides, which ``.to()`` would drop; dense layouts (a transpose) are ``.to()``'s own, and

@@ -3,10 +3,13 @@ GPU->GPU paths, no memory growth. Skips cleanly without CUDA (without two GPUs w
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 
 import autopar
+from _fakes import by_hand
 from autopar.cost.model import CostModel
 from autopar.ir.graph import Graph, TensorMeta
 from autopar.machine.presets import preset
@@ -143,6 +146,30 @@ def test_a_failing_gpu_op_raises_the_original_error():
     ex = Executor(make_plan(place(g, cost, policy="single"), cost))
     with pytest.raises(RuntimeError, match="cannot be multiplied"):
         ex([torch.randn(4, 3, device="cuda:0")])
+
+
+@cuda
+def test_an_attention_bias_made_on_the_host_reaches_the_gpu_with_eager_strides():
+    """SDPA's padded, expanded bias (``pad``, ``slice``, ``expand``) made on the host: the GPU's
+    efficient-attention kernel gets it with eager's strides (head stride 0, rows of 16), not
+    the contiguous copy ``.to()`` would make (``attn_bias is not correctly aligned``)."""
+    g = Graph("bias")
+    meta = TensorMeta.make((4, 4, 11, 16), device="cuda:0")
+    q, k, v = (g.input(meta, name) for name in "qkv")
+    m = g.input(TensorMeta.make((4, 1, 11, 11), device="cuda:0"), "m")
+    padded = g.call(aten.constant_pad_nd.default, (m, [0, 5]), name="pad")
+    sliced = g.call(aten.slice.Tensor, (padded, -1, 0, 11), name="cut")
+    bias = g.call(aten.expand.default, (sliced, [4, 4, 11, 11]), name="wide")
+    att = g.call(aten._scaled_dot_product_efficient_attention.default, (q, k, v, bias, False),
+                 name="att")
+    g.set_outputs([g.call(operator.getitem, (att, 0), name="out")])
+    devices = {"att": "cuda:0", "out": "cuda:0", **{n: "cuda:0" for n in "qkvm"}}
+    cost = CostModel(preset("h200x2"))
+    plan = make_plan(by_hand(g, devices), cost)  # pad, cut and wide on cpu:0
+    args = [torch.randn(4, 4, 11, 16, device="cuda:0") for _ in range(3)]
+    args.append(torch.randn(4, 1, 11, 11, device="cuda:0"))
+    got = Executor(plan)(args)
+    torch.testing.assert_close(got, SequentialRunner(g)(args))
 
 
 def matmul_via_gpu(side: int) -> Graph:

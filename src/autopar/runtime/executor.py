@@ -184,12 +184,15 @@ class _Call:
         return self._send(t, src, dst, event, node)
 
     def _send(self, t: Any, src: str, dst: str, event: int, node: int) -> Any:
+        t, shape = _unexpanded(t)
         if _is_cpu(dst):
             out = self._to_host(t, src, event, node)
         elif _is_cpu(src):
             out = self._to_gpu(t, dst, event, node)
         else:
             out = self._peer(t, src, dst, event, node)
+        if shape is not None:
+            out = out.expand(shape)
         self.ready[event].set()
         return out
 
@@ -308,6 +311,24 @@ class _EventPool:
             ev = self._barriers[device] = torch.cuda.Event()
         ev.record(stream)
         return ev
+
+
+def _unexpanded(t: Any) -> tuple[Any, torch.Size | None]:
+    """``t`` with each broadcast dimension (stride 0, size over 1: an ``expand``) narrowed to
+    its one element, and the shape that expands the copy back; ``(t, None)`` where it has
+    none. A copy then moves each broadcast row once, and its consumer sees eager's strides
+    (0 there): ``.to()`` of an expanded tensor writes every row out, so a ``[4, 1, 11, 11]``
+    mask expanded over 4 heads, as SDPA expands its bias, arrived as a contiguous
+    ``[4, 4, 11, 11]`` whose head stride (121) the efficient-attention kernel rejects."""
+    if not isinstance(t, torch.Tensor):
+        return t, None
+    dims = [d for d, (st, sz) in enumerate(zip(t.stride(), t.shape)) if st == 0 and sz > 1]
+    if not dims:
+        return t, None
+    compact = t
+    for d in dims:
+        compact = compact.narrow(d, 0, 1)
+    return compact, t.shape
 
 
 def _kept_strides(t: torch.Tensor) -> tuple[int, ...] | None:
