@@ -152,6 +152,33 @@ def test_a_call_is_timed_by_the_longer_of_host_and_queued_gpu_work(monkeypatch):
     assert trial.verdict() == "autopar"
 
 
+def test_calls_are_launch_bound_where_the_gpu_waited_on_the_host(monkeypatch):
+    """Inductor's calls with 1 s of host time and 1.1 s of GPU work (the GPU ran as fast as
+    it was launched) are launch-bound, eager's 1 s against 5 s of queued GPU work are not, and
+    host-only calls never are: only then is a second trial against CUDA graphs worth it."""
+    stream = _Stream()
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda i: stream)
+    monkeypatch.setattr(choose, "_clock", _fake_clock(eager=1.0, inductor=1.0))
+    monkeypatch.setattr(_FakeEvent, "done", True)
+
+    def eager():
+        stream.now += 5.0
+
+    def fused():
+        stream.now += 1.1
+
+    ways = {"eager": eager, "inductor": fused}
+    trial = Trial({"eager": (0,), "inductor": (0,)})
+    for _ in range(4 * TRIAL_CALLS):
+        trial.run(ways.__getitem__, (), {})
+    assert trial.verdict() == "inductor"
+    assert choose.launch_bound(trial, "inductor") and not choose.launch_bound(trial, "eager")
+    host = Trial({"eager": (), "autopar": ()})
+    _timed(host, [1.0] * (2 * TRIAL_CALLS))
+    assert host.verdict() == "eager" and not choose.launch_bound(host, "eager")
+
+
 def test_a_trial_waits_for_a_gpu_one_call_behind_without_timing_more_calls(monkeypatch):
     """The events of a call complete only once the next call has recorded its own: after its
     timed calls the trial runs the way timed last, untimed, until they complete (timing every
@@ -253,6 +280,43 @@ def test_inductor_is_a_candidate_and_wins_where_it_measures_faster(monkeypatch):
         torch.testing.assert_close(g(x), chain(x))
     assert g.kept_way((x,)) == "inductor"
     assert g.only is not None  # settled: calls go straight to Inductor's function
+
+
+@needs_cxx
+def test_autopar_and_inductor_ways_share_one_trace(monkeypatch):
+    """With Inductor a candidate, dynamo traces the function once: its graph gets autopar's
+    form and Inductor's (one ``compile_fx``, not a second ``torch.compile`` tracing again);
+    the inductor way runs Inductor's form, the autopar way autopar's, both equal to eager."""
+    from torch._inductor import compile_fx as inductor
+
+    real, built, ran = inductor.compile_fx, [], []
+
+    def counted(gm, example_inputs, *args, **kwargs):
+        fn = real(gm, example_inputs, *args, **kwargs)
+        built.append(gm)
+
+        def call(*a):
+            ran.append(1)
+            return fn(*a)
+        return call
+
+    def chain(x):
+        for _ in range(4):
+            x = torch.tanh(x) * 0.5 + x
+        return x
+
+    monkeypatch.setattr(inductor, "compile_fx", counted)
+    monkeypatch.setattr(choose, "_clock", _fake_clock(eager=2.0, inductor=1.0, autopar=3.0))
+    g = autopar.compile(chain, devices="cpu:0,cpu:1", policy="round_robin", candidates="auto")
+    x = torch.randn(64)
+    for _ in range(2 + 6 * TRIAL_CALLS):
+        torch.testing.assert_close(g(x), chain(x))
+    assert g.kept_way((x,)) == "inductor" and len(built) == 1
+    before = len(ran)
+    torch.testing.assert_close(g.way("autopar")(x), chain(x))
+    assert len(ran) == before  # autopar's own form
+    torch.testing.assert_close(g(x), chain(x))
+    assert len(ran) == before + 1  # the kept way: Inductor's form
 
 
 def test_a_module_gets_the_measured_choice_too(monkeypatch):

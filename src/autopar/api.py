@@ -30,6 +30,7 @@ import functools
 import logging
 import os
 import re
+import statistics
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
@@ -39,8 +40,15 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .capture.direct import Direct
-from .capture.dynamo import any_autocast_enabled, capturing_scalars, make_backend
-from .choose import WAYS, Trial, candidates, inductor_compiles_for, results_differ
+from .capture.dynamo import WaySwitch, any_autocast_enabled, capturing_scalars, make_backend
+from .choose import (
+    WAYS,
+    Trial,
+    candidates,
+    inductor_compiles_for,
+    launch_bound,
+    results_differ,
+)
 from .cost.model import CostModel
 from .ir.graph import LOCAL_SCALAR_DENSE, Graph
 from .ir.logs import quiet
@@ -375,26 +383,43 @@ def compile(fn: Callable, **options: Any) -> Callable:
     runner.cost_model()  # resolve (and if need be calibrate) the machine now, not mid-trace
     name = getattr(fn, "__name__", None) or type(fn).__name__
     module = fn if isinstance(fn, torch.nn.Module) else None
-    direct = None
+    direct = switch = None
     if opts.guards == "arguments":  # a static graph per signature: each is learned alone
         direct = Direct(fn if module is None else fn.forward, module=module)
         dynamo = torch.compile(fn, backend=make_backend(runner, name=name, learn=direct.record),
                                dynamic=False)
-    else:
-        dynamo = torch.compile(fn, backend=make_backend(runner, name=name))
+    else:  # one trace for autopar's way and Inductor's (capture.dynamo's WaySwitch)
+        switch = WaySwitch() if runner.inductor_candidate and not opts.trace else None
+        dynamo = torch.compile(fn, backend=make_backend(runner, name=name, switch=switch))
     compiled = capturing_scalars(dynamo, needed=lambda: not runner.graphs or runner.reads_scalars)
     ours = compiled.forward if module is not None else compiled
     if direct is not None:
         direct.compiled, ours = ours, direct
+    if switch is not None:
+        inductor = functools.partial(_switched_on, switch, ours, "inductor")
+    elif module is not None:
+        inductor = lambda: quiet(torch.compile(module).forward)  # noqa: E731
+    else:
+        inductor = lambda: quiet(torch.compile(fn))  # noqa: E731
     if module is not None:
         compiled.forward = ours if opts.trace else Dispatcher(  # type: ignore[method-assign]
-            module.__call__, ours, runner,
-            inductor=lambda: quiet(torch.compile(module).forward),
+            module.__call__, ours, runner, inductor=inductor, switch=switch,
             key_extra=lambda: module.training)
         return compiled
     if opts.trace:  # timelines are of autopar's plans: every call is autopar's
         return ours
-    return Dispatcher(fn, ours, runner, inductor=lambda: quiet(torch.compile(fn)))
+    return Dispatcher(fn, ours, runner, inductor=inductor, switch=switch)
+
+
+def _switched_on(switch: WaySwitch, compiled: Callable, form: str) -> Callable:
+    """A way of a shared trace: ``compiled`` with its graphs' ``form`` switched on."""
+    def way(*args: Any, **kwargs: Any) -> Any:
+        switch.form = form
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            switch.form = "autopar"
+    return way
 
 
 
@@ -506,13 +531,15 @@ class Dispatcher:
     """
 
     def __init__(self, fn: Callable, compiled: Callable, runner: Runner,
-                 inductor: Callable[[], Callable], key_extra: Callable[[], Any] | None = None
-                 ) -> None:
+                 inductor: Callable[[], Callable], key_extra: Callable[[], Any] | None = None,
+                 switch: WaySwitch | None = None) -> None:
         self.fn = fn  #: the eager way: the function (or the module's ``__call__``) itself
         self.compiled = compiled  #: the autopar way
         self.runner = runner
-        self._make_inductor = inductor  # builds torch.compile(fn) at its first use
+        self._make_inductor = inductor  # builds the inductor way at its first use
         self._inductor: Callable | None = None
+        self.switch = switch  # the shared trace's switch, where the inductor way is one
+        self._graphed: Callable | None = None  # the cudagraphs way, built at its first use
         self.key_extra = key_extra  # what else decides a call's graphs (a module's .training)
         self.name = _name(fn)  # for the log and the profiler's ranges
         self.kept: dict[Any, str] = {}  #: signature -> the way that runs it
@@ -546,6 +573,11 @@ class Dispatcher:
             return self.fn
         if name == "autopar":
             return self.compiled
+        if name == "cudagraphs":
+            if self._graphed is None:
+                assert self.switch is not None, "a CUDA-graph way needs a shared trace"
+                self._graphed = _switched_on(self.switch, self.compiled, "cudagraphs")
+            return self._graphed
         if self._inductor is None:
             self._inductor = self._make_inductor()
         return self._inductor
@@ -572,7 +604,11 @@ class Dispatcher:
         runner = self.runner
         ways = candidates(autopar_differs=bool(runner.planned or runner.folded),
                           inductor_can=runner.inductor_can)
-        ways = tuple(w for w in ways if w in runner.options.candidates)
+        ways = tuple(w for w in ways if w in runner.options.candidates and w != "cudagraphs")
+        if self.switch is not None and self.switch.failed is not None and "inductor" in ways:
+            trials_log.warning("autopar: %s: the inductor way is left out: Inductor failed on "
+                               "a graph (%s)", self.name, self.switch.failed)
+            ways = tuple(w for w in ways if w != "inductor")
         if len(ways) <= 1:
             trials_log.debug("autopar: %s: %s runs %s: nothing else to try", self.name,
                              _describe(key), ways[0] if ways else "autopar")
@@ -619,11 +655,26 @@ class Dispatcher:
             del self.trials[key]
             trials_log.info("autopar: %s: %s kept for %s (medians: %s)", self.name, won,
                             _describe(key), trial.summary())
+            if self._graphs_may_pay(won, trial):
+                host, gpu = (fmt_seconds(statistics.median(t[won]))
+                             for t in (trial.host, trial.gpu))
+                trials_log.info("autopar: %s: Inductor's calls are launch-bound (host %s, GPU "
+                                "%s a call): timing them as CUDA graphs", self.name, host, gpu)
+                self.trials[key] = Trial({w: trial.gpus[won] for w in (won, "cudagraphs")},
+                                         name=self.name)
+                return out
             if _profiler._is_profiler_enabled:  # the verdict, as a mark in the profiler's trace
                 with _range(f"autopar:verdict {self.name} {won}"):
                     pass
             self._keep(key, won)
         return out
+
+    def _graphs_may_pay(self, won: str, trial: Trial) -> bool:
+        """Whether a decided trial calls for a second one, against CUDA graphs of Inductor's
+        form (see :mod:`autopar.choose`)."""
+        return won == "inductor" and "cudagraphs" not in trial.ways and \
+            self.switch is not None and "cudagraphs" in self.runner.options.candidates and \
+            not _grad_enabled() and launch_bound(trial, won)
 
     def _keep(self, key: Any, way: str) -> None:
         self.kept[key] = way

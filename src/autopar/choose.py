@@ -6,7 +6,12 @@ Policy (one place decides "is autopar's plan better than what the user would oth
   ``eager``     the function itself, plain Python: no dynamo, eager's ops;
   ``inductor``  ``torch.compile(fn)`` with its defaults: the graphs fused whole by Inductor on
                 eager's placement (what a user would otherwise pick);
-  ``autopar``   autopar's graphs: placed plans, folded constants, fused regions.
+  ``autopar``   autopar's graphs: placed plans, folded constants, fused regions;
+  ``cudagraphs`` Inductor's graphs replayed as CUDA graphs (what ``mode="reduce-overhead"``
+                does), outputs cloned out of the graphs' memory.
+
+  ``inductor`` and ``cudagraphs`` are forms of the trace autopar's way made (one dynamo
+  trace serves the three compiled ways: :class:`autopar.capture.dynamo.WaySwitch`).
 
 - Predictions prune, measurement decides (:func:`candidates`):
   ``autopar`` is a candidate only where it can differ from eager's sequence: a graph runs on
@@ -17,6 +22,10 @@ Policy (one place decides "is autopar's plan better than what the user would oth
   otherwise its calls are eager's ops plus dynamo's per-call cost. ``inductor`` is one where
   Inductor compiles for the devices involved (any GPU; the host only with a C++ compiler) and
   fusion is allowed (``fuse`` not False). A lone candidate is kept without timing.
+  ``cudagraphs`` is tried only after ``inductor`` won a trial of inference calls (grad off)
+  on a GPU whose calls measured launch-bound (:func:`launch_bound`: the host's time a call
+  at least ``LAUNCH_BOUND`` of the GPU's, so the GPU waited on launches), in a second trial
+  against ``inductor``: compiling it again costs first-call time only where it can pay.
 - A trial (:class:`Trial`): the next calls of a new signature go round the candidates; each
   turn is two calls of a way, the first neither timed nor counted (after a switch, caches,
   memory and first-use kernels are the last way's; a way's first turn also compiles), and
@@ -53,12 +62,17 @@ from torch.utils._pytree import tree_flatten
 from .ir.units import fmt_seconds
 from .machine.host import cpu_fusion_unavailable
 
-__all__ = ["RESULT_TOL", "RESULT_TOL_LOW", "TRIAL_CALLS", "WAYS", "Trial", "candidates",
-           "results_differ"]
+__all__ = ["LAUNCH_BOUND", "RESULT_TOL", "RESULT_TOL_LOW", "TRIAL_CALLS", "WAYS", "Trial",
+           "candidates", "launch_bound", "results_differ"]
 
 log = logging.getLogger("autopar.trials")
 
-WAYS = ("eager", "inductor", "autopar")
+WAYS = ("eager", "inductor", "autopar", "cudagraphs")
+
+LAUNCH_BOUND = 0.8
+"""A way's calls are launch-bound where their host time is at least this share of their GPU
+time: the GPU ran as fast as the host launched (GPU-bound calls queue ahead: host time far
+below the GPU's)."""
 
 RESULT_TOL = 2e-3
 """A way's outputs may differ from eager's by this relative error (in norm) at full precision:
@@ -124,6 +138,15 @@ def candidates(autopar_differs: bool, inductor_can: bool) -> tuple[str, ...]:
     return tuple(ways)
 
 
+def launch_bound(trial: Trial, way: str) -> bool:
+    """Whether ``way``'s counted calls in a decided ``trial`` touched a GPU and kept it waiting
+    on the host (see ``LAUNCH_BOUND``)."""
+    gpu = trial.gpu.get(way)
+    if not gpu or not any(gpu):
+        return False
+    return statistics.median(trial.host[way]) >= LAUNCH_BOUND * statistics.median(gpu)
+
+
 def inductor_compiles_for(devices: Sequence[str], fuse: bool | str) -> bool:
     """Whether ``torch.compile``'s default (Inductor) is a candidate on ``devices``."""
     if fuse is False:
@@ -151,6 +174,8 @@ class Trial:
         self.gpus = {w: tuple(g) for w, g in gpus.items()}
         self.calls: list[tuple[str, float, list[tuple[Any, Any]]]] = []  # the counted ones
         self.times: dict[str, list[float]] = {}  # counted seconds by way, once decided
+        self.host: dict[str, list[float]] = {}  # ...of them, the host's
+        self.gpu: dict[str, list[float]] = {}  # ...and the GPUs' (the longest; 0 for none)
         self.dropped: dict[str, str] = {}  # way -> why it failed
         self._turn: str | None = None  # the way whose turn's first call was made
         self._last: str | None = None  # the way called last
@@ -216,6 +241,8 @@ class Trial:
         for way, host, marks in self.calls:
             gpu = max((b.elapsed_time(e) / 1e3 for b, e in marks), default=0.0)
             times.setdefault(way, []).append(max(host, gpu))
+            self.host.setdefault(way, []).append(host)
+            self.gpu.setdefault(way, []).append(gpu)
         self.times = times
         return min(times, key=lambda w: (statistics.median(times[w]), self.ways.index(w)))
 

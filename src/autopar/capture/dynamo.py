@@ -10,6 +10,15 @@ Policy
   wrapper, with grad mode off as the wrapper has it.
 - What runs a graph is not decided here: :func:`make_backend` takes the runner builder
   (``autopar.api.make_runner``'s, for ``torch.compile(backend="autopar")``: :mod:`autopar.backend`).
+- One trace, two compiled forms (``make_backend(..., switch=WaySwitch())``): each graph dynamo
+  captures is also compiled by Inductor (``compile_fx``, what ``torch.compile``'s default
+  does with the same graph), and the callable dynamo gets runs the form the switch names.
+  The measured choice's ``inductor`` way is then the same dynamo code with the switch on, not
+  a second ``torch.compile`` tracing the function again (on one H200, Llama's first calls:
+  dynamo's tracing was 4.6 of 5.5 s, twice over). Inductor's form is compiled after
+  autopar's (Inductor's passes may rewrite the graph module in place). Where Inductor fails
+  on a graph, that graph runs autopar's form under either setting, and the switch says why
+  (``WaySwitch.failed``): the inductor way is then not Inductor's and is left out.
 """
 
 from __future__ import annotations
@@ -23,14 +32,14 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._guards import TracingContext
+from torch._guards import TracingContext, detect_fake_mode, tracing
 
 from ..ir.graph import Graph
 from ..ir.logs import cover_torch_loggers, quiet_code
 from .fx import Unsupported, from_fx, source_of
 from .shapes import PerShape, is_symbolic
 
-__all__ = ["GraphRunner", "capturing_scalars", "make_backend"]
+__all__ = ["FORMS", "GraphRunner", "WaySwitch", "capturing_scalars", "make_backend"]
 
 log = logging.getLogger("autopar.capture")
 
@@ -63,8 +72,79 @@ def _eager(gm: torch.fx.GraphModule) -> Callable[[list], Any]:
     return _boxed(run)
 
 
+FORMS = ("autopar", "inductor", "cudagraphs")
+"""The compiled forms of a shared trace's graphs: autopar's, Inductor's (``torch.compile``'s
+default) and Inductor's replayed as CUDA graphs (``mode="reduce-overhead"``)."""
+
+
+class WaySwitch:
+    """Which compiled form (``FORMS``) the graphs of one shared trace run: ``form``.
+    ``failed``: the first graph Inductor could not compile, and why (None while every graph
+    has Inductor's form). ``graphed``: graphs given a CUDA-graph form so far."""
+
+    def __init__(self) -> None:
+        self.form = "autopar"
+        self.failed: str | None = None
+        self.graphed = 0
+
+
+def _switched(ours: Callable, theirs: Callable, switch: WaySwitch,
+              graphed: Callable[[], Callable] | None) -> Callable:
+    """The callable dynamo gets: the form ``switch`` names. ``graphed`` builds the CUDA-graph
+    form at its first use (None: Inductor's form serves that setting too)."""
+    built: list[Callable] = []
+
+    def call(*args: Any) -> Any:
+        form = switch.form
+        if form == "autopar":
+            return ours(*args)
+        if form == "inductor" or graphed is None:
+            return theirs(*args)
+        if not built:
+            built.append(graphed())
+        return built[0](*args)
+    return call
+
+
+def _cuda_graph_form(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], theirs: Callable,
+                     name: str, switch: WaySwitch) -> Callable[[], Callable] | None:
+    """The builder of a graph's CUDA-graph form, or None where it has none: only inference
+    graphs (grad off while tracing: dynamo guards it) with static shapes and every tensor
+    input on a GPU. Built at first use, by Inductor with ``triton.cudagraphs`` (its CUDA-graph
+    trees: parameters stay static, other inputs are copied in), with each output cloned out of
+    the graphs' memory pool: a later replay overwrites that pool, and a caller holding an
+    earlier result (as eager code may) must keep its values. Where Inductor fails there, the
+    graph runs Inductor's plain form."""
+    if torch.is_grad_enabled() or is_symbolic(example_inputs):
+        return None
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    if not tensors or not all(x.device.type == "cuda" for x in tensors):
+        return None
+
+    def build() -> Callable:
+        from torch._inductor.compile_fx import compile_fx  # lazy: slow to import
+
+        try:  # in a tracing context of its own: aot_autograd leaves the static inputs
+            # (parameters, from the graph module's dynamo metadata) there for Inductor
+            with tracing(TracingContext(detect_fake_mode(example_inputs))):
+                replayed = compile_fx(gm, example_inputs,
+                                      config_patches={"triton.cudagraphs": True})
+        except Exception as e:
+            log.info("autopar: no CUDA-graph form for a graph of %s (Inductor: %s: %s); it "
+                     "runs Inductor's plain form", name, type(e).__name__, _first_line(e))
+            return theirs
+        switch.graphed += 1
+
+        def call(*args: Any) -> Any:
+            out = replayed(*args)
+            return [o.clone() if isinstance(o, torch.Tensor) else o for o in out]
+        return call
+    return build
+
+
 def make_backend(build: GraphRunner, name: str = "autopar",
-                 learn: Callable[[Callable, tuple, Any], None] | None = None) -> Callable:
+                 learn: Callable[[Callable, tuple, Any], None] | None = None,
+                 switch: WaySwitch | None = None) -> Callable:
     """A dynamo backend that captures each aot_autograd graph and runs it through ``build``.
 
     An inference graph whose aot_autograd runtime wrapper would do nothing but turn grad mode
@@ -73,7 +153,8 @@ def make_backend(build: GraphRunner, name: str = "autopar",
     call on a 2-core VM (``x @ y``, 5x10x5: dynamo 21 us, dynamo and aot_autograd 36 us).
     ``learn(program, args, outputs)``: told of each call dynamo makes of such a graph
     (``program(*args)`` gave ``outputs``), for ``guards="arguments"``
-    (:class:`autopar.capture.direct.Direct`).
+    (:class:`autopar.capture.direct.Direct`). ``switch``: each graph compiled by Inductor too,
+    the switch choosing which form runs (see the module docstring).
     """
     from torch._dynamo.backends.common import aot_autograd  # lazy: slow to import
 
@@ -117,7 +198,7 @@ def make_backend(build: GraphRunner, name: str = "autopar",
         inference_compiler=compiler("inference"),
     )
 
-    def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    def ours(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         bare.clear()  # what an earlier, failed compile may have left
         compiled = aot(gm, example_inputs)
         # the same inputs as dynamo's (aot lifted no parameters, merged no duplicates) and no
@@ -128,7 +209,30 @@ def make_backend(build: GraphRunner, name: str = "autopar",
             direct = _without_aot_wrapper(bare.pop()[0])
             return direct if learn is None else _told(direct, learn)
         return compiled
+
+    if switch is None:
+        return ours
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        mine = ours(gm, example_inputs)
+        from torch._inductor.compile_fx import compile_fx  # lazy: slow to import
+
+        try:
+            theirs = compile_fx(gm, example_inputs)
+        except Exception as e:  # that graph runs autopar's form either way
+            if switch.failed is None:
+                switch.failed = f"{name}: {type(e).__name__}: {_first_line(e)}"
+                log.info("autopar: Inductor failed on a graph of %s, which runs autopar's "
+                         "form in the inductor way too: %s", name, switch.failed)
+            return mine
+        graphed = _cuda_graph_form(gm, example_inputs, theirs, name, switch)
+        return _switched(mine, theirs, switch, graphed)
     return backend
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def _told(program: Callable, learn: Callable[[Callable, tuple, Any], None]) -> Callable:
