@@ -171,9 +171,9 @@ def main() -> None:
     for model in a.models:
         for mode in a.modes.split(","):
             row: dict[str, Any] = {"model": model, "mode": mode, "warm": a.warm}
-            with tempfile.TemporaryDirectory(prefix="inductor-") as cache:
-                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
-                for variant in ("compile", "autopar"):
+            for variant in ("compile", "autopar"):  # each with a cache directory of its own
+                with tempfile.TemporaryDirectory(prefix="inductor-") as cache:
+                    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
                     cmd = [sys.executable, __file__, "--one", f"{model}:{mode}:{variant}",
                            "--size", a.size, "--batch", str(a.batch), "--length", str(a.length)]
                     for _ in range(2 if a.warm else 1):  # the first of two warms the cache

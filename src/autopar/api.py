@@ -655,12 +655,14 @@ class Dispatcher:
             del self.trials[key]
             trials_log.info("autopar: %s: %s kept for %s (medians: %s)", self.name, won,
                             _describe(key), trial.summary())
-            if self._graphs_may_pay(won, trial):
-                host, gpu = (fmt_seconds(statistics.median(t[won]))
+            if self._graphs_may_pay(trial):
+                host, gpu = (fmt_seconds(statistics.median(t["inductor"]))
                              for t in (trial.host, trial.gpu))
                 trials_log.info("autopar: %s: Inductor's calls are launch-bound (host %s, GPU "
-                                "%s a call): timing them as CUDA graphs", self.name, host, gpu)
-                self.trials[key] = Trial({w: trial.gpus[won] for w in (won, "cudagraphs")},
+                                "%s a call): timing them as CUDA graphs against %s", self.name,
+                                host, gpu, won)
+                self.trials[key] = Trial({won: trial.gpus[won],
+                                          "cudagraphs": trial.gpus["inductor"]},
                                          name=self.name)
                 return out
             if _profiler._is_profiler_enabled:  # the verdict, as a mark in the profiler's trace
@@ -669,12 +671,12 @@ class Dispatcher:
             self._keep(key, won)
         return out
 
-    def _graphs_may_pay(self, won: str, trial: Trial) -> bool:
-        """Whether a decided trial calls for a second one, against CUDA graphs of Inductor's
-        form (see :mod:`autopar.choose`)."""
-        return won == "inductor" and "cudagraphs" not in trial.ways and \
+    def _graphs_may_pay(self, trial: Trial) -> bool:
+        """Whether a decided trial calls for a second one, of its winner against CUDA graphs
+        of Inductor's form (see :mod:`autopar.choose`)."""
+        return "cudagraphs" not in trial.ways and "inductor" in trial.times and \
             self.switch is not None and "cudagraphs" in self.runner.options.candidates and \
-            not _grad_enabled() and launch_bound(trial, won)
+            not _grad_enabled() and launch_bound(trial, "inductor")
 
     def _keep(self, key: Any, way: str) -> None:
         self.kept[key] = way

@@ -22,10 +22,12 @@ Policy (one place decides "is autopar's plan better than what the user would oth
   otherwise its calls are eager's ops plus dynamo's per-call cost. ``inductor`` is one where
   Inductor compiles for the devices involved (any GPU; the host only with a C++ compiler) and
   fusion is allowed (``fuse`` not False). A lone candidate is kept without timing.
-  ``cudagraphs`` is tried only after ``inductor`` won a trial of inference calls (grad off)
-  on a GPU whose calls measured launch-bound (:func:`launch_bound`: the host's time a call
-  at least ``LAUNCH_BOUND`` of the GPU's, so the GPU waited on launches), in a second trial
-  against ``inductor``: compiling it again costs first-call time only where it can pay.
+  ``cudagraphs`` is tried only after a trial of inference calls (grad off) on a GPU in
+  which ``inductor``'s calls measured launch-bound (:func:`launch_bound`: the host's time a
+  call at least ``LAUNCH_BOUND`` of the GPU's, so the GPU waited on launches), in a second
+  trial against that trial's winner: compiling it again costs first-call time only where it
+  can pay (ResNet-18 at batch 1 on one H200: eager 1.34 ms, Inductor 1.57, reduce-overhead
+  1.14).
 - A trial (:class:`Trial`): the next calls of a new signature go round the candidates; each
   turn is two calls of a way, the first neither timed nor counted (after a switch, caches,
   memory and first-use kernels are the last way's; a way's first turn also compiles), and

@@ -441,7 +441,7 @@ def prepare_variant(w: Workload, variant: str, ctx: Context, ref: Any) -> Prepar
     return fn, args
 
 
-SETTLE_CALLS = 256  # a trial's calls at most: 3 ways x TRIAL_MAX_CALLS, and its waits
+SETTLE_CALLS = 1024  # at most: two trials (3 ways, then 2), 2 x TRIAL_MAX_CALLS a way, waits
 
 
 def settle(fn: Callable[..., Any], args: tuple, calls: int) -> None:
