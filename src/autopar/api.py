@@ -357,9 +357,10 @@ def compile(fn: Callable, **options: Any) -> Callable:
     False: every op runs as its own ATen call), ``cuda_graphs`` ("auto": GPU segments with
     static shapes are replayed as CUDA graphs where that pays; True: every capturable one;
     False: never), ``candidates`` (the ways the measured choice may keep: "auto" for
-    eager, inductor and autopar, or a list of them, e.g. ``["eager", "autopar"]``; default
-    ``$AUTOPAR_CANDIDATES``; see :mod:`autopar.choose`), ``guards`` ("all": every call of
-    autopar's way goes through dynamo and all its guards; "arguments": see below).
+    eager, inductor, autopar and cudagraphs, or a list of them, e.g. ``["eager",
+    "autopar"]``; default ``$AUTOPAR_CANDIDATES``; see :mod:`autopar.choose`), ``guards``
+    ("all": every call of autopar's way goes through dynamo and all its guards; "arguments":
+    see below).
 
     ``guards="arguments"`` is a contract: ``fn``'s result depends only on its arguments, and
     the modules and globals it reads do not change between calls. Under it, a call of
