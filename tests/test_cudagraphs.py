@@ -223,3 +223,59 @@ def test_corpus_with_every_segment_replayed(name, stand_in):
         pytest.skip("slow case")
     stand_in(StandInGraphs())
     run_case(c, autopar_compile(devices="cpu:0", cuda_graphs=True, fuse=False))
+
+
+def _static(t: torch.Tensor) -> torch.Tensor:
+    t._dynamo_static_input_type = "unguarded"  # as dynamo marks a module's parameters
+    return t
+
+
+def test_a_graphed_call_reads_parameters_in_place_and_copies_the_rest():
+    """The cudagraphs way's form of a whole compiled function: warm-up, capture, replays;
+    a parameter (marked static by dynamo) is read where it lives, so an in-place update shows
+    in the next replay; the batch is copied into a static buffer (the caller's tensor is never
+    written); each result is cloned out, so one the caller holds survives later replays."""
+    from autopar.runtime.cudagraphs import GraphedCall
+
+    def fn(w, x):
+        return [w * x + 1.0, x.sum()]
+
+    backend = StandInGraphs()
+    g = GraphedCall(fn, "cpu", "fn", backend=backend)
+    w = _static(torch.randn(4))
+    x1, x2 = torch.randn(4), torch.randn(4)
+    keep1 = x1.clone()
+    for x in (x1, x2):  # warm-up, then capture and the first replay
+        torch.testing.assert_close(g(w, x), fn(w, x))
+    assert g.status == "captured" and backend.captures == 1
+    held = g(w, x1)
+    torch.testing.assert_close(g(w, x2), fn(w, x2))
+    torch.testing.assert_close(held, fn(w, x1))  # not overwritten by the later replay
+    assert torch.equal(x1, keep1)  # the caller's input is read, never written
+    with torch.no_grad():
+        w.mul_(2.0)
+    torch.testing.assert_close(g(w, x1), fn(w, x1))  # the parameter read in place
+    assert g.status == "captured" and [i for i, _ in g._copied] == [1]
+
+
+@pytest.mark.parametrize("change", ["parameter replaced", "other layout", "capture fails"])
+def test_a_graphed_call_that_can_not_replay_runs_plain_for_good(change, caplog):
+    from autopar.runtime.cudagraphs import GraphedCall
+
+    def fn(w, x):
+        return [w * x]
+
+    backend = StandInGraphs(fail="no capture here" if change == "capture fails" else None)
+    g = GraphedCall(fn, "cpu", "fn", backend=backend)
+    w, x = _static(torch.randn(4, 4)), torch.randn(4, 4)
+    with caplog.at_level(logging.WARNING, logger="autopar"):
+        g(w, x)
+        g(w, x)
+        if change == "parameter replaced":
+            w = _static(torch.randn(4, 4))
+        elif change == "other layout":
+            x = torch.randn(4, 4).t()
+        torch.testing.assert_close(g(w, x), fn(w, x))
+        torch.testing.assert_close(g(w, x), fn(w, x))
+    assert g.status == "plain" and g.reason
+    assert len([r for r in caplog.records if "without its CUDA graph" in r.getMessage()]) == 1

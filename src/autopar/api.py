@@ -59,6 +59,7 @@ from .passes.cudagraphs import capture_rule
 from .passes.fusion import fusion_devices, prefer_fused, regions_to_fuse
 from .report.trace import save_chrome_trace
 from .runtime import Executor, SequentialRunner
+from .runtime.cudagraphs import GraphedCall
 from .schedule.place import POLICIES, place, places_by_cost
 from .schedule.plan import make_plan
 from .schedule.simulate import runs_as_eager
@@ -390,7 +391,8 @@ def compile(fn: Callable, **options: Any) -> Callable:
         dynamo = torch.compile(fn, backend=make_backend(runner, name=name, learn=direct.record),
                                dynamic=False)
     else:  # one trace for autopar's way and Inductor's (capture.dynamo's WaySwitch)
-        switch = WaySwitch() if runner.inductor_candidate and not opts.trace else None
+        switch = WaySwitch(replay=GraphedCall) if runner.inductor_candidate and \
+            not opts.trace else None
         dynamo = torch.compile(fn, backend=make_backend(runner, name=name, switch=switch))
     compiled = capturing_scalars(dynamo, needed=lambda: not runner.graphs or runner.reads_scalars)
     ours = compiled.forward if module is not None else compiled

@@ -8,7 +8,8 @@ Policy (one place decides "is autopar's plan better than what the user would oth
                 eager's placement (what a user would otherwise pick);
   ``autopar``   autopar's graphs: placed plans, folded constants, fused regions;
   ``cudagraphs`` Inductor's graphs replayed as CUDA graphs (what ``mode="reduce-overhead"``
-                does), outputs cloned out of the graphs' memory.
+                does, without compiling again: :class:`autopar.runtime.cudagraphs.GraphedCall`
+                captures Inductor's function), outputs cloned out of the graphs' memory.
 
   ``inductor`` and ``cudagraphs`` are forms of the trace autopar's way made (one dynamo
   trace serves the three compiled ways: :class:`autopar.capture.dynamo.WaySwitch`).

@@ -18,7 +18,9 @@ Policy
   dynamo's tracing was 4.6 of 5.5 s, twice over). Inductor's form is compiled after
   autopar's (Inductor's passes may rewrite the graph module in place). Where Inductor fails
   on a graph, that graph runs autopar's form under either setting, and the switch says why
-  (``WaySwitch.failed``): the inductor way is then not Inductor's and is left out.
+  (``WaySwitch.failed``): the inductor way is then not Inductor's and is left out. A third
+  form, Inductor's function replayed as a CUDA graph, is built at its first use where a graph
+  qualifies (:func:`_cuda_graph_form`) by what the switch is given (the runtime's capture).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._guards import TracingContext, detect_fake_mode, tracing
+from torch._guards import TracingContext
 
 from ..ir.graph import Graph
 from ..ir.logs import cover_torch_loggers, quiet_code
@@ -80,12 +82,15 @@ default) and Inductor's replayed as CUDA graphs (``mode="reduce-overhead"``)."""
 class WaySwitch:
     """Which compiled form (``FORMS``) the graphs of one shared trace run: ``form``.
     ``failed``: the first graph Inductor could not compile, and why (None while every graph
-    has Inductor's form). ``graphed``: graphs given a CUDA-graph form so far."""
+    has Inductor's form). ``graphed``: graphs given a CUDA-graph form so far. ``replay``:
+    what makes that form of Inductor's function (``replay(fn, device, label)``, the runtime's
+    ``GraphedCall``; None: no CUDA-graph form)."""
 
-    def __init__(self) -> None:
+    def __init__(self, replay: Callable[[Callable, str, str], Callable] | None = None) -> None:
         self.form = "autopar"
         self.failed: str | None = None
         self.graphed = 0
+        self.replay = replay
 
 
 def _switched(ours: Callable, theirs: Callable, switch: WaySwitch,
@@ -107,38 +112,24 @@ def _switched(ours: Callable, theirs: Callable, switch: WaySwitch,
 
 
 def _cuda_graph_form(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], theirs: Callable,
-                     name: str, switch: WaySwitch) -> Callable[[], Callable] | None:
-    """The builder of a graph's CUDA-graph form, or None where it has none: only inference
-    graphs (grad off while tracing: dynamo guards it) with static shapes and every tensor
-    input on a GPU. Built at first use, by Inductor with ``triton.cudagraphs`` (its CUDA-graph
-    trees: parameters stay static, other inputs are copied in), with each output cloned out of
-    the graphs' memory pool: a later replay overwrites that pool, and a caller holding an
-    earlier result (as eager code may) must keep its values. Where Inductor fails there, the
-    graph runs Inductor's plain form."""
-    if torch.is_grad_enabled() or is_symbolic(example_inputs):
+                     label: str, switch: WaySwitch) -> Callable[[], Callable] | None:
+    """The builder of a graph's CUDA-graph form (``switch.replay`` of Inductor's function), or
+    None where it has none: only inference graphs (grad off while tracing: dynamo guards it)
+    with static shapes, no random op, and every tensor input on one GPU."""
+    if switch.replay is None or torch.is_grad_enabled() or is_symbolic(example_inputs):
         return None
-    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
-    if not tensors or not all(x.device.type == "cuda" for x in tensors):
+    devices = {x.device for x in example_inputs if isinstance(x, torch.Tensor)}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
         return None
+    seeded = torch.Tag.nondeterministic_seeded
+    if any(isinstance(n.target, torch._ops.OpOverload) and seeded in n.target.tags
+           for n in gm.graph.nodes):
+        return None
+    device = str(next(iter(devices)))
 
     def build() -> Callable:
-        from torch._inductor.compile_fx import compile_fx  # lazy: slow to import
-
-        try:  # in a tracing context of its own: aot_autograd leaves the static inputs
-            # (parameters, from the graph module's dynamo metadata) there for Inductor
-            with tracing(TracingContext(detect_fake_mode(example_inputs))):
-                replayed = compile_fx(gm, example_inputs,
-                                      config_patches={"triton.cudagraphs": True})
-        except Exception as e:
-            log.info("autopar: no CUDA-graph form for a graph of %s (Inductor: %s: %s); it "
-                     "runs Inductor's plain form", name, type(e).__name__, _first_line(e))
-            return theirs
         switch.graphed += 1
-
-        def call(*args: Any) -> Any:
-            out = replayed(*args)
-            return [o.clone() if isinstance(o, torch.Tensor) else o for o in out]
-        return call
+        return switch.replay(theirs, device, label)  # type: ignore[misc]
     return build
 
 
@@ -225,7 +216,8 @@ def make_backend(build: GraphRunner, name: str = "autopar",
                 log.info("autopar: Inductor failed on a graph of %s, which runs autopar's "
                          "form in the inductor way too: %s", name, switch.failed)
             return mine
-        graphed = _cuda_graph_form(gm, example_inputs, theirs, name, switch)
+        graphed = _cuda_graph_form(gm, example_inputs, theirs, f"{name} (Inductor's form)",
+                                   switch)
         return _switched(mine, theirs, switch, graphed)
     return backend
 

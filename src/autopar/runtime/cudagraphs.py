@@ -52,8 +52,8 @@ from ..schedule.steps import Free, Run
 from .codegen import Call, Program, SlotTable, build_program
 from .fuse import Fused
 
-__all__ = ["CudaGraphBackend", "GraphSegment", "capture_segments", "launches", "segments",
-           "why_not_capturable"]
+__all__ = ["CudaGraphBackend", "GraphSegment", "GraphedCall", "capture_segments", "launches",
+           "segments", "why_not_capturable"]
 
 log = logging.getLogger("autopar.runtime")
 
@@ -291,6 +291,89 @@ class GraphSegment:
             env[slot] = t.clone(memory_format=torch.preserve_format) if escapes else t
         for slot in self.freed:
             env[slot] = None
+
+
+class GraphedCall:
+    """A compiled graph's whole function (``fn(*args) -> outputs``, Inductor's form of a graph)
+    replayed as one CUDA graph: the measured choice's ``cudagraphs`` way, in place of compiling
+    the graph again with Inductor's ``triton.cudagraphs`` (its FX-graph cache key differs: a
+    second full compile, 7-11 s of first call for the small-config models on one H200).
+
+    Lifecycle: the first call runs ``fn`` (warm-up: Inductor loads its kernels); the second
+    captures it: an argument dynamo marked static (a module's parameter or buffer:
+    ``_dynamo_static_input_type``) is read in place by the graph, every other one is copied
+    into a static buffer of its own; later calls copy those in, replay, and clone each tensor
+    output out of the graph's memory (the next replay overwrites it; a result the caller holds
+    keeps its values). A static argument at another address than at capture (a parameter
+    replaced), or a copied one of another layout, ends replay for good, as does a failed
+    capture: ``fn`` runs as it is from then on, logged once."""
+
+    def __init__(self, fn: Callable[..., Any], device: str, label: str,
+                 backend: CudaGraphBackend | None = None) -> None:
+        self.fn = fn
+        self.device = device
+        self.label = label
+        self.backend = backend or CudaGraphBackend()
+        self.status = "warmup"  # then "captured", or "plain" (reason says why)
+        self.reason: str | None = None
+        self._replay: Callable[[], None] | None = None
+        self._static: list[tuple[int, int]] = []  # (argument index, address read in place)
+        self._copied: list[tuple[int, torch.Tensor]] = []  # (argument index, static buffer)
+        self._outs: list[Any] = []
+
+    def __call__(self, *args: Any) -> Any:
+        if self._replay is not None:
+            return self._run_graph(args)
+        if self.status == "warmup":
+            self.status = "pending"
+            return self.fn(*args)
+        if self.status == "pending" and self._capture(args):
+            return self._run_graph(args)
+        return self.fn(*args)
+
+    def _capture(self, args: tuple) -> bool:
+        static_in = list(args)
+        self._static, self._copied = [], []
+        for i, a in enumerate(args):
+            if not isinstance(a, torch.Tensor):
+                continue
+            if getattr(a, "_dynamo_static_input_type", None) is not None:
+                self._static.append((i, a.data_ptr()))
+            else:
+                static_in[i] = a.clone(memory_format=torch.preserve_format)
+                self._copied.append((i, static_in[i]))
+        try:
+            replay, outs = self.backend.capture(lambda xs: list(self.fn(*xs)), static_in,
+                                                self.device)
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            self._plain(f"capture failed: {type(e).__name__}: {first}")
+            return False
+        self._replay, self._outs, self.status = replay, outs, "captured"
+        log.info("autopar: %s captured as a CUDA graph", self.label)
+        return True
+
+    def _plain(self, reason: str) -> None:
+        self.status, self.reason, self._replay = "plain", reason, None
+        log.warning("autopar: %s runs without its CUDA graph: %s", self.label, reason)
+
+    def _run_graph(self, args: tuple) -> Any:
+        for i, ptr in self._static:
+            if args[i].data_ptr() != ptr:
+                self._plain(f"argument {i} (a parameter or buffer) moved since the capture")
+                return self.fn(*args)
+        for i, static in self._copied:
+            a = args[i]
+            if a is static:
+                continue
+            if a.shape != static.shape or a.stride() != static.stride() or \
+                    a.dtype != static.dtype or a.device != static.device:
+                self._plain(f"argument {i} changed layout")
+                return self.fn(*args)
+            static.copy_(a)
+        self._replay()  # type: ignore[misc]
+        return [o.clone(memory_format=torch.preserve_format) if isinstance(o, torch.Tensor)
+                else o for o in self._outs]
 
 
 # -- building ---------------------------------------------------------------------------------
