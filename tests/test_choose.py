@@ -319,6 +319,41 @@ def test_autopar_and_inductor_ways_share_one_trace(monkeypatch):
     assert len(ran) == before + 1  # the kept way: Inductor's form
 
 
+@pytest.mark.parametrize("writes", ["an input", "a buffer"])
+def test_a_call_that_writes_in_place_is_never_repeated_to_check_it(writes):
+    """The results check runs eager again on a way's first call only where that call wrote
+    nothing: ``B.add_(A)`` (aot_autograd's epilogue copies the functional graph's value into
+    ``B``) or a module updating a buffer is applied once a call, as eagerly."""
+    if writes == "an input":
+        def f(B, A):
+            B.add_(A)
+            return B.sum()
+        g = autopar.compile(f, devices="cpu:0,cpu:1", policy="round_robin",
+                            candidates="eager,autopar")
+        B, A = torch.zeros(8), torch.ones(8)
+        with torch.no_grad():
+            for _ in range(4 * TRIAL_CALLS):
+                g(B, A)
+        assert torch.equal(B, torch.full((8,), 4.0 * TRIAL_CALLS))
+    else:
+        class Counting(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.register_buffer("calls", torch.zeros(()))
+                self.lin = torch.nn.Linear(4, 4)
+
+            def forward(self, x):
+                self.calls += 1
+                return self.lin(x).relu()
+        model = Counting()
+        g = autopar.compile(model, devices="cpu:0,cpu:1", policy="round_robin",
+                            candidates="eager,autopar")
+        with torch.no_grad():
+            for _ in range(4 * TRIAL_CALLS):
+                g(torch.randn(3, 4))
+        assert model.calls.item() == 4 * TRIAL_CALLS
+
+
 def test_a_module_gets_the_measured_choice_too(monkeypatch):
     """``autopar.compile(module)``: the module's forward is the dispatcher; its training flag
     is part of the signature (train and eval trace other graphs)."""

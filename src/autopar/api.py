@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils._pytree import tree_flatten
 
 from .capture.direct import Direct
 from .capture.dynamo import WaySwitch, any_autocast_enabled, capturing_scalars, make_backend
@@ -198,7 +199,9 @@ class Runner:
         # ...of them, those capture had already computed part of (autopar.capture.fold)
         self.folded = 0
         self.reads_scalars = False  # whether any of them reads a value to the host (.item())
-        self.writes = False  # whether any of them writes a tensor in place (inputs, buffers)
+        # whether any of them writes a tensor in place (an op's write, or aot_autograd's
+        # epilogue into an input or buffer): a call is then not repeatable
+        self.writes = False
         self.gpus = _cuda_indices(options.devices)  # GPU indices autopar may use
         self.inductor_can = inductor_compiles_for(options.devices, options.fuse)
         self.inductor_candidate = self.inductor_can and "inductor" in options.candidates
@@ -251,7 +254,7 @@ class Runner:
         self.folded += graph.folded
         self.reads_scalars = self.reads_scalars or any(
             n.op is LOCAL_SCALAR_DENSE for n in graph.ops)
-        self.writes = self.writes or any(n.writes for n in graph.ops)
+        self.writes = self.writes or graph.writes_inputs or any(n.writes for n in graph.ops)
         try:
             cost = self.cost_model()
             placement = place(graph, cost, policy=options.policy, devices=options.devices)
@@ -629,6 +632,7 @@ class Dispatcher:
         way = trial.next_way()
         check = way not in (None, "eager") and (key, way) not in self._checked \
             and not _grad_enabled() and not self.runner.writes
+        before = self._versions(args, kwargs) if check else None
         try:
             out = trial.run(self.way, args, kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:  # failed compiling: nothing ran
@@ -641,6 +645,8 @@ class Dispatcher:
             out = self.fn(*args, **kwargs)
         if check and way not in trial.dropped:  # a first call that can be repeated: eager's?
             self._checked.add((key, way))
+            if self._versions(args, kwargs) != before:  # it wrote a tensor: not repeatable
+                return self._verdict(key, trial, out)
             want = self.fn(*args, **kwargs)
             why = results_differ(out, want, low_precision=any_autocast_enabled())
             if why is not None:
@@ -653,6 +659,9 @@ class Dispatcher:
                     del self.trials[key]
                     self._keep(key, live[0])
                     return out
+        return self._verdict(key, trial, out)
+
+    def _verdict(self, key: Any, trial: Trial, out: Any) -> Any:
         won = trial.verdict()
         if won is not None:
             del self.trials[key]
@@ -673,6 +682,17 @@ class Dispatcher:
                     pass
             self._keep(key, won)
         return out
+
+    def _versions(self, args: tuple, kwargs: dict) -> list[int]:
+        """The version counters of every tensor a call could write in place: its arguments
+        (in containers too) and, for a module, its parameters and buffers. A call that
+        changed one (aot_autograd's epilogue, an eager fallback's in-place op) must not be
+        repeated to check its results."""
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        owner = getattr(self.fn, "__self__", None)
+        if isinstance(owner, torch.nn.Module):
+            tensors += [*owner.parameters(), *owner.buffers()]
+        return [t._version for t in tensors]
 
     def _graphs_may_pay(self, trial: Trial) -> bool:
         """Whether a decided trial calls for a second one, of its winner against CUDA graphs

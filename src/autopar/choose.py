@@ -42,10 +42,14 @@ Policy (one place decides "is autopar's plan better than what the user would oth
 - A way that fails where eager would not (an internal or compile error before the function
   ran) is dropped for that signature, with the reason logged once, and the call runs eagerly.
 - A way whose results are not eager's is dropped too: on a way's first call, where calling the
-  function again changes nothing (grad off, no captured graph writes in place), eager runs on
-  the same arguments and the outputs are compared (:func:`results_differ`: relative error in
-  norm over ``RESULT_TOL``, ``RESULT_TOL_LOW`` under autocast or for 16-bit outputs); the call
+  function again changes nothing (grad off, no captured graph writes in place, and the call
+  changed no tensor's version counter: its arguments', a module's parameters' and buffers'),
+  eager runs on the same arguments and the outputs are compared (:func:`results_differ`:
+  relative error in norm over ``RESULT_TOL``, ``RESULT_TOL_LOW`` under autocast or for 16-bit
+  outputs); the call
   returns eager's. Training steps are not checked here (a second call would step again).
+  Not seen: Python side effects of the function (a counter in a global object), which that
+  one call then makes twice.
 
 Glossary: a *way* is a name above; ``Trial.calls`` the counted calls ``(way, host_s,
 [(begin, end) CUDA events])``; ``Trial.times`` each way's counted seconds once decided.

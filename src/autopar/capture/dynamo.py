@@ -159,6 +159,7 @@ def make_backend(build: GraphRunner, name: str = "autopar",
             label = f"{name}_{phase}_{counter['n']}"
             try:
                 graph, constants = from_fx(gm, label)
+                graph.writes_inputs = _writes_inputs()
             except Unsupported as e:
                 if is_symbolic(example_inputs):  # one static graph per signature, when called
                     run = PerShape(gm, label, lambda static, lbl: runner(*from_fx(static, lbl)))
@@ -271,6 +272,17 @@ def _bare_inference() -> bool:
                 and not meta.is_rng_op_functionalized)
     except AttributeError:  # another torch's metadata: keep its wrapper
         return False
+
+
+def _writes_inputs() -> bool:
+    """Whether a call of the graph being compiled writes into one of its inputs (data or
+    metadata: aot_autograd's epilogue applies what the functional graph computed), as
+    aot_autograd's metadata says; True where it says nothing."""
+    meta = getattr(TracingContext.try_get(), "fw_metadata", None)
+    try:
+        return any(i.mutates_data or i.mutates_metadata for i in meta.input_info)
+    except AttributeError:  # no metadata, or another torch's
+        return True
 
 
 def _without_aot_wrapper(run: Callable) -> Callable:

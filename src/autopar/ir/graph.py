@@ -362,6 +362,9 @@ class Graph:
         self.outputs: tuple[Any, ...] = ()
         # capture computed some of the function's ops already (autopar.capture.fold)
         self.folded = False
+        # a call writes into its inputs outside the graph's ops (aot_autograd's epilogue
+        # copies a functional graph's new values back: autopar.capture.dynamo)
+        self.writes_inputs = False
 
     # -- building ---------------------------------------------------------------------------
     def input(self, meta: Meta, name: str = "") -> Node:
