@@ -699,7 +699,7 @@ class Dispatcher:
         of Inductor's form (see :mod:`autopar.choose`)."""
         return "cudagraphs" not in trial.ways and "inductor" in trial.times and \
             self.switch is not None and "cudagraphs" in self.runner.options.candidates and \
-            not _grad_enabled() and launch_bound(trial, "inductor")
+            not _grad_enabled() and not self.runner.writes and launch_bound(trial, "inductor")
 
     def _keep(self, key: Any, way: str) -> None:
         self.kept[key] = way

@@ -115,7 +115,8 @@ def _cuda_graph_form(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], th
                      label: str, switch: WaySwitch) -> Callable[[], Callable] | None:
     """The builder of a graph's CUDA-graph form (``switch.replay`` of Inductor's function), or
     None where it has none: only inference graphs (grad off while tracing: dynamo guards it)
-    with static shapes, no random op, and every tensor input on one GPU."""
+    with static shapes, no random op, and every tensor input on one GPU; the caller leaves out
+    graphs that write into an input (a replay would write into its static copy)."""
     if switch.replay is None or torch.is_grad_enabled() or is_symbolic(example_inputs):
         return None
     devices = {x.device for x in example_inputs if isinstance(x, torch.Tensor)}
@@ -207,6 +208,7 @@ def make_backend(build: GraphRunner, name: str = "autopar",
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         mine = ours(gm, example_inputs)
+        writes = _writes_inputs()  # as aot_autograd found it for autopar's form
         from torch._inductor.compile_fx import compile_fx  # lazy: slow to import
 
         try:
@@ -217,8 +219,8 @@ def make_backend(build: GraphRunner, name: str = "autopar",
                 log.info("autopar: Inductor failed on a graph of %s, which runs autopar's "
                          "form in the inductor way too: %s", name, switch.failed)
             return mine
-        graphed = _cuda_graph_form(gm, example_inputs, theirs, f"{name} (Inductor's form)",
-                                   switch)
+        graphed = None if writes else _cuda_graph_form(
+            gm, example_inputs, theirs, f"{name} (Inductor's form)", switch)
         return _switched(mine, theirs, switch, graphed)
     return backend
 
