@@ -24,13 +24,15 @@ Policy
 - Learning: a call no entry matches goes through dynamo (every guard: always sound), and is
   watched: the backend reports each graph call it serves (:func:`make_backend`'s ``learn``).
   An entry is kept only where that call was exactly one graph, an inference graph dynamo
-  calls without aot_autograd's wrapper (functional: no input mutated, no output aliasing an
-  input), every graph input is identified by identity (an argument, a parameter or buffer of
-  the module, a tensor global or closure variable of the code), and the result is built of the
-  graph's outputs alone (the graph's result itself, or a tuple or list of its outputs, each
-  used). Arguments are positional only, each a tensor (not one autograd records) or a plain
-  value (``int``, ``float``, ``bool``, ``str``, ``None``), no tensor passed twice. Anything
-  else keeps going through dynamo.
+  calls without aot_autograd's wrapper (autopar's light one: inputs whose data the graph
+  updates are copied back, inputs returned as outputs; W1's ``B[:] = A[r0:r1, c0:c1]``), every
+  graph input is identified by identity (an argument, a parameter or buffer of the module, a
+  tensor global or closure variable of the code; one the graph writes into only an
+  argument: a written buffer's ``_version`` would miss every later call), and the result is
+  built of the graph's outputs alone (the graph's result itself, or a tuple or list of its
+  outputs, each used). Arguments are positional only, each a tensor (not one autograd
+  records) or a plain value (``int``, ``float``, ``bool``, ``str``, ``None``), no tensor
+  passed twice. Anything else keeps going through dynamo.
 - An entry matches a call with as many arguments, each tensor of the learned shape, strides,
   dtype and device (not requiring grad where grad mode is on), each plain value equal (and of
   the same type), the same grad mode, no autocast, a module's ``training`` as learned; and its
@@ -130,15 +132,16 @@ class Direct:
         fixed = self._fixed()
         feeds: list[str] = []
         code = _Code(grad, len(args))
-        for x in inputs:
+        written = set(getattr(program, "mutated", ()))
+        for j, x in enumerate(inputs):
             if not isinstance(x, torch.Tensor):
                 return None  # a symbolic size or an unspecialized number
             if id(x) in at:
                 feeds.append(f"a{at[id(x)]}")
-            elif id(x) in fixed:
+            elif id(x) in fixed and j not in written:
                 feeds.append(code.fixed(x, fixed[id(x)]))
             else:
-                return None  # read from somewhere not checked
+                return None  # read from somewhere not checked, or a buffer written
         ret = _result(result, outputs)
         if ret is None:
             return None

@@ -5,9 +5,9 @@ Policy
   but the final input-mutation epilogue that aot_autograd applies itself), and training gets a
   forward and a backward graph, each captured (:func:`autopar.capture.fx.from_fx`) and run by
   the runner the backend was made with. An inference graph for which aot_autograd's runtime
-  wrapper has nothing to do (no input mutated, no output aliasing an input, no autocast, no
-  effect tokens: aot_autograd's own metadata says so) is called by dynamo without that
-  wrapper, with grad mode off as the wrapper has it.
+  wrapper has little to do (inputs whose data it updates, inputs returned as outputs, no
+  other alias, no autocast, no effect tokens: aot_autograd's own metadata says so) is called
+  by dynamo through a wrapper doing only that, with grad mode off as aot's has it.
 - What runs a graph is not decided here: :func:`make_backend` takes the runner builder
   (``autopar.api.make_runner``'s, for ``torch.compile(backend="autopar")``: :mod:`autopar.backend`).
 - One trace, two compiled forms (``make_backend(..., switch=WaySwitch())``): each graph dynamo
@@ -139,10 +139,11 @@ def make_backend(build: GraphRunner, name: str = "autopar",
                  switch: WaySwitch | None = None) -> Callable:
     """A dynamo backend that captures each aot_autograd graph and runs it through ``build``.
 
-    An inference graph whose aot_autograd runtime wrapper would do nothing but turn grad mode
-    off (:func:`_bare_inference`) is handed to dynamo without that wrapper: dynamo calls the
-    graph's runner directly (:func:`_without_aot_wrapper`). The wrapper's layers cost ~11 us a
-    call on a 2-core VM (``x @ y``, 5x10x5: dynamo 21 us, dynamo and aot_autograd 36 us).
+    An inference graph whose aot_autograd runtime wrapper would do no more than turn grad mode
+    off, copy updated inputs back and return inputs as outputs (:func:`_light_inference`) is
+    handed to dynamo with a wrapper doing just that (:func:`_without_aot_wrapper`). aot's
+    wrapper's layers cost ~11 us a call on a 2-core VM (``x @ y``, 5x10x5: dynamo 21 us,
+    dynamo and aot_autograd 36 us).
     ``learn(program, args, outputs)``: told of each call dynamo makes of such a graph
     (``program(*args)`` gave ``outputs``), for ``guards="arguments"``
     (:class:`autopar.capture.direct.Direct`). ``switch``: each graph compiled by Inductor too,
@@ -151,13 +152,16 @@ def make_backend(build: GraphRunner, name: str = "autopar",
     from torch._dynamo.backends.common import aot_autograd  # lazy: slow to import
 
     counter = {"n": 0}
-    bare: list[tuple[Callable, int]] = []  # this graph's inference runner, with no wrapper due
+    bare: list[tuple[Callable, int, tuple]] = []  # this graph's inference runner and light wrapper
 
     def compiler(phase: str) -> Callable:
         def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
             cover_torch_loggers()  # those imported since (Inductor's): kept quiet too
             counter["n"] += 1
             label = f"{name}_{phase}_{counter['n']}"
+            light = _light_inference() if phase == "inference" else None
+            if light is not None and light[0]:
+                _copy_back_sources(gm, len(light[0]), light[1])
             try:
                 graph, constants = from_fx(gm, label)
                 graph.writes_inputs = _writes_inputs()
@@ -171,8 +175,8 @@ def make_backend(build: GraphRunner, name: str = "autopar",
                     run = _eager(gm)
             else:
                 run = runner(graph, constants)
-            if phase == "inference" and _bare_inference():
-                bare.append((run, len(example_inputs)))
+            if light is not None:
+                bare.append((run, len(example_inputs), light))
             return run
 
         def runner(graph: Graph, constants: list[torch.Tensor]) -> Callable[[list], Any]:
@@ -199,7 +203,8 @@ def make_backend(build: GraphRunner, name: str = "autopar",
         if len(bare) == 1 and bare[0][1] == len(example_inputs) and \
                 not any_autocast_enabled() and \
                 all(type(x) in _PLAIN_INPUTS for x in example_inputs):
-            direct = _without_aot_wrapper(bare.pop()[0])
+            run, _, (mutated, bases) = bare.pop()
+            direct = _without_aot_wrapper(run, mutated, bases)
             return direct if learn is None else _told(direct, learn)
         return compiled
 
@@ -252,28 +257,44 @@ def any_autocast_enabled() -> bool:
 _IS_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
-def _bare_inference() -> bool:
-    """Whether aot_autograd's runtime wrapper around the inference graph being compiled has
-    nothing to do but switch grad mode off: no input mutated (data, metadata or storage), every
-    output a fresh tensor (no alias of an input, an intermediate or another output) that needs
-    no grad, no effect tokens, no functionalized RNG. Read from the metadata aot_autograd
-    hands its compilers (``TracingContext.fw_metadata``); False where any of it is missing."""
+def _light_inference() -> tuple[tuple[int, ...], tuple[int | None, ...]] | None:
+    """What aot_autograd's runtime wrapper around the inference graph being compiled does,
+    where it is no more than: grad mode off, each input whose data the graph updates copied
+    from the graph's first outputs (``mutated``: their input indices, in that order), and each
+    user output either the graph's own or an input returned as it is (``bases``: None, or
+    that input's index). None where it does more: an input's metadata or storage changed, an
+    output that is a view of an input, an intermediate or another output, or needs grad,
+    effect tokens, functionalized RNG. Read from the metadata aot_autograd hands its
+    compilers (``TracingContext.fw_metadata``); None where any of it is missing."""
     from torch._functorch._aot_autograd.schemas import OutputType  # lazy: slow to import
 
     meta = getattr(TracingContext.try_get(), "fw_metadata", None)
     if meta is None:
-        return False
+        return None
     try:
-        return (not any(i.mutates_data or i.mutates_metadata
-                        or getattr(i, "mutates_storage_metadata", False)
-                        for i in meta.input_info)
-                and all(o.output_type == OutputType.non_alias and not o.requires_grad
-                        for o in meta.output_info)
-                and meta.num_intermediate_bases == 0 and not meta.tokens
-                and not getattr(meta, "num_graphsafe_rng_states", 0)
-                and not meta.is_rng_op_functionalized)
+        if any(i.mutates_metadata or getattr(i, "mutates_storage_metadata", False)
+               or getattr(i, "mutation_inductor_storage_resize", False)
+               or (i.mutates_data and i.requires_grad) for i in meta.input_info):
+            return None
+        mutated = tuple(meta.mutated_inp_runtime_indices)
+        if sorted(mutated) != [j for j, i in enumerate(meta.input_info) if i.mutates_data]:
+            return None  # a mutation kept in the graph, or one this reading misses
+        bases: list[int | None] = []
+        for o in meta.output_info:
+            if o.requires_grad:
+                return None
+            if o.output_type == OutputType.non_alias:
+                bases.append(None)
+            elif o.output_type == OutputType.is_input and o.base_idx is not None:
+                bases.append(o.base_idx)
+            else:
+                return None
+        if meta.num_intermediate_bases or meta.tokens or meta.is_rng_op_functionalized or \
+                getattr(meta, "num_graphsafe_rng_states", 0):
+            return None
     except AttributeError:  # another torch's metadata: keep its wrapper
-        return False
+        return None
+    return mutated, tuple(bases)
 
 
 def _writes_inputs() -> bool:
@@ -287,21 +308,64 @@ def _writes_inputs() -> bool:
         return True
 
 
-def _without_aot_wrapper(run: Callable) -> Callable:
-    """``run`` (boxed or not) called as dynamo calls a backend's result, with grad mode off
-    as aot_autograd runs an inference graph."""
+def _copy_back_sources(gm: torch.fx.GraphModule, n_mutated: int,
+                       bases: tuple[int | None, ...]) -> None:
+    """Where the graph's new value of a mutated input is ``aten.copy(input, src)`` (``B[:] =
+    src``, functionalized), return ``src`` itself in that place: the epilogue's ``copy_``
+    into the input broadcasts and casts as ``aten.copy`` does, so the value the graph made
+    (a fresh tensor, written once more by the epilogue) is one copy too many. Only where that
+    ``copy`` is read by nothing else than the graph's output in that place and in places of
+    outputs that are inputs returned as they are (their values are not used). In place, on
+    aot_autograd's graph handed to this backend's compiler."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    values = list(out.args[0])
+    ignored = {n_mutated + j for j, b in enumerate(bases) if b is not None}
+    changed = False
+    for k in range(n_mutated):
+        node = values[k]
+        if not (isinstance(node, torch.fx.Node) and node.target is torch.ops.aten.copy.default
+                and isinstance(node.args[0], torch.fx.Node)
+                and node.args[0].op == "placeholder" and not node.kwargs):
+            continue
+        places = [i for i, v in enumerate(values) if v is node]
+        if len(node.users) != 1 or any(i != k and i not in ignored for i in places):
+            continue
+        values = [node.args[1] if i in places else v for i, v in enumerate(values)]
+        changed = True
+    if changed:
+        out.args = (tuple(values),)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+
+
+def _without_aot_wrapper(run: Callable, mutated: tuple[int, ...] = (),
+                         bases: tuple[int | None, ...] = ()) -> Callable:
+    """``run`` (boxed or not) called as dynamo calls a backend's result, doing what
+    :func:`_light_inference` found aot_autograd's wrapper does: grad mode off, the inputs
+    ``mutated`` copied from the first outputs, an input returned where ``bases`` names one.
+    ``call.mutated``: the input indices it writes into."""
     boxed = getattr(run, "_boxed_call", False)
+    n = len(mutated)
+    aliased = any(b is not None for b in bases)
 
     def call(*args: Any) -> Any:
         grad = _is_grad_enabled()
         if grad:
             _set_grad_enabled(False)
         try:
-            return run(list(args)) if boxed else run(*args)
+            outs = run(list(args)) if boxed else run(*args)
+            if not n and not aliased:
+                return outs
+            for k, i in enumerate(mutated):
+                args[i].copy_(outs[k])
+            user = outs[n:]
+            return [o if b is None else args[b] for o, b in zip(user, bases)] if aliased \
+                else user
         finally:
             if grad:
                 _set_grad_enabled(True)
     call.autopar_bare = True  # type: ignore[attr-defined]
+    call.mutated = mutated  # type: ignore[attr-defined]
     return call
 
 
