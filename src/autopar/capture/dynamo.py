@@ -328,14 +328,25 @@ def _copy_back_sources(gm: torch.fx.GraphModule, n_mutated: int,
                 and node.args[0].op == "placeholder" and not node.kwargs):
             continue
         places = [i for i, v in enumerate(values) if v is node]
-        if len(node.users) != 1 or any(i != k and i not in ignored for i in places):
-            continue
+        if len(node.users) != 1 or any(i != k and i not in ignored for i in places) or \
+                _view_base(node.args[1]) is node.args[0]:
+            continue  # read elsewhere, or ``B[:] = B.t()``: a copy_ from B's own memory
         values = [node.args[1] if i in places else v for i, v in enumerate(values)]
         changed = True
     if changed:
         out.args = (tuple(values),)
         gm.graph.eliminate_dead_code()
         gm.recompile()
+
+
+def _view_base(node: Any) -> Any:
+    """The value ``node`` is a view of, through ops whose first result aliases their input
+    (``slice``, ``t``, ``expand``...); ``node`` itself if it is none."""
+    while isinstance(node, torch.fx.Node) and isinstance(node.target, torch._ops.OpOverload) \
+            and node.target._schema.returns and node.args and \
+            node.target._schema.returns[0].alias_info is not None:
+        node = node.args[0]
+    return node
 
 
 def _without_aot_wrapper(run: Callable, mutated: tuple[int, ...] = (),
