@@ -608,7 +608,10 @@ class Dispatcher:
             return self._tried(key, trial, args, kwargs)
         out = self.compiled(*args, **kwargs)  # a new signature: autopar captures it first
         runner = self.runner
-        ways = candidates(autopar_differs=bool(runner.planned or runner.folded),
+        # under guards="arguments" autopar's way skips dynamo (capture.direct): a way of its
+        # own even where its graphs are eager's ops (W1: dynamo already folded the bounds)
+        ways = candidates(autopar_differs=bool(runner.planned or runner.folded
+                                               or isinstance(self.compiled, Direct)),
                           inductor_can=runner.inductor_can)
         ways = tuple(w for w in ways if w in runner.options.candidates and w != "cudagraphs")
         if self.switch is not None and self.switch.failed is not None and "inductor" in ways:
