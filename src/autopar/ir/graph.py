@@ -24,6 +24,7 @@ Policy and invariants
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import textwrap
@@ -231,8 +232,22 @@ def op_kind(op: Any) -> str:
     """A coarse family used for totals, pictures and the cost model's fallbacks.
 
     One of: input, getitem, view, matmul (has a FLOP formula), random, pointwise, reduction,
-    copy, other.
+    copy, other. (Memoized per op: placement asks it for every op on every device.)
     """
+    try:
+        return _KINDS[op]
+    except (KeyError, TypeError):  # not seen yet, or not hashable
+        pass
+    kind = _op_kind(op)
+    with contextlib.suppress(TypeError):
+        _KINDS[op] = kind
+    return kind
+
+
+_KINDS: dict[Any, str] = {}
+
+
+def _op_kind(op: Any) -> str:
     if op is INPUT:
         return "input"
     if op is operator.getitem:
@@ -388,12 +403,11 @@ class Graph:
     ) -> Node:
         """Append ``op(*args, **kwargs)``; ``meta`` is inferred on the meta device when omitted."""
         kwargs = dict(kwargs or {})
-        if meta is None:
-            meta = _infer_meta(op, args, kwargs)
+        if meta is None or flops is None:
+            meta, flops = _meta_and_flops(op, args, kwargs, meta, flops)
         node = Node(
             id=len(self.nodes), op=op, args=tuple(args), kwargs=kwargs, meta=meta,
-            flops=_flops(op, args, kwargs, meta) if flops is None else flops,
-            name=name or str(len(self.nodes)), source=source,
+            flops=flops, name=name or str(len(self.nodes)), source=source,
         )
         self.nodes.append(node)
         return node
@@ -524,6 +538,48 @@ class Graph:
                                initial_indent="  ", subsequent_indent="          ")
         lines.append(f"  # {self.totals()}")
         return "\n".join(lines)
+
+
+_MEMO: dict[Any, tuple[Meta, int]] = {}
+_MEMO_MAX = 1 << 16
+
+
+def _meta_and_flops(op: Any, args: tuple, kwargs: dict, meta: Meta,
+                    flops: int | None) -> tuple[Meta, int]:
+    """``meta`` (inferred where None) and ``flops`` (counted where None) of a new node, from a
+    memo keyed by the op, its arguments' metadata and its plain arguments (each with its
+    type: ``1`` and ``1.0`` promote differently): a pass that emits the same op on the same
+    shapes many times (a layer per block, a shard per device) runs the meta kernel and the FLOP
+    formula once. Unhashable arguments are not memoized."""
+    key = _memo_key((op, args, kwargs, meta))
+    got = _MEMO.get(key) if key is not None else None
+    if got is None:
+        m = _infer_meta(op, args, kwargs) if meta is None else meta
+        got = (m, _flops(op, args, kwargs, m))
+        if key is not None:
+            if len(_MEMO) >= _MEMO_MAX:
+                _MEMO.clear()
+            _MEMO[key] = got
+    return got[0], got[1] if flops is None else flops
+
+
+def _memo_key(x: Any) -> Any:
+    """A hashable stand-in for ``x`` (a node by its tensor metadata), or None."""
+    if isinstance(x, Node):
+        return ("node", x.meta) if isinstance(x.meta, TensorMeta) else None
+    if isinstance(x, (list, tuple)):
+        items = [_memo_key(v) for v in x]
+        return None if any(i is None and v is not None for i, v in zip(items, x)) else \
+            (type(x).__name__, tuple(items))
+    if isinstance(x, dict):
+        items = {k: _memo_key(v) for k, v in x.items()}
+        return None if any(i is None and x[k] is not None for k, i in items.items()) else \
+            ("dict", tuple(sorted(items.items(), key=lambda kv: str(kv[0]))))
+    try:
+        hash(x)
+    except TypeError:
+        return None
+    return (type(x), x)
 
 
 def _infer_meta(op: Any, args: tuple, kwargs: dict) -> Meta:

@@ -178,6 +178,27 @@ GAP_SEARCH = 32
 schedules collect many small gaps, and scanning them all makes placement quadratic."""
 
 
+class _Tentative:
+    """A trial's copies planned on one lane so far: ``[start, end)`` intervals, none straddling
+    another (each was placed clear of the earlier ones; a zero-length one is a point that
+    later ones may not straddle), sorted by start and so by end, and the latest end."""
+
+    __slots__ = ("ends", "last_end", "starts")
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        self.last_end = 0.0
+
+    def add(self, start: float, end: float) -> None:
+        i = bisect_right(self.starts, start)
+        while i and self.starts[i - 1] == start and self.ends[i - 1] > end:
+            i -= 1  # a point (a zero-length copy) before an interval starting there
+        self.starts.insert(i, start)
+        self.ends.insert(i, end)
+        self.last_end = max(self.last_end, end)
+
+
 class _Lane:
     """Busy time of one lane: sorted disjoint idle gaps before ``tail``, when it is free for good.
 
@@ -195,20 +216,22 @@ class _Lane:
         self.tail = 0.0
         self.widest = 0.0  # >= the longest gap: a longer item skips the search
 
-    def find(self, ready: float, dur: float, avoid: Sequence[tuple[float, float]] = ()) -> float:
+    def find(self, ready: float, dur: float, avoid: _Tentative | None = None) -> float:
         """Earliest start >= ``ready`` for ``dur`` seconds, clear of the ``avoid`` intervals
         (tentative reservations, which will be made first)."""
-        if not avoid:
+        if avoid is None or not avoid.starts:
             return self._fit(ready, dur)
         if not self.insertion:
-            ready = max(ready, max(e for _, e in avoid))  # the lane keeps reservation order
+            ready = max(ready, avoid.last_end)  # the lane keeps reservation order
+        starts, ends = avoid.starts, avoid.ends
         while True:
             start = self._fit(ready, dur)
             end = start + dur
-            clash = [e for s, e in avoid if start < e and s < end]
-            if not clash:
+            # the intervals are disjoint and sorted: those that clash are one run of them
+            first, stop = bisect_right(ends, start), bisect_left(starts, end)
+            if first >= stop:
                 return start
-            ready = max(clash)
+            ready = max(ends[first:stop])
 
     def _fit(self, ready: float, dur: float) -> float:
         if self.insertion and dur <= self.widest:
@@ -510,18 +533,22 @@ class _Schedule:
 
     # -- trying a device --------------------------------------------------------------------
     def _plan_copy(self, value: Node, src: str, dst: str, ready: float, copies: list[_Copy],
-                   delivery: bool = False) -> _Copy:
+                   tentative: dict[str, _Tentative], delivery: bool = False) -> _Copy:
         lane = copy_lane(src, dst)
         dur = self.transfer(self.nbytes[value], src, dst)
-        avoid = [(c.start, c.end) for c in copies if c.lane == lane] if copies else ()
+        avoid = tentative.get(lane)
         start = self.lane(lane).find(ready, dur, avoid)
         c = _Copy(value, src, dst, lane, start, start + dur, delivery)
         copies.append(c)
+        if avoid is None:
+            avoid = tentative[lane] = _Tentative()
+        avoid.add(c.start, c.end)
         return c
 
     def trial(self, node: Node, device: str, dur: float | None = None) -> _Trial:
         """Where and when ``node`` would run on ``device`` (``dur``: its run time, if known)."""
         copies: list[_Copy] = []
+        tentative: dict[str, _Tentative] = {}  # lane -> the copies above planned on it
         data_ready = 0.0
         where = pool(device)
         ix, device_of, ready = self.index, self.device, self.ready
@@ -534,7 +561,7 @@ class _Schedule:
             else:
                 t = self.arrival.get((v, where))  # type: ignore[assignment]
                 if t is None:
-                    t = self._plan_copy(v, src, device, ready[v], copies).end
+                    t = self._plan_copy(v, src, device, ready[v], copies, tentative).end
             if t > data_ready:
                 data_ready = t
         moved = self._moved(node, device)
@@ -545,7 +572,8 @@ class _Schedule:
         if node in self.outputs:
             home = self.eager[node]
             if home is not None and delivery_needed(node, device, home):
-                finish = max(finish, self._plan_copy(node, device, home, end, copies, True).end)
+                finish = max(finish, self._plan_copy(node, device, home, end, copies,
+                                                     tentative, True).end)
         allocs: list[tuple[str, float, int]] = []
         if self.track:
             allocs = [(pool(c.dst), c.start, self.nbytes[c.value]) for c in copies]
