@@ -128,25 +128,32 @@ def _fake_clock(**seconds: float):
     return clock
 
 
-def test_a_call_is_timed_by_the_longer_of_host_and_queued_gpu_work(monkeypatch):
-    """No verdict while an event has not completed (no sync is made); then eager's 5 s of GPU
-    work a call (1 s of host time) loses to autopar's 2 s."""
+def _gpu_trial(monkeypatch, host: dict[str, float], gpu: dict[str, float],
+               done: bool) -> Trial:
+    """A trial of ways on cuda:0 (fake events on a fake stream) whose calls take ``host``
+    seconds of host time and queue ``gpu`` seconds of GPU work, every turn made."""
     stream = _Stream()
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda i: stream)
-    monkeypatch.setattr(choose, "_clock", _fake_clock(eager=1.0, autopar=2.0))
-    monkeypatch.setattr(_FakeEvent, "done", False)
+    monkeypatch.setattr(choose, "_clock", _fake_clock(**host))
+    monkeypatch.setattr(_FakeEvent, "done", done)
 
-    def eager():
-        stream.now += 5.0
+    def way(name: str):
+        def call():
+            stream.now += gpu[name]
+        return call
 
-    def placed():
-        stream.now += 2.0
-
-    ways = {"eager": eager, "autopar": placed}
-    trial = Trial({"eager": (0,), "autopar": (0,)})
+    trial = Trial({w: (0,) for w in host})
     for _ in range(4 * TRIAL_CALLS):  # per way and turn: an untimed call, then a timed one
-        trial.run(ways.__getitem__, (), {})
+        trial.run(way, (), {})
+    return trial
+
+
+def test_a_call_is_timed_by_the_longer_of_host_and_queued_gpu_work(monkeypatch):
+    """No verdict while an event has not completed (no sync is made); then eager's 5 s of GPU
+    work a call (1 s of host time) loses to autopar's 2 s."""
+    trial = _gpu_trial(monkeypatch, {"eager": 1.0, "autopar": 2.0},
+                       {"eager": 5.0, "autopar": 2.0}, done=False)
     assert trial.verdict() is None  # the GPU work is still queued
     monkeypatch.setattr(_FakeEvent, "done", True)
     assert trial.verdict() == "autopar"
@@ -156,22 +163,8 @@ def test_calls_are_launch_bound_where_the_gpu_waited_on_the_host(monkeypatch):
     """Inductor's calls with 1 s of host time and 1.1 s of GPU work (the GPU ran as fast as
     it was launched) are launch-bound, eager's 1 s against 5 s of queued GPU work are not, and
     host-only calls never are: only then is a second trial against CUDA graphs worth it."""
-    stream = _Stream()
-    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda i: stream)
-    monkeypatch.setattr(choose, "_clock", _fake_clock(eager=1.0, inductor=1.0))
-    monkeypatch.setattr(_FakeEvent, "done", True)
-
-    def eager():
-        stream.now += 5.0
-
-    def fused():
-        stream.now += 1.1
-
-    ways = {"eager": eager, "inductor": fused}
-    trial = Trial({"eager": (0,), "inductor": (0,)})
-    for _ in range(4 * TRIAL_CALLS):
-        trial.run(ways.__getitem__, (), {})
+    trial = _gpu_trial(monkeypatch, {"eager": 1.0, "inductor": 1.0},
+                       {"eager": 5.0, "inductor": 1.1}, done=True)
     assert trial.verdict() == "inductor"
     assert choose.launch_bound(trial, "inductor") and not choose.launch_bound(trial, "eager")
     host = Trial({"eager": (), "autopar": ()})
