@@ -41,9 +41,17 @@ class StandInGraphs:
     def __init__(self, fail: str | None = None) -> None:
         self.fail = fail
         self.captures = 0
+        self.current = "stream 0"  # the calling thread's current stream
+        self.orders: list[tuple[str, str]] = []  # (later, earlier) stream waits made
 
     def enable_peer_access(self, gpus) -> None:
         pass
+
+    def stream(self, device):
+        return self.current
+
+    def order(self, later, earlier) -> None:
+        self.orders.append((later, earlier))
 
     def capture(self, run, static_in, device):
         self.captures += 1
@@ -279,3 +287,41 @@ def test_a_graphed_call_that_can_not_replay_runs_plain_for_good(change, caplog):
         torch.testing.assert_close(g(w, x), fn(w, x))
     assert g.status == "plain" and g.reason
     assert len([r for r in caplog.records if "without its CUDA graph" in r.getMessage()]) == 1
+
+
+def test_a_graphed_call_takes_turns_across_threads_and_orders_streams():
+    """One set of static buffers: two threads replaying at once each get their own input's
+    result (a slow replay widens the window a race would need), and a call on another stream
+    than the last one's first waits for that stream."""
+    import threading
+    import time
+
+    from autopar.runtime.cudagraphs import GraphedCall
+
+    def fn(w, x):
+        time.sleep(0.0005)  # the replay reads the static input late
+        return [w * x]
+
+    backend = StandInGraphs()
+    g = GraphedCall(fn, "cpu", "fn", backend=backend)
+    w = _static(torch.ones(4))
+    g(w, torch.zeros(4))
+    g(w, torch.zeros(4))  # captured
+    bad: list[float] = []
+
+    def worker(k: float) -> None:
+        for _ in range(40):
+            x = torch.full((4,), k)
+            got = g(w, x)[0]
+            if not torch.equal(got, x):
+                bad.append(k)
+
+    threads = [threading.Thread(target=worker, args=(float(k),)) for k in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad and backend.orders == []
+    backend.current = "stream 1"
+    g(w, torch.ones(4))
+    assert backend.orders == [("stream 1", "stream 0")]

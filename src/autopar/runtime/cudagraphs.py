@@ -178,6 +178,14 @@ class CudaGraphBackend:
             for g in gpus:
                 torch.cuda.synchronize(torch.device(g))
 
+    def stream(self, device: str) -> Any:
+        """The calling thread's current stream on ``device``."""
+        return torch.cuda.current_stream(torch.device(device))
+
+    def order(self, later: Any, earlier: Any) -> None:
+        """Work queued on ``later`` from now on waits for what ``earlier`` has queued."""
+        later.wait_stream(earlier)
+
     def capture(self, run: Callable[[list], list], static_in: list,
                 device: str) -> tuple[Callable[[], None], list]:
         """Warm ``run`` up on a side stream, capture it on another, both of ``device``; one
@@ -306,7 +314,12 @@ class GraphedCall:
     output out of the graph's memory (the next replay overwrites it; a result the caller holds
     keeps its values). A static argument at another address than at capture (a parameter
     replaced), or a copied one of another layout, ends replay for good, as does a failed
-    capture: ``fn`` runs as it is from then on, logged once."""
+    capture: ``fn`` runs as it is from then on, logged once.
+
+    One graph, one set of static buffers: calls from several threads (a server's) take turns
+    (a lock from copy-in to the clones' launch), and a call on another stream than the last
+    one's waits for that stream first (``backend.order``): the last replay's reads of the
+    static inputs and its clones are done before they are overwritten."""
 
     def __init__(self, fn: Callable[..., Any], device: str, label: str,
                  backend: CudaGraphBackend | None = None) -> None:
@@ -320,15 +333,19 @@ class GraphedCall:
         self._static: list[tuple[int, int]] = []  # (argument index, address read in place)
         self._copied: list[tuple[int, torch.Tensor]] = []  # (argument index, static buffer)
         self._outs: list[Any] = []
+        self._lock = threading.Lock()
+        self._stream: Any = None  # the stream of the latest replay
 
     def __call__(self, *args: Any) -> Any:
-        if self._replay is not None:
-            return self._run_graph(args)
-        if self.status == "warmup":
-            self.status = "pending"
+        if self.status == "plain":
             return self.fn(*args)
-        if self.status == "pending" and self._capture(args):
-            return self._run_graph(args)
+        with self._lock:
+            if self._replay is not None:
+                return self._run_graph(args)
+            if self.status == "warmup":
+                self.status = "pending"
+            elif self.status == "pending" and self._capture(args):
+                return self._run_graph(args)
         return self.fn(*args)
 
     def _capture(self, args: tuple) -> bool:
@@ -358,6 +375,10 @@ class GraphedCall:
         log.warning("autopar: %s runs without its CUDA graph: %s", self.label, reason)
 
     def _run_graph(self, args: tuple) -> Any:
+        stream = self.backend.stream(self.device)
+        if self._stream is not None and stream != self._stream:
+            self.backend.order(stream, self._stream)
+        self._stream = stream
         for i, ptr in self._static:
             if args[i].data_ptr() != ptr:
                 self._plain(f"argument {i} (a parameter or buffer) moved since the capture")
