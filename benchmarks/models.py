@@ -11,7 +11,9 @@ own (a crash or a hang costs one row): it checks every variant against eager (pa
 and why), then times those that passed in interleaved rounds (``measure_side_by_side``), after
 autopar's trials are over (``settle``); ``first_s`` is each variant's first call (for autopar:
 until its choice is settled). The table ends with the pass rate and, per mode, the geomean of
-autopar against eager, against ``torch.compile`` default and against the better of the two.
+autopar against eager, against ``torch.compile`` default and against the better of the two,
+and, for rows that kept autopar's own plan, the simulator's prediction against the measured
+time.
 Models come from ``autopar.bench.models`` (Hugging Face from small configs; torchvision and
 timm where installed). fp32 with TF32 off.
 """
@@ -38,6 +40,7 @@ except ImportError:  # run from a checkout without installing
     from autopar.choose import results_differ
 
 MODES = ("infer", "bf16", "train")
+SIM_TOL = 0.2  # the simulator's goal: each kept plan predicted within 20% of its measured time
 VARIANTS = ("eager", "compile", "compile-ro", "autopar")
 
 
@@ -170,6 +173,9 @@ def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: i
                 cell["settle_s"] = time.perf_counter() - start
                 cell["first_s"] += cell["settle_s"]
                 cell["kept"] = sorted(set(d.kept.values())) if d is not None else []
+                if cell["kept"] == ["autopar"]:  # the simulator's time of one call's graphs
+                    cell["predicted_s"] = sum(e.plan.placement.predicted_s
+                                              for e in d.runner.executors)
                 # the way kept is checked too, not only the first call's: in training, one
                 # step of it against an eager step from the same parameters and state
                 bad = _close(_outputs(call()), want, mode) if mode != "train" else \
@@ -256,6 +262,14 @@ def table(rows: list[dict[str, Any]], variants: list[str]) -> str:
     s = summarize(rows)
     lines.append("")
     lines.append(f"autopar matches eager on {s['autopar_pass']} of {s['rows']} rows eager ran.")
+    sim = [(r["model"], r["mode"], a["predicted_s"] / a["median_s"]) for r in rows
+           if (a := r.get("variants", {}).get("autopar", {})).get("predicted_s")
+           and a.get("median_s")]
+    if sim:
+        within = sum(abs(x - 1) <= SIM_TOL for _, _, x in sim)
+        lines.append(f"simulator: predicted within {SIM_TOL:.0%} of measured on {within} of "
+                     f"{len(sim)} rows that kept autopar's plan (predicted / measured: "
+                     + ", ".join(f"{m} {mode} {x:.2f}" for m, mode, x in sim) + ")")
     for mode in MODES:
         g = s[mode]
         if any(g.values()):

@@ -412,6 +412,18 @@ def test_a_slow_outlier_in_a_curve_is_lowered_to_the_bigger_job():
     assert link.samples == ((1e3, 1e-3), (1e6, 1e-3))
 
 
+def test_an_all_thread_curve_is_never_slower_than_the_one_thread_curve():
+    """A 2-core VM's profile calibrated beside another process: all-thread matmuls at 22
+    MFLOP/s where one thread did 65 GFLOP/s at the same size (every small addmm priced 23.7
+    ms). All threads are never slower than one: the point is raised to the one-thread rate."""
+    n = 524288
+    d = DeviceProfile("cpu", "x", 1e-6, 1e-6, {"float32": 3e9}, 1e10, 2**30, threads=2,
+                      curves={"matmul": ((8192, 2.9e9), (n, 22e6)),
+                              "matmul@1t": ((8192, 2.8e9), (n, 65e9))})
+    assert d.compute_time("float32", n) == pytest.approx(n / 65e9)
+    assert d.compute_time("float32", 8192) == pytest.approx(8192 / 2.9e9)  # kept where faster
+
+
 def test_calibration_inside_tracing_still_measures_real_work():
     """A backend may ask for its machine while torch.compile traces with fake tensors: the
     calibration must set the fake mode aside, or every timed op would do no work."""

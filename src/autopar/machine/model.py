@@ -23,7 +23,11 @@ Policy and invariants
   bandwidth with the size of an array, and pageable copies slow down when they get large. A curve
   is a few measured ``(size, rate)`` points, interpolated log-log and clamped at its ends. Curves
   are normalised on construction so that predicted *time* never decreases with size: a point
-  slower than a bigger job is lowered to it (interference only ever slows a measurement down).
+  slower than a bigger job is lowered to it (interference only ever slows a measurement down);
+  and an all-thread point more than ``DISTURBED`` times slower than the one-thread curve at
+  its size is raised to it (threads cost a small job up to ~2x; a 2-core VM's profile
+  calibrated beside another process had float32 matmuls at 22 MFLOP/s with all threads and
+  65 GFLOP/s with one, at the same size: every small addmm priced 23.7 ms).
 - CPU worker threads: the host is measured with all of torch's threads (``threads``) and with
   one. A worker is assumed to own ``Machine.cpu_threads = max(1, threads // cpu_workers)`` of
   them; its times follow Amdahl's law through the two measurements (a profile without one-thread
@@ -132,6 +136,11 @@ class Device:
 
 
 # -- curves ----------------------------------------------------------------------------------
+DISTURBED = 10.0
+"""An all-thread rate this many times below the one-thread rate at the same size was measured
+while something else held the cores (see the module docstring)."""
+
+
 def _normalise_curve(points: Iterable[Sequence[float]]) -> Curve:
     """Sort, drop unusable points, and make time (size / rate) non-decreasing in size.
 
@@ -202,8 +211,14 @@ class DeviceProfile:
     def __post_init__(self) -> None:
         object.__setattr__(self, "flops", dict(self.flops))
         object.__setattr__(self, "launch_by_kind", dict(self.launch_by_kind))
-        object.__setattr__(self, "curves", {k: _normalise_curve(v)
-                                            for k, v in sorted(self.curves.items()) if v})
+        curves = {k: _normalise_curve(v) for k, v in sorted(self.curves.items()) if v}
+        for name, points in curves.items():  # all threads: never far slower than one
+            one = curves.get(f"{name}@1t")
+            if one and not name.endswith("@1t"):
+                curves[name] = _normalise_curve(
+                    (x, _curve_at(one, x) if r * DISTURBED < _curve_at(one, x) else r)
+                    for x, r in points)
+        object.__setattr__(self, "curves", curves)
 
     def launch(self, kind: str) -> float:
         """Host time to issue one op of ``kind`` (an :func:`autopar.ir.graph.op_kind` family)."""
