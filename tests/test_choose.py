@@ -305,6 +305,8 @@ def test_autopar_and_inductor_ways_share_one_trace(monkeypatch):
     for _ in range(2 + 6 * TRIAL_CALLS):
         torch.testing.assert_close(g(x), chain(x))
     assert g.kept_way((x,)) == "inductor" and len(built) == 1
+    assert g.explain() == ("chain, shapes (64,): runs inductor: inductor (eager 2 s, inductor "
+                           "1 s, autopar 3 s)")
     before = len(ran)
     torch.testing.assert_close(g.way("autopar")(x), chain(x))
     assert len(ran) == before  # autopar's own form

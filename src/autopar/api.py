@@ -546,6 +546,7 @@ class Dispatcher:
         self._inductor: Callable | None = None
         self.switch = switch  # the shared trace's switch, where the inductor way is one
         self._graphed: Callable | None = None  # the cudagraphs way, built at its first use
+        self.verdicts: dict[Any, list[str]] = {}  #: signature -> each trial's medians, in order
         self.key_extra = key_extra  # what else decides a call's graphs (a module's .training)
         self.name = _name(fn)  # for the log and the profiler's ranges
         self.kept: dict[Any, str] = {}  #: signature -> the way that runs it
@@ -670,6 +671,7 @@ class Dispatcher:
             del self.trials[key]
             trials_log.info("autopar: %s: %s kept for %s (medians: %s)", self.name, won,
                             _describe(key), trial.summary())
+            self.verdicts.setdefault(key, []).append(f"{won} ({trial.summary()})")
             if self._graphs_may_pay(trial):
                 host, gpu = (fmt_seconds(statistics.median(t["inductor"]))
                              for t in (trial.host, trial.gpu))
@@ -685,6 +687,24 @@ class Dispatcher:
                     pass
             self._keep(key, won)
         return out
+
+    def explain(self) -> str:
+        """What runs each argument signature seen: the way kept and each trial's medians (a
+        second trial where Inductor's calls were launch-bound), or the trial in progress."""
+        if not self.kept and not self.trials:
+            return f"{self.name}: not called yet"
+        lines = []
+        for key, way in self.kept.items():
+            why = "; then ".join(self.verdicts.get(key, [])) or "the only candidate"
+            lines.append(f"{self.name}, {_describe(key)}: runs {way}: {why}")
+        for key, trial in self.trials.items():
+            done = "; ".join(self.verdicts.get(key, []))
+            lines.append(f"{self.name}, {_describe(key)}: timing {', '.join(trial.ways)}"
+                         + (f" (after {done})" if done else ""))
+        failed = self.switch.failed if self.switch is not None else None
+        if failed:
+            lines.append(f"  Inductor failed on a graph: {failed}")
+        return "\n".join(lines)
 
     def _versions(self, args: tuple, kwargs: dict) -> list[int]:
         """The version counters of every tensor a call could write in place: its arguments
