@@ -34,17 +34,15 @@ class SequentialRunner:
             steps += [Free(v, _SPACE) for v in free_after.get(node, ())]
         self.slots = SlotTable()
         self._input_slots = [self.slots(x, _SPACE) for x in graph.inputs]
+        outputs = [("slot", self.slots(o, _SPACE)) if isinstance(o, Node) else ("const", o)
+                   for o in graph.outputs]
+        # the whole call as one generated function, args -> outputs (no env built here)
         self.program = build_program(_SPACE, steps, self.slots, lambda v, d: _SPACE, set(),
-                                     eager_devices=True)
-        self._outputs = [("slot", self.slots(o, _SPACE)) if isinstance(o, Node) else ("const", o)
-                         for o in graph.outputs]
+                                     eager_devices=True, entry=(self._input_slots, outputs))
+        self._n = len(self._input_slots)
+        self._fn = self.program.fn
 
     def __call__(self, args: Sequence[Any]) -> list[Any]:
-        if len(args) != len(self._input_slots):
-            raise TypeError(f"graph {self.graph.name} takes {len(self._input_slots)} inputs, "
-                            f"got {len(args)}")
-        env: list[Any] = [None] * len(self.slots)
-        for slot, value in zip(self._input_slots, args):
-            env[slot] = value
-        self.program.fn(env, None)
-        return [env[v] if kind == "slot" else v for kind, v in self._outputs]
+        if len(args) != self._n:
+            raise TypeError(f"graph {self.graph.name} takes {self._n} inputs, got {len(args)}")
+        return self._fn(args)
