@@ -3,6 +3,7 @@ that every graph, wrapped or not, gives eager's values, mutations and aliasing."
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 
 import pytest
@@ -129,3 +130,39 @@ def test_a_bare_graph_is_not_reused_under_autocast():
     assert out.dtype == ref.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref)
     assert seen == [True, False]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="Inductor's CPU code needs a C++ compiler")
+def test_cuda_graph_forms_only_for_graphs_that_neither_draw_random_numbers_nor_write_inputs(
+        monkeypatch):
+    """A replay would write a written input's static copy, and draw another random stream
+    than eager's: such graphs run Inductor's plain form under the cudagraphs setting (the
+    device check is stood in for: this host has no GPU)."""
+    from autopar.capture import dynamo
+
+    monkeypatch.setattr(dynamo, "_one_gpu", lambda inputs: "cpu")
+    made: list[str] = []
+    switch = dynamo.WaySwitch(replay=lambda fn, device, label: made.append(label) or fn)
+    backend = dynamo.make_backend(lambda graph, phase: SequentialRunner(graph), name="t",
+                                  switch=switch)
+
+    def pure(x):
+        return (x * 2).sin()
+
+    def draws(x):
+        return x + torch.rand_like(x)
+
+    def writes(x):
+        x.mul_(2)
+        return x.sum()
+
+    switch.form = "cudagraphs"
+    with torch.no_grad():
+        for fn in (pure, draws, writes):
+            x = torch.randn(8)
+            want = fn(x.clone())
+            got = torch.compile(fn, backend=backend)(x)
+            if fn is not draws:
+                torch.testing.assert_close(got, want)
+    assert made == ["t (Inductor's form)"] and switch.graphed == 1

@@ -111,22 +111,26 @@ def _switched(ours: Callable, theirs: Callable, switch: WaySwitch,
     return call
 
 
-def _cuda_graph_form(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], theirs: Callable,
-                     label: str, switch: WaySwitch) -> Callable[[], Callable] | None:
-    """The builder of a graph's CUDA-graph form (``switch.replay`` of Inductor's function), or
-    None where it has none: only inference graphs (grad off while tracing: dynamo guards it)
-    with static shapes, no random op, and every tensor input on one GPU; the caller leaves out
-    graphs that write into an input (a replay would write into its static copy)."""
-    if switch.replay is None or torch.is_grad_enabled() or is_symbolic(example_inputs):
-        return None
+def _one_gpu(example_inputs: Sequence[Any]) -> str | None:
+    """The GPU every tensor input is on, or None (inputs elsewhere, or on several)."""
     devices = {x.device for x in example_inputs if isinstance(x, torch.Tensor)}
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
         return None
-    seeded = torch.Tag.nondeterministic_seeded
-    if any(isinstance(n.target, torch._ops.OpOverload) and seeded in n.target.tags
-           for n in gm.graph.nodes):
+    return str(next(iter(devices)))
+
+
+def _cuda_graph_form(example_inputs: Sequence[Any], theirs: Callable, label: str,
+                     switch: WaySwitch) -> Callable[[], Callable] | None:
+    """The builder of a graph's CUDA-graph form (``switch.replay`` of Inductor's function), or
+    None where it has none: only inference graphs (grad off while tracing: dynamo guards it)
+    with static shapes and every tensor input on one GPU; the caller leaves out graphs that
+    write into an input (a replay would write into its static copy) or draw random numbers
+    (as autopar's conversion of the graph found: a replay's stream is not eager's)."""
+    if switch.replay is None or torch.is_grad_enabled() or is_symbolic(example_inputs):
         return None
-    device = str(next(iter(devices)))
+    device = _one_gpu(example_inputs)
+    if device is None:
+        return None
 
     def build() -> Callable:
         switch.graphed += 1
@@ -153,6 +157,7 @@ def make_backend(build: GraphRunner, name: str = "autopar",
 
     counter = {"n": 0}
     bare: list[tuple[Callable, int, tuple]] = []  # this graph's inference runner and light wrapper
+    seen = {"random": True}  # whether the graph last converted draws random numbers
 
     def compiler(phase: str) -> Callable:
         def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
@@ -165,7 +170,9 @@ def make_backend(build: GraphRunner, name: str = "autopar",
             try:
                 graph, constants = from_fx(gm, label)
                 graph.writes_inputs = _writes_inputs()
+                seen["random"] = any(n.kind == "random" for n in graph.ops)
             except Unsupported as e:
+                seen["random"] = True  # not looked at: as if it had
                 if is_symbolic(example_inputs):  # one static graph per signature, when called
                     run = PerShape(gm, label, lambda static, lbl: runner(*from_fx(static, lbl)))
                 else:
@@ -212,8 +219,10 @@ def make_backend(build: GraphRunner, name: str = "autopar",
         return ours
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        seen["random"] = True
         mine = ours(gm, example_inputs)
         writes = _writes_inputs()  # as aot_autograd found it for autopar's form
+        random = seen["random"]  # as autopar's conversion of it found (ATen ops' tags)
         from torch._inductor.compile_fx import compile_fx  # lazy: slow to import
 
         try:
@@ -224,8 +233,8 @@ def make_backend(build: GraphRunner, name: str = "autopar",
                 log.info("autopar: Inductor failed on a graph of %s, which runs autopar's "
                          "form in the inductor way too: %s", name, switch.failed)
             return mine
-        graphed = None if writes else _cuda_graph_form(
-            gm, example_inputs, theirs, f"{name} (Inductor's form)", switch)
+        graphed = None if writes or random else _cuda_graph_form(
+            example_inputs, theirs, f"{name} (Inductor's form)", switch)
         return _switched(mine, theirs, switch, graphed)
     return backend
 
