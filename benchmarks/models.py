@@ -98,7 +98,7 @@ def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: i
     """One (model, mode): accuracy of each variant against eager, then their times."""
     from autopar.api import dispatcher_of
     from autopar.bench.harness import SETTLE_CALLS, in_process_compiles, measure_side_by_side
-    from autopar.bench.models import MODELS, available, inputs_for, loss_of
+    from autopar.bench.models import MODELS, available, inputs_for, loss_of, without_dropout
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -114,11 +114,8 @@ def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: i
     b = batch or (8 if size == "small" else 3)
     args, kwargs = inputs_for(m, size, batch=b, length=length, device=dev)
     base = m.make(size).to(dev)
-    if mode == "train":
-        base.train()
-        for sub in base.modules():  # dropout draws differ between ways: compare without it
-            if isinstance(sub, torch.nn.Dropout):
-                sub.p = 0.0
+    if mode == "train":  # dropout draws differ between ways: compare without it
+        without_dropout(base.train())
     prepared: dict[str, tuple[Any, tuple]] = {}
     want: list[torch.Tensor] | None = None
     for name in ["eager", *[v for v in variants if v != "eager"]]:

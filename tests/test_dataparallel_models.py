@@ -13,7 +13,7 @@ import autopar
 
 pytest.importorskip("transformers")
 
-from autopar.bench.models import MODELS, inputs_for, train_step
+from autopar.bench.models import MODELS, inputs_for, train_step, without_dropout
 
 CPUS = "cpu:0,cpu:1"
 STEPS = 20
@@ -31,13 +31,7 @@ OPTIMIZERS = {
 def _model(name: str) -> torch.nn.Module:
     """The model in training mode without dropout: random draws differ between the ways (as
     under torch.compile), so equality is checked where the step is deterministic."""
-    model = MODELS[name].make("tiny").train()
-    for sub in model.modules():  # modules' dropout and the rates functional dropout reads
-        if isinstance(sub, torch.nn.Dropout):
-            sub.p = 0.0
-        for key, value in list(vars(sub).items()):
-            if isinstance(value, float) and "drop" in key:
-                setattr(sub, key, 0.0)
+    model = without_dropout(MODELS[name].make("tiny").train())
     return model
 
 

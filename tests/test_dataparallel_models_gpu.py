@@ -14,7 +14,7 @@ import autopar
 
 pytest.importorskip("transformers")
 
-from autopar.bench.models import MODELS, inputs_for, train_step
+from autopar.bench.models import MODELS, inputs_for, train_step, without_dropout
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 TOL = {"rtol": 1e-4, "atol": 1e-4}
@@ -33,10 +33,7 @@ def _no_tf32():
 
 
 def _pair(name: str, optimizer: str):
-    model = MODELS[name].make("tiny").train().cuda()
-    for sub in model.modules():
-        if isinstance(sub, torch.nn.Dropout):
-            sub.p = 0.0
+    model = without_dropout(MODELS[name].make("tiny").train().cuda())
     ref = copy.deepcopy(model)
     return model, ref, OPTIMIZERS[optimizer](model.parameters()), \
         OPTIMIZERS[optimizer](ref.parameters())

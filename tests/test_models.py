@@ -21,7 +21,13 @@ import autopar
 
 transformers = pytest.importorskip("transformers")
 
-from autopar.bench.models import MODELS, flat_tensors, inputs_for, loss_of  # noqa: E402
+from autopar.bench.models import (  # noqa: E402
+    MODELS,
+    flat_tensors,
+    inputs_for,
+    loss_of,
+    without_dropout,
+)
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -135,7 +141,8 @@ OPTIMIZERS = {
 
 @pytest.mark.parametrize(("name", "optimizer", "clip"),
                          [("gpt2", "adamw", 1.0), ("bert", "adamw-fused", None),
-                          ("hf-resnet", "sgd-momentum", 1.0), ("llama", "sgd-momentum", None)])
+                          ("hf-resnet", "sgd-momentum", 1.0), ("llama", "sgd-momentum", None),
+                          ("t5", "adamw", 1.0)])
 def test_training_steps_with_torch_optim_equal_eager(name, optimizer, clip):
     """A step as users write it (zero_grad, loss, backward, clip, step) compiled whole: after
     each step the loss, the parameters and the optimizer's state are eager's."""
@@ -143,9 +150,7 @@ def test_training_steps_with_torch_optim_equal_eager(name, optimizer, clip):
     model = m.make("tiny").train()
     ref = copy.deepcopy(model)
     for mod in (model, ref):  # dropout draws differ between ways: train without it
-        for sub in mod.modules():
-            if isinstance(sub, torch.nn.Dropout):
-                sub.p = 0.0
+        without_dropout(mod)
     opt, ref_opt = OPTIMIZERS[optimizer](model.parameters()), \
         OPTIMIZERS[optimizer](ref.parameters())
     _, kwargs = inputs_for(m, "tiny")

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["MODELS", "RealModel", "available", "flat_tensors", "inputs_for", "loss_of"]
+__all__ = ["MODELS", "RealModel", "available", "flat_tensors", "inputs_for", "loss_of",
+           "without_dropout"]
 
 SIZES = {
     "tiny": dict(hidden=64, layers=2, heads=4, ffn=128, vocab=256, image=32, patch=8),
@@ -165,6 +166,20 @@ def flat_tensors(out: Any) -> list[torch.Tensor]:
     if isinstance(out, tuple | list):
         return [t for x in out for t in flat_tensors(x)]
     return []
+
+
+def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every dropout off, in place: ``nn.Dropout`` modules and the float rates
+    that functional dropout reads (T5's attention: ``self.dropout = config.dropout_rate``,
+    passed to ``F.dropout`` in training). Random draws differ between ways (as under
+    ``torch.compile``): equality is checked where a step is deterministic."""
+    for sub in model.modules():
+        if isinstance(sub, torch.nn.Dropout):
+            sub.p = 0.0
+        for key, value in list(vars(sub).items()):
+            if isinstance(value, float) and "drop" in key:
+                setattr(sub, key, 0.0)
+    return model
 
 
 def loss_of(out: Any) -> torch.Tensor:
