@@ -38,8 +38,9 @@ class StandInGraphs:
     """Captures by running the segment; a replay runs it again on the static inputs and writes
     the results into the static outputs, as a CUDA graph's replay overwrites its memory."""
 
-    def __init__(self, fail: str | None = None) -> None:
+    def __init__(self, fail: str | None = None, skew: float = 0.0) -> None:
         self.fail = fail
+        self.skew = skew  # added to every replayed value: a graph that baked something in
         self.captures = 0
         self.current = "stream 0"  # the calling thread's current stream
         self.orders: list[tuple[str, str]] = []  # (later, earlier) stream waits made
@@ -62,7 +63,7 @@ class StandInGraphs:
 
         def replay() -> None:
             for out, fresh in zip(outs, run(static_in)):
-                out.copy_(fresh)
+                out.copy_(fresh + self.skew)
         return replay, outs
 
 
@@ -266,14 +267,16 @@ def test_a_graphed_call_reads_parameters_in_place_and_copies_the_rest():
     assert g.status == "captured" and [i for i, _ in g._copied] == [1]
 
 
-@pytest.mark.parametrize("change", ["parameter replaced", "other layout", "capture fails"])
+@pytest.mark.parametrize("change", ["parameter replaced", "other layout", "capture fails",
+                                    "replay differs"])
 def test_a_graphed_call_that_can_not_replay_runs_plain_for_good(change, caplog):
     from autopar.runtime.cudagraphs import GraphedCall
 
     def fn(w, x):
         return [w * x]
 
-    backend = StandInGraphs(fail="no capture here" if change == "capture fails" else None)
+    backend = StandInGraphs(fail="no capture here" if change == "capture fails" else None,
+                            skew=1.0 if change == "replay differs" else 0.0)
     g = GraphedCall(fn, "cpu", "fn", backend=backend)
     w, x = _static(torch.randn(4, 4)), torch.randn(4, 4)
     with caplog.at_level(logging.WARNING, logger="autopar"):

@@ -301,6 +301,11 @@ class GraphSegment:
             env[slot] = None
 
 
+REPLAY_TOL = 1e-5
+"""A first replay's outputs may differ from the function's own on the same arguments by this
+relative error in norm (the same kernels: only a nondeterministic reduction's order)."""
+
+
 class GraphedCall:
     """A compiled graph's whole function (``fn(*args) -> outputs``, Inductor's form of a graph)
     replayed as one CUDA graph: the measured choice's ``cudagraphs`` way, in place of compiling
@@ -314,7 +319,8 @@ class GraphedCall:
     output out of the graph's memory (the next replay overwrites it; a result the caller holds
     keeps its values). A static argument at another address than at capture (a parameter
     replaced), or a copied one of another layout, ends replay for good, as does a failed
-    capture: ``fn`` runs as it is from then on, logged once.
+    capture or a first replay whose outputs are not the function's own on the same arguments
+    (checked once, at capture): ``fn`` runs as it is from then on, logged once.
 
     One graph, one set of static buffers: calls from several threads (a server's) take turns
     (a lock from copy-in to the clones' launch), and a call on another stream than the last
@@ -366,9 +372,35 @@ class GraphedCall:
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             self._plain(f"capture failed: {type(e).__name__}: {first}")
             return False
-        self._replay, self._outs, self.status = replay, outs, "captured"
+        self._replay, self._outs = replay, outs
+        why = self._differs(args)
+        if why is not None:
+            self._plain(f"its first replay differs from the function: {why}")
+            return False
+        self.status = "captured"
         log.info("autopar: %s captured as a CUDA graph", self.label)
         return True
+
+    def _differs(self, args: tuple) -> str | None:
+        """How a replay on ``args`` differs from ``fn(*args)``, or None: the same kernels on the
+        same inputs, so within ``REPLAY_TOL`` (something baked into the graph, such as a value
+        read on the host while capturing, would show here)."""
+        want = self.fn(*args)
+        got = self._run_graph(args)
+        if len(got) != len(want):
+            return "another number of outputs"
+        for i, (a, b) in enumerate(zip(got, want)):
+            if not isinstance(b, torch.Tensor):
+                continue
+            if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+                return f"output {i} is not a {b.dtype} tensor of shape {tuple(b.shape)}"
+            if b.is_floating_point():
+                err = float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12))
+                if not err <= REPLAY_TOL:
+                    return f"output {i}: relative error {err:.2e}"
+            elif not torch.equal(a, b):
+                return f"output {i} differs"
+        return None
 
     def _plain(self, reason: str) -> None:
         self.status, self.reason, self._replay = "plain", reason, None
