@@ -64,8 +64,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
+from .ir.compare import outputs_differ
 from .ir.units import fmt_seconds
 from .machine.host import cpu_fusion_unavailable
 
@@ -92,28 +92,10 @@ def results_differ(got: Any, want: Any, low_precision: bool = False) -> str | No
     """How ``got`` (a way's result) differs from ``want`` (eager's) beyond the tolerance, or
     None: the same structure, tensors of the same shape and dtype, floating ones within
     ``RESULT_TOL`` (``RESULT_TOL_LOW`` where ``low_precision`` or the output is 16-bit) in
-    relative norm, others equal."""
-    g, g_spec = tree_flatten(got)
-    w, w_spec = tree_flatten(want)
-    if g_spec != w_spec:
-        return "another structure of outputs"
-    for i, (a, b) in enumerate(zip(g, w)):
-        if not isinstance(b, torch.Tensor):
-            continue
-        if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
-            return f"output {i} is not a {b.dtype} tensor of shape {tuple(b.shape)}"
-        if not b.is_floating_point():
-            if not torch.equal(a, b):
-                return f"output {i} differs"
-            continue
-        low = low_precision or b.element_size() <= 2
-        tol = RESULT_TOL_LOW if low else RESULT_TOL
-        with torch.no_grad():
-            a64, b64 = a.detach().double(), b.detach().double()
-            err = float((a64 - b64).norm() / b64.norm().clamp_min(1e-12))
-        if not err <= tol:
-            return f"output {i}: relative error {err:.2e} > {tol:g}"
-    return None
+    relative norm, others equal (:func:`autopar.ir.compare.outputs_differ`)."""
+    if low_precision:
+        return outputs_differ(got, want, RESULT_TOL_LOW)
+    return outputs_differ(got, want, RESULT_TOL, RESULT_TOL_LOW)
 
 TRIAL_CALLS = 5
 """Counted calls of each way a signature's trial makes at least. Each is the second of a pair:

@@ -45,6 +45,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..ir.compare import outputs_differ
 from ..ir.graph import Node, TensorMeta, op_name
 from ..ir.regions import is_view
 from ..ir.routing import GraphIndex, kind_of
@@ -386,21 +387,7 @@ class GraphedCall:
         same inputs, so within ``REPLAY_TOL`` (something baked into the graph, such as a value
         read on the host while capturing, would show here)."""
         want = self.fn(*args)
-        got = self._run_graph(args)
-        if len(got) != len(want):
-            return "another number of outputs"
-        for i, (a, b) in enumerate(zip(got, want)):
-            if not isinstance(b, torch.Tensor):
-                continue
-            if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
-                return f"output {i} is not a {b.dtype} tensor of shape {tuple(b.shape)}"
-            if b.is_floating_point():
-                err = float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12))
-                if not err <= REPLAY_TOL:
-                    return f"output {i}: relative error {err:.2e}"
-            elif not torch.equal(a, b):
-                return f"output {i} differs"
-        return None
+        return outputs_differ(self._run_graph(args), list(want), REPLAY_TOL)
 
     def _plain(self, reason: str) -> None:
         self.status, self.reason, self._replay = "plain", reason, None
