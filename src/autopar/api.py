@@ -52,7 +52,7 @@ from .choose import (
 )
 from .cost.model import CostModel
 from .ir.graph import LOCAL_SCALAR_DENSE, Graph
-from .ir.logs import quiet
+from .ir.logs import first_line, quiet
 from .ir.ops import PLAIN_VALUES
 from .ir.units import fmt_seconds
 from .machine.detect import load_machine
@@ -275,7 +275,7 @@ class Runner:
             where = next((n.source for n in graph.ops if n.source), None)
             log.warning("autopar: running %s%s on eager's devices: planning failed: %s: %s",
                         graph.name, f" (from {where})" if where else "", type(e).__name__,
-                        _first_line(e))
+                        first_line(e))
             return SequentialRunner(graph)
         if log.isEnabledFor(logging.INFO) or _profiler._is_profiler_enabled:
             counts: dict[str, int] = {}
@@ -326,7 +326,7 @@ class _FallsBack:
             self.eager = eager
             log.warning("autopar: %s runs as eager's sequence from now on: its plan failed "
                         "where eager does not: %s: %s", self.graph.name, type(e).__name__,
-                        _first_line(e))
+                        first_line(e))
             return out
 
 
@@ -643,7 +643,7 @@ class Dispatcher:
             way = trial.next_way()
             if way in (None, "eager"):
                 raise
-            trial.drop(way, f"{type(e).__name__}: {_first_line(e)}")
+            trial.drop(way, f"{type(e).__name__}: {first_line(e)}")
             trials_log.warning("autopar: %s: the %s way failed where eager does not, and is "
                                "left out: %s", self.name, way, trial.dropped[way])
             out = self.fn(*args, **kwargs)
@@ -750,11 +750,6 @@ def _name(fn: Any) -> str:
     if isinstance(owner, torch.nn.Module):
         return type(owner).__name__
     return getattr(fn, "__name__", None) or type(fn).__name__
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else ""
 
 
 def _describe(key: Any) -> str:

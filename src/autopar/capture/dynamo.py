@@ -37,7 +37,7 @@ import torch.fx
 from torch._guards import TracingContext
 
 from ..ir.graph import Graph
-from ..ir.logs import cover_torch_loggers, quiet_code
+from ..ir.logs import cover_torch_loggers, first_line, quiet_code
 from .fx import Unsupported, from_fx, source_of
 from .shapes import PerShape, is_symbolic
 
@@ -229,7 +229,7 @@ def make_backend(build: GraphRunner, name: str = "autopar",
             theirs = compile_fx(gm, example_inputs)
         except Exception as e:  # that graph runs autopar's form either way
             if switch.failed is None:
-                switch.failed = f"{name}: {type(e).__name__}: {_first_line(e)}"
+                switch.failed = f"{name}: {type(e).__name__}: {first_line(e)}"
                 log.info("autopar: Inductor failed on a graph of %s, which runs autopar's "
                          "form in the inductor way too: %s", name, switch.failed)
             return mine
@@ -237,11 +237,6 @@ def make_backend(build: GraphRunner, name: str = "autopar",
             example_inputs, theirs, f"{name} (Inductor's form)", switch)
         return _switched(mine, theirs, switch, graphed)
     return backend
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else ""
 
 
 def _told(program: Callable, learn: Callable[[Callable, tuple, Any], None]) -> Callable:

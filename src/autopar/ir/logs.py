@@ -36,7 +36,7 @@ from collections.abc import Callable
 from types import CodeType
 from typing import Any
 
-__all__ = ["TOPICS", "quiet", "quiet_code", "set_logs"]
+__all__ = ["TOPICS", "first_line", "quiet", "quiet_code", "set_logs"]
 
 TOPICS = ("capture", "placement", "trials", "runtime", "torch", "dataparallel", "explain",
           "calibrate")
@@ -158,3 +158,10 @@ def cover_torch_loggers() -> None:
         if (name == "torch" or name.startswith("torch.")) and isinstance(lg, logging.Logger) \
                 and _FILTER not in lg.filters:
             lg.addFilter(_FILTER)
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message ("" for none): what one-line log messages
+    quote of an error."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""

@@ -47,6 +47,7 @@ import torch
 
 from ..ir.compare import outputs_differ
 from ..ir.graph import Node, TensorMeta, op_name
+from ..ir.logs import first_line
 from ..ir.regions import is_view
 from ..ir.routing import GraphIndex, kind_of
 from ..schedule.steps import Free, Run
@@ -269,8 +270,7 @@ class GraphSegment:
             replay, outs = self.backend.capture(lambda xs: self._run_in(xs, rt), static_in,
                                                 self.program.device)
         except Exception as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            self._streams_for_good(f"capture failed: {type(e).__name__}: {first}")
+            self._streams_for_good(f"capture failed: {type(e).__name__}: {first_line(e)}")
             return False
         self._static_in, self._static_out, self._replay = static_in, outs, replay
         for (_, escapes), t in zip(self.output_slots, outs):
@@ -370,8 +370,7 @@ class GraphedCall:
             replay, outs = self.backend.capture(lambda xs: list(self.fn(*xs)), static_in,
                                                 self.device)
         except Exception as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            self._plain(f"capture failed: {type(e).__name__}: {first}")
+            self._plain(f"capture failed: {type(e).__name__}: {first_line(e)}")
             return False
         self._replay, self._outs = replay, outs
         why = self._differs(args)

@@ -50,6 +50,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_map_only
 
 from ..ir.graph import Node, TensorMeta, op_name
+from ..ir.logs import first_line
 from ..ir.regions import inputs_of, outputs_of
 from ..ir.routing import GraphIndex, kind_of, pool
 from ..schedule.steps import Free, Run, Step
@@ -139,8 +140,7 @@ class FusedKernel:
                 try:
                     fn = _inductor(self.gm, inputs)
                 except Exception as e:
-                    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                    self._give_up(f"Inductor failed: {type(e).__name__}: {first}")
+                    self._give_up(f"Inductor failed: {type(e).__name__}: {first_line(e)}")
                     return self._plain
                 _CACHE[key] = fn
             self.compile_s = time.perf_counter() - start
