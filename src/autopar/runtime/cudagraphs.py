@@ -285,21 +285,30 @@ class GraphSegment:
         log.warning("autopar: %s stays on streams: %s", self.label, reason)
 
     def _run_graph(self, env: list, rt: Any) -> None:
-        for slot, static in zip(self.input_slots, self._static_in):
-            t = env[slot]
-            if t is static:
-                continue
-            if (t.shape != static.shape or t.stride() != static.stride()
-                    or t.dtype != static.dtype or t.device != static.device):
-                self._streams_for_good(f"input in slot {slot} changed layout")
-                self.program.fn(env, rt)
-                return
-            static.copy_(t)
+        misfit = _copy_in([env[slot] for slot in self.input_slots], self._static_in)
+        if misfit is not None:
+            self._streams_for_good(f"input in slot {self.input_slots[misfit]} changed layout")
+            self.program.fn(env, rt)
+            return
         self._replay()  # type: ignore[misc]
         for (slot, escapes), t in zip(self.output_slots, self._static_out):
             env[slot] = t.clone(memory_format=torch.preserve_format) if escapes else t
         for slot in self.freed:
             env[slot] = None
+
+
+def _copy_in(values: Sequence[torch.Tensor], statics: Sequence[torch.Tensor]) -> int | None:
+    """Copy each value into its static buffer before a replay (a value that is its buffer is
+    not copied); the index of the first value of another layout than its buffer's (the
+    replay can't take it), or None."""
+    for k, (t, static) in enumerate(zip(values, statics)):
+        if t is static:
+            continue
+        if t.shape != static.shape or t.stride() != static.stride() or \
+                t.dtype != static.dtype or t.device != static.device:
+            return k
+        static.copy_(t)
+    return None
 
 
 REPLAY_TOL = 1e-5
@@ -338,7 +347,8 @@ class GraphedCall:
         self.reason: str | None = None
         self._replay: Callable[[], None] | None = None
         self._static: list[tuple[int, int]] = []  # (argument index, address read in place)
-        self._copied: list[tuple[int, torch.Tensor]] = []  # (argument index, static buffer)
+        self._copied: list[int] = []  # the indices of the arguments copied in, and
+        self._buffers: list[torch.Tensor] = []  # ...the static buffer of each
         self._outs: list[Any] = []
         self._lock = threading.Lock()
         self._stream: Any = None  # the stream of the latest replay
@@ -357,7 +367,7 @@ class GraphedCall:
 
     def _capture(self, args: tuple) -> bool:
         static_in = list(args)
-        self._static, self._copied = [], []
+        self._static, self._copied, self._buffers = [], [], []
         for i, a in enumerate(args):
             if not isinstance(a, torch.Tensor):
                 continue
@@ -365,7 +375,8 @@ class GraphedCall:
                 self._static.append((i, a.data_ptr()))
             else:
                 static_in[i] = a.clone(memory_format=torch.preserve_format)
-                self._copied.append((i, static_in[i]))
+                self._copied.append(i)
+                self._buffers.append(static_in[i])
         try:
             replay, outs = self.backend.capture(lambda xs: list(self.fn(*xs)), static_in,
                                                 self.device)
@@ -401,15 +412,10 @@ class GraphedCall:
             if args[i].data_ptr() != ptr:
                 self._plain(f"argument {i} (a parameter or buffer) moved since the capture")
                 return self.fn(*args)
-        for i, static in self._copied:
-            a = args[i]
-            if a is static:
-                continue
-            if a.shape != static.shape or a.stride() != static.stride() or \
-                    a.dtype != static.dtype or a.device != static.device:
-                self._plain(f"argument {i} changed layout")
-                return self.fn(*args)
-            static.copy_(a)
+        misfit = _copy_in([args[i] for i in self._copied], self._buffers)
+        if misfit is not None:
+            self._plain(f"argument {self._copied[misfit]} changed layout")
+            return self.fn(*args)
         self._replay()  # type: ignore[misc]
         return [o.clone(memory_format=torch.preserve_format) if isinstance(o, torch.Tensor)
                 else o for o in self._outs]
