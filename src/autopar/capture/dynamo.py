@@ -41,7 +41,7 @@ from ..ir.logs import cover_torch_loggers, first_line, quiet_code
 from .fx import Unsupported, from_fx, source_of
 from .shapes import PerShape, is_symbolic
 
-__all__ = ["FORMS", "GraphRunner", "WaySwitch", "capturing_scalars", "make_backend"]
+__all__ = ["GraphRunner", "WaySwitch", "capturing_scalars", "make_backend"]
 
 log = logging.getLogger("autopar.capture")
 
@@ -74,13 +74,10 @@ def _eager(gm: torch.fx.GraphModule) -> Callable[[list], Any]:
     return _boxed(run)
 
 
-FORMS = ("autopar", "inductor", "cudagraphs")
-"""The compiled forms of a shared trace's graphs: autopar's, Inductor's (``torch.compile``'s
-default) and Inductor's replayed as CUDA graphs (``mode="reduce-overhead"``)."""
-
-
 class WaySwitch:
-    """Which compiled form (``FORMS``) the graphs of one shared trace run: ``form``.
+    """Which compiled form the graphs of one shared trace run: ``form``, one of "autopar",
+    "inductor" (``torch.compile``'s default) and "cudagraphs" (Inductor's replayed as CUDA
+    graphs, what ``mode="reduce-overhead"`` does).
     ``failed``: the first graph Inductor could not compile, and why (None while every graph
     has Inductor's form). ``graphed``: graphs given a CUDA-graph form so far. ``replay``:
     what makes that form of Inductor's function (``replay(fn, device, label)``, the runtime's
@@ -120,13 +117,14 @@ def _one_gpu(example_inputs: Sequence[Any]) -> str | None:
 
 
 def _cuda_graph_form(example_inputs: Sequence[Any], theirs: Callable, label: str,
-                     switch: WaySwitch) -> Callable[[], Callable] | None:
+                     switch: WaySwitch, seen: dict[str, bool]) -> Callable[[], Callable] | None:
     """The builder of a graph's CUDA-graph form (``switch.replay`` of Inductor's function), or
     None where it has none: only inference graphs (grad off while tracing: dynamo guards it)
-    with static shapes and every tensor input on one GPU; the caller leaves out graphs that
-    write into an input (a replay would write into its static copy) or draw random numbers
-    (as autopar's conversion of the graph found: a replay's stream is not eager's)."""
-    if switch.replay is None or torch.is_grad_enabled() or is_symbolic(example_inputs):
+    with static shapes and every tensor input on one GPU, that neither write into an input (a
+    replay would write into its static copy) nor draw random numbers (a replay's stream is not
+    eager's), as autopar's conversion of the graph found (``seen``)."""
+    if switch.replay is None or seen["writes"] or seen["random"] or \
+            torch.is_grad_enabled() or is_symbolic(example_inputs):
         return None
     device = _one_gpu(example_inputs)
     if device is None:
@@ -157,7 +155,8 @@ def make_backend(build: GraphRunner, name: str = "autopar",
 
     counter = {"n": 0}
     bare: list[tuple[Callable, int, tuple]] = []  # this graph's inference runner and light wrapper
-    seen = {"random": True}  # whether the graph last converted draws random numbers
+    # whether the graph last converted writes its inputs, draws random numbers
+    seen = {"writes": True, "random": True}
 
     def compiler(phase: str) -> Callable:
         def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
@@ -167,12 +166,12 @@ def make_backend(build: GraphRunner, name: str = "autopar",
             light = _light_inference() if phase == "inference" else None
             if light is not None and light[0]:
                 _copy_back_sources(gm, len(light[0]), light[1])
+            seen.update(writes=_writes_inputs(), random=True)  # random: until looked at
             try:
                 graph, constants = from_fx(gm, label)
-                graph.writes_inputs = _writes_inputs()
+                graph.writes_inputs = seen["writes"]
                 seen["random"] = any(n.kind == "random" for n in graph.ops)
             except Unsupported as e:
-                seen["random"] = True  # not looked at: as if it had
                 if is_symbolic(example_inputs):  # one static graph per signature, when called
                     run = PerShape(gm, label, lambda static, lbl: runner(*from_fx(static, lbl)))
                 else:
@@ -219,10 +218,8 @@ def make_backend(build: GraphRunner, name: str = "autopar",
         return ours
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        seen["random"] = True
+        seen.update(writes=True, random=True)  # for a graph no compiler of ours sees
         mine = ours(gm, example_inputs)
-        writes = _writes_inputs()  # as aot_autograd found it for autopar's form
-        random = seen["random"]  # as autopar's conversion of it found (ATen ops' tags)
         from torch._inductor.compile_fx import compile_fx  # lazy: slow to import
 
         try:
@@ -233,8 +230,8 @@ def make_backend(build: GraphRunner, name: str = "autopar",
                 log.info("autopar: Inductor failed on a graph of %s, which runs autopar's "
                          "form in the inductor way too: %s", name, switch.failed)
             return mine
-        graphed = None if writes or random else _cuda_graph_form(
-            example_inputs, theirs, f"{name} (Inductor's form)", switch)
+        graphed = _cuda_graph_form(example_inputs, theirs, f"{name} (Inductor's form)",
+                                   switch, seen)
         return _switched(mine, theirs, switch, graphed)
     return backend
 
