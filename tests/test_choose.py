@@ -237,14 +237,14 @@ def test_a_way_that_fails_compiling_is_left_out_and_the_call_runs_eagerly(monkey
     def f(x):
         return (x * 2).sin() + 1
 
-    def broken_inductor():
+    def broken_inductor(name):
         def fail(*args, **kwargs):
             raise torch._dynamo.exc.InternalTorchDynamoError("the backend failed")
         return fail
 
     monkeypatch.setattr(choose, "_clock", _fake_clock(eager=1.0, inductor=0.5, autopar=2.0))
     g = autopar.compile(f, candidates="eager,inductor")
-    g._make_inductor = broken_inductor
+    g._make_way = broken_inductor
     x = torch.randn(8)
     with caplog.at_level(logging.WARNING, logger="autopar"):
         for _ in range(1 + 4 * TRIAL_CALLS):

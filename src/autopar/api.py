@@ -401,20 +401,25 @@ def compile(fn: Callable, **options: Any) -> Callable:
     ours = compiled.forward if module is not None else compiled
     if direct is not None:
         direct.compiled, ours = ours, direct
-    if switch is not None:
-        inductor = functools.partial(_switched_on, switch, ours, "inductor")
-    elif module is not None:
-        inductor = lambda: quiet(torch.compile(module).forward)  # noqa: E731
-    else:
-        inductor = lambda: quiet(torch.compile(fn))  # noqa: E731
+    make_way = functools.partial(_switched_on, switch, ours) if switch is not None else \
+        functools.partial(_inductor_alone, module if module is not None else fn)
     if module is not None:
         compiled.forward = ours if opts.trace else Dispatcher(  # type: ignore[method-assign]
-            module.__call__, ours, runner, inductor=inductor, switch=switch,
+            module.__call__, ours, runner, make_way=make_way, switch=switch,
             key_extra=lambda: module.training)
         return compiled
     if opts.trace:  # timelines are of autopar's plans: every call is autopar's
         return ours
-    return Dispatcher(fn, ours, runner, inductor=inductor, switch=switch)
+    return Dispatcher(fn, ours, runner, make_way=make_way, switch=switch)
+
+
+def _inductor_alone(fn: Callable, name: str) -> Callable:
+    """The ``inductor`` way where no trace is shared (``guards="arguments"``: its own
+    ``torch.compile(fn)``)."""
+    if name != "inductor":
+        raise ValueError(f"the {name} way needs a shared trace (autopar.compile's)")
+    compiled = torch.compile(fn)
+    return quiet(compiled.forward if isinstance(fn, torch.nn.Module) else compiled)
 
 
 def _switched_on(switch: WaySwitch, compiled: Callable, form: str) -> Callable:
@@ -537,15 +542,15 @@ class Dispatcher:
     """
 
     def __init__(self, fn: Callable, compiled: Callable, runner: Runner,
-                 inductor: Callable[[], Callable], key_extra: Callable[[], Any] | None = None,
+                 make_way: Callable[[str], Callable],
+                 key_extra: Callable[[], Any] | None = None,
                  switch: WaySwitch | None = None) -> None:
         self.fn = fn  #: the eager way: the function (or the module's ``__call__``) itself
         self.compiled = compiled  #: the autopar way
         self.runner = runner
-        self._make_inductor = inductor  # builds the inductor way at its first use
-        self._inductor: Callable | None = None
-        self.switch = switch  # the shared trace's switch, where the inductor way is one
-        self._graphed: Callable | None = None  # the cudagraphs way, built at its first use
+        self._make_way = make_way  # builds a compiled way (inductor, cudagraphs) at first use
+        self.switch = switch  # the shared trace's switch: inductor and cudagraphs are its forms
+        self._built: dict[str, Callable] = {}  # those ways, once built
         self.verdicts: dict[Any, list[str]] = {}  #: signature -> each trial's medians, in order
         self.key_extra = key_extra  # what else decides a call's graphs (a module's .training)
         self.name = _name(fn)  # for the log and the profiler's ranges
@@ -580,14 +585,10 @@ class Dispatcher:
             return self.fn
         if name == "autopar":
             return self.compiled
-        if name == "cudagraphs":
-            if self._graphed is None:
-                assert self.switch is not None, "a CUDA-graph way needs a shared trace"
-                self._graphed = _switched_on(self.switch, self.compiled, "cudagraphs")
-            return self._graphed
-        if self._inductor is None:
-            self._inductor = self._make_inductor()
-        return self._inductor
+        way = self._built.get(name)
+        if way is None:
+            way = self._built[name] = self._make_way(name)
+        return way
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.only is not None:
