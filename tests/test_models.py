@@ -26,6 +26,7 @@ from autopar.bench.models import (  # noqa: E402
     flat_tensors,
     inputs_for,
     loss_of,
+    train_step,
     without_dropout,
 )
 
@@ -120,18 +121,6 @@ def test_no_grad_outputs_keep_no_autograd_graph():
             assert all(t.is_inference() for t in flat_tensors(compiled(*args, **kwargs)))
 
 
-def _step_fn(model, opt, kwargs, clip: float | None):
-    def step():
-        opt.zero_grad()
-        loss = loss_of(model(**kwargs))
-        loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        return loss.detach()
-    return step
-
-
 OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01),
     "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
@@ -156,10 +145,11 @@ def test_training_steps_with_torch_optim_equal_eager(name, optimizer, clip):
     _, kwargs = inputs_for(m, "tiny")
     if m.family == "vision":
         kwargs = {"pixel_values": inputs_for(m, "tiny")[1]["pixel_values"]}
-    step = autopar.compile(_step_fn(model, opt, kwargs, clip), **TWO_WORKERS["heft"])
-    ref_step = _step_fn(ref, ref_opt, kwargs, clip)
+    keys, batch = list(kwargs), list(kwargs.values())
+    step = autopar.compile(train_step(model, opt, keys, clip), **TWO_WORKERS["heft"])
+    ref_step = train_step(ref, ref_opt, keys, clip)
     for _ in range(3):
-        torch.testing.assert_close(step(), ref_step(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(step(*batch), ref_step(*batch), rtol=1e-4, atol=1e-5)
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=n)
     for p, q in zip(model.parameters(), ref.parameters()):

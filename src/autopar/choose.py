@@ -46,8 +46,8 @@ Policy (one place decides "is autopar's plan better than what the user would oth
   changed no tensor's version counter: its arguments', a module's parameters' and buffers'),
   eager runs on the same arguments and the outputs are compared (:func:`results_differ`:
   relative error in norm over ``RESULT_TOL``, ``RESULT_TOL_LOW`` under autocast or for 16-bit
-  outputs); the call
-  returns eager's. Training steps are not checked here (a second call would step again).
+  outputs); the call returns eager's. Training steps are not checked here (a second call
+  would step again).
   Not seen: Python side effects of the function (a counter in a global object), which that
   one call then makes twice.
 

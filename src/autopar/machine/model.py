@@ -215,9 +215,9 @@ class DeviceProfile:
         for name, points in curves.items():  # all threads: never far slower than one
             one = curves.get(f"{name}@1t")
             if one and not name.endswith("@1t"):
-                curves[name] = _normalise_curve(
-                    (x, _curve_at(one, x) if r * DISTURBED < _curve_at(one, x) else r)
-                    for x, r in points)
+                alone = [_curve_at(one, x) for x, _ in points]
+                curves[name] = _normalise_curve((x, r1 if r * DISTURBED < r1 else r)
+                                                for (x, r), r1 in zip(points, alone))
         object.__setattr__(self, "curves", curves)
 
     def launch(self, kind: str) -> float:
