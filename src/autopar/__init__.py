@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .api import Options, compile, parse_devices
+from .api import Options, compile, data_parallel, parse_devices
 from .backend import autopar_backend
-from .dataparallel import data_parallel
 from .doctor import DoctorReport, Finding, doctor
 from .ir.graph import Graph, Node, TensorMeta
 from .ir.logs import configure_from_env as _configure_logs

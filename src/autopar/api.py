@@ -11,11 +11,14 @@ Policy
   cores idle.
 - What ``compile`` returns is a :class:`Dispatcher` (for a module: put in its ``forward``):
   per argument signature it runs the way the measured choice (:mod:`autopar.choose`) kept:
-  the function itself (eager), ``torch.compile(fn)``'s default (Inductor), or autopar's
-  graphs. autopar's way is ``torch.compile(fn, backend=<autopar>)``: every graph dynamo
-  captures goes through :class:`Runner` (place, plan, run); anything autopar can't represent
-  runs eagerly for that graph (see :mod:`autopar.capture.fx`), and a functional graph whose
-  plan fails where eager does not runs as eager's sequence from then on (:class:`_FallsBack`).
+  the function itself (eager), ``torch.compile(fn)``'s default (Inductor), autopar's
+  graphs, or, for inference calls where two or more devices of the batch's kind are named,
+  the call with its batch split over them (:mod:`autopar.dataparallel`, tried where the model
+  predicts the split pays: :meth:`Dispatcher._split_candidate`). autopar's way is
+  ``torch.compile(fn, backend=<autopar>)``: every graph dynamo captures goes through
+  :class:`Runner` (place, plan, run); anything autopar can't represent runs eagerly for that
+  graph (see :mod:`autopar.capture.fx`), and a functional graph whose plan fails where eager
+  does not runs as eager's sequence from then on (:class:`_FallsBack`).
   Shapes: the first call's are static; when a later call brings new ones and dynamo makes the
   graph dynamic, each concrete signature gets its own static graph at its first call
   (:mod:`autopar.capture.shapes`). It is traced with ``.item()`` and tensor slice bounds kept
@@ -51,6 +54,7 @@ from .choose import (
     results_differ,
 )
 from .cost.model import CostModel
+from .dataparallel import DataParallelStep
 from .ir.graph import LOCAL_SCALAR_DENSE, Graph
 from .ir.logs import first_line, quiet
 from .ir.ops import PLAIN_VALUES
@@ -66,7 +70,8 @@ from .schedule.plan import make_plan
 from .schedule.simulate import runs_as_eager
 from .schedule.steps import Send
 
-__all__ = ["Dispatcher", "Options", "compile", "dispatcher_of", "parse_devices"]
+__all__ = ["SPLIT_MIN_S", "Dispatcher", "Options", "compile", "data_parallel", "dispatcher_of",
+           "parse_devices"]
 
 log = logging.getLogger("autopar.placement")
 trials_log = logging.getLogger("autopar.trials")
@@ -361,8 +366,9 @@ def compile(fn: Callable, **options: Any) -> Callable:
     False: every op runs as its own ATen call), ``cuda_graphs`` ("auto": GPU segments with
     static shapes are replayed as CUDA graphs where that pays; True: every capturable one;
     False: never), ``candidates`` (the ways the measured choice may keep: "auto" for
-    eager, inductor, autopar and cudagraphs, or a list of them, e.g. ``["eager",
-    "autopar"]``; default ``$AUTOPAR_CANDIDATES``; see :mod:`autopar.choose`), ``guards``
+    eager, inductor, autopar, cudagraphs and split (an inference batch split over the named
+    devices of its kind), or a list of them, e.g. ``["eager", "autopar"]``; default
+    ``$AUTOPAR_CANDIDATES``; see :mod:`autopar.choose`), ``guards``
     ("all": every call of autopar's way goes through dynamo and all its guards; "arguments":
     see below).
 
@@ -403,14 +409,62 @@ def compile(fn: Callable, **options: Any) -> Callable:
         direct.compiled, ours = ours, direct
     make_way = functools.partial(_switched_on, switch, ours) if switch is not None else \
         functools.partial(_inductor_alone, module if module is not None else fn)
+    eager = module.__call__ if module is not None else fn
+    split = DataParallelStep(eager, opts, None, unsplit=eager, cost_model=runner.cost_model,
+                             measured=False) if _may_split(opts) else None
     if module is not None:
         compiled.forward = ours if opts.trace else Dispatcher(  # type: ignore[method-assign]
-            module.__call__, ours, runner, make_way=make_way, switch=switch,
-            key_extra=lambda: module.training)
+            eager, ours, runner, make_way=make_way, switch=switch,
+            key_extra=lambda: module.training, split=split)
         return compiled
     if opts.trace:  # timelines are of autopar's plans: every call is autopar's
         return ours
-    return Dispatcher(fn, ours, runner, make_way=make_way, switch=switch)
+    return Dispatcher(fn, ours, runner, make_way=make_way, switch=switch, split=split)
+
+
+def _may_split(options: Options) -> bool:
+    """Whether a batch may be split under these options: the split way a candidate and two
+    or more devices of one kind named."""
+    kinds = [d.split(":")[0] for d in options.devices]
+    return "split" in options.candidates and any(kinds.count(k) > 1 for k in set(kinds))
+
+
+def data_parallel(fn: Callable, *, batch_argnums: Sequence[int] | None = None,
+                  shards: int | None = None, **options: Any) -> DataParallelStep:
+    """Run ``fn`` (a whole training or inference step) with its batch split over devices.
+
+    ``batch_argnums``: positions of the arguments to split along dim 0 (default: see
+    :mod:`autopar.dataparallel`). ``shards``: how many devices take a shard (default: the cost
+    model decides; 1 never splits). Options are :func:`compile`'s (``devices``, ``policy``,
+    ``machine``, ``trace``); a call that is not split runs through :func:`compile` of ``fn``
+    with them (its own measured choice).
+    """
+    if not callable(fn):
+        raise TypeError(f"data_parallel expects a function, got {type(fn).__name__}")
+    if shards is not None and (not isinstance(shards, int) or shards < 1):
+        raise ValueError(f"shards must be a positive int or None, not {shards!r}")
+    opts = Options.parse(options)
+    return DataParallelStep(fn, opts, batch_argnums, shards, unsplit=_CompiledLater(fn, options),
+                            cost_model=make_runner(opts).cost_model)
+
+
+class _CompiledLater:
+    """``compile(fn, **options)``, made at the first call (``compiled``: None until then)."""
+
+    def __init__(self, fn: Callable, options: dict[str, Any]) -> None:
+        self.fn, self.options = fn, options
+        self.compiled: Callable | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.compiled is None:
+            self.compiled = compile(self.fn, **self.options)
+        return self.compiled(*args, **kwargs)
+
+
+SPLIT_MIN_S = 2e-3
+"""An inference call predicted shorter than this is not split: capturing and planning the
+split costs seconds on a big model, which a shorter call would take thousands of calls to
+earn back."""
 
 
 def _inductor_alone(fn: Callable, name: str) -> Callable:
@@ -544,16 +598,20 @@ class Dispatcher:
     def __init__(self, fn: Callable, compiled: Callable, runner: Runner,
                  make_way: Callable[[str], Callable],
                  key_extra: Callable[[], Any] | None = None,
-                 switch: WaySwitch | None = None) -> None:
+                 switch: WaySwitch | None = None,
+                 split: DataParallelStep | None = None) -> None:
         self.fn = fn  #: the eager way: the function (or the module's ``__call__``) itself
         self.compiled = compiled  #: the autopar way
         self.runner = runner
         self._make_way = make_way  # builds a compiled way (inductor, cudagraphs) at first use
         self.switch = switch  # the shared trace's switch: inductor and cudagraphs are its forms
+        self.split = split  # the split way: the call with its batch split (None: never)
+        self.name = _name(fn)  # for the log and the profiler's ranges
+        if split is not None:
+            split.name = self.name
         self._built: dict[str, Callable] = {}  # those ways, once built
         self.verdicts: dict[Any, list[str]] = {}  #: signature -> each trial's medians, in order
         self.key_extra = key_extra  # what else decides a call's graphs (a module's .training)
-        self.name = _name(fn)  # for the log and the profiler's ranges
         self.kept: dict[Any, str] = {}  #: signature -> the way that runs it
         self.trials: dict[Any, Trial] = {}  #: signature -> its open trial
         self._checked: set[tuple[Any, str]] = set()  # (signature, way) whose results were checked
@@ -585,6 +643,8 @@ class Dispatcher:
             return self.fn
         if name == "autopar":
             return self.compiled
+        if name == "split" and self.split is not None:
+            return self.split
         way = self._built.get(name)
         if way is None:
             way = self._built[name] = self._make_way(name)
@@ -608,8 +668,9 @@ class Dispatcher:
         trial = self.trials.get(key)
         if trial is not None:
             return self._tried(key, trial, args, kwargs)
-        out = self.compiled(*args, **kwargs)  # a new signature: autopar captures it first
         runner = self.runner
+        first = len(runner.executors)
+        out = self.compiled(*args, **kwargs)  # a new signature: autopar captures it first
         # under guards="arguments" autopar's way skips dynamo (capture.direct): a way of its
         # own even where its graphs are eager's ops (W1: dynamo already folded the bounds)
         ways = candidates(autopar_differs=bool(runner.planned or runner.folded
@@ -620,6 +681,9 @@ class Dispatcher:
             trials_log.warning("autopar: %s: the inductor way is left out: Inductor failed on "
                                "a graph (%s)", self.name, self.switch.failed)
             ways = tuple(w for w in ways if w != "inductor")
+        split = self._split_candidate(args, kwargs, runner.executors[first:])
+        if split is not None:
+            ways = (*ways, "split")
         if len(ways) <= 1:
             trials_log.debug("autopar: %s: %s runs %s: nothing else to try", self.name,
                              _describe(key), ways[0] if ways else "autopar")
@@ -627,11 +691,40 @@ class Dispatcher:
         else:
             touched = runner.gpus_touched()
             eager_gpus, ours = touched if touched is not None else (runner.gpus, runner.gpus)
-            self.trials[key] = Trial({w: ours if w == "autopar" else eager_gpus for w in ways},
-                                     name=self.name)
+            gpus = {w: ours if w == "autopar" else eager_gpus for w in ways}
+            if split is not None:
+                gpus["split"] = split
+            self.trials[key] = Trial(gpus, name=self.name)
             trials_log.info("autopar: %s: timing calls %s for %s", self.name,
                             ", ".join(ways), _describe(key))
         return out
+
+    def _split_candidate(self, args: tuple, kwargs: dict,
+                         executors: Sequence[Any]) -> frozenset[int] | None:
+        """The GPU indices the split way touches where it is worth a trial, else None.
+
+        Tried for inference calls (grad off, no graph writing in place) whose graphs the model
+        predicts at ``SPLIT_MIN_S`` or more a call, with two or more devices of the batch's
+        kind named; the split's own plan (:func:`autopar.passes.dataparallel.choose`: unsplit
+        and split over k devices, the fastest predicted kept) must predict a split. Capture and
+        planning cost seconds on a big model: the first call of such a signature pays them."""
+        split = self.split
+        if split is None or _grad_enabled() or self.runner.writes or \
+                sum(e.plan.placement.predicted_s for e in executors) < SPLIT_MIN_S:
+            return None
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        kind = tensors[0].device.type if tensors else None
+        if sum(d.split(":")[0] == kind for d in self.runner.options.devices) < 2:
+            return None
+        try:
+            compiled = split.prepare(*args, **kwargs)
+        except (TypeError, ValueError) as e:  # no batch to split (batch_inputs, shard_devices)
+            trials_log.debug("autopar: %s: not split: %s", self.name, e)
+            return None
+        if compiled is None or compiled.sharded is None:
+            return None
+        gpus = {int(d.split(":")[1]) for d in compiled.sharded.devices if d.startswith("cuda")}
+        return frozenset(gpus | {t.device.index or 0 for t in tensors if t.is_cuda})
 
     def _tried(self, key: Any, trial: Trial, args: tuple, kwargs: dict) -> Any:
         way = trial.next_way()
@@ -702,6 +795,8 @@ class Dispatcher:
             done = "; ".join(self.verdicts.get(key, []))
             lines.append(f"{self.name}, {_describe(key)}: timing {', '.join(trial.ways)}"
                          + (f" (after {done})" if done else ""))
+        if "split" in self.kept.values() and self.split is not None:
+            lines.append(self.split.explain())
         failed = self.switch.failed if self.switch is not None else None
         if failed:
             lines.append(f"  Inductor failed on a graph: {failed}")

@@ -11,6 +11,9 @@ Policy (one place decides "is autopar's plan better than what the user would oth
                 does, without compiling again: :class:`autopar.runtime.cudagraphs.GraphedCall`
                 captures Inductor's function), outputs cloned out of the graphs' memory.
 
+  ``split``     an inference call with its batch split over two or more devices of its kind,
+                replicas resident (:class:`autopar.dataparallel.DataParallelStep`).
+
   ``inductor`` and ``cudagraphs`` are forms of the trace autopar's way made (one dynamo
   trace serves the three compiled ways: :class:`autopar.capture.dynamo.WaySwitch`).
 
@@ -28,7 +31,9 @@ Policy (one place decides "is autopar's plan better than what the user would oth
   call at least ``LAUNCH_BOUND`` of the GPU's, so the GPU waited on launches), in a second
   trial against that trial's winner: compiling it again costs first-call time only where it
   can pay (ResNet-18 at batch 1 on one H200: eager 1.34 ms, Inductor 1.57, reduce-overhead
-  1.14).
+  1.14). ``split`` joins the first trial of an inference call where two or more devices of
+  the batch's kind are named and the model predicts the split faster than not splitting
+  (:meth:`autopar.api.Dispatcher._split_candidate`): kept only if measured faster.
 - A trial (:class:`Trial`): the next calls of a new signature go round the candidates; each
   turn is two calls of a way, the first neither timed nor counted (after a switch, caches,
   memory and first-use kernels are the last way's; a way's first turn also compiles), and
@@ -74,7 +79,7 @@ __all__ = ["LAUNCH_BOUND", "RESULT_TOL", "RESULT_TOL_LOW", "TRIAL_CALLS", "WAYS"
 
 log = logging.getLogger("autopar.trials")
 
-WAYS = ("eager", "inductor", "autopar", "cudagraphs")
+WAYS = ("eager", "inductor", "autopar", "cudagraphs", "split")
 
 LAUNCH_BOUND = 0.8
 """A way's calls are launch-bound where their host time is at least this share of their GPU

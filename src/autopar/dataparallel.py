@@ -57,7 +57,6 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .api import Options, compile, make_runner
 from .capture.fake import relabel_devices
 from .capture.fx import Unsupported
 from .capture.state import State, StateNotReady, find_state
@@ -75,7 +74,7 @@ from .schedule.place import place
 from .schedule.plan import make_plan
 from .schedule.simulate import simulate
 
-__all__ = ["DataParallelStep", "StepPrediction", "data_parallel", "predict_step"]
+__all__ = ["DataParallelStep", "StepPrediction", "batch_inputs", "predict_step"]
 
 log = logging.getLogger("autopar.dataparallel")
 
@@ -113,48 +112,27 @@ class DataParallelStep:
     """The callable :func:`data_parallel` returns (see the module docstring)."""
 
     def __init__(self, fn: Callable, options: Any, batch_argnums: Sequence[int] | None,
-                 shards: int | None = None, raw: dict[str, Any] | None = None) -> None:
+                 shards: int | None = None, *, unsplit: Callable,
+                 cost_model: Callable[[], CostModel], measured: bool = True) -> None:
         self.fn = fn
         self.name = getattr(fn, "__name__", "step")
-        self.options = options
-        self._raw = dict(raw or {})  # the options as given: autopar.compile's, for _unsplit
-        self._whole: Callable | None = None
+        self.options = options  # autopar.compile's Options: devices, policy, trace, fuse
+        self._unsplit = unsplit  # what runs a call that is not split
+        self._cost_model = cost_model
+        self.measured = measured  # False: a split is kept as predicted (a caller measures it)
         self.batch_argnums = None if batch_argnums is None else tuple(batch_argnums)
         self.shards = shards
         self.replica_copies = 0  # replicas made from a parameter (not by the step's broadcast)
-        self.runner = make_runner(options)
         self._compiled: dict[tuple, _Compiled | None] = {}
         self._replicas: dict[tuple[int, str], tuple[torch.Tensor, int, int]] = {}
         self.last: _Compiled | None = None
         self.refused: str | None = None  # why every call runs unsplit, once known
 
     # -- compiling --------------------------------------------------------------------------
-    def _batch(self, step: StepGraph, args: Sequence[Any]) -> dict[Node, int]:
-        inputs = step.graph.inputs
-        tensors = [x for x in tree_flatten(tuple(args))[0] if isinstance(x, torch.Tensor)]
-        if self.batch_argnums is not None:
-            picked = []
-            for i in self.batch_argnums:
-                if not 0 <= i < len(args) or not isinstance(args[i], torch.Tensor):
-                    raise TypeError(f"batch_argnums names argument {i}, which is not a tensor "
-                                    f"(the step got {len(args)} arguments)")
-                # every position of that tensor (one tensor passed twice: ids and labels)
-                picked += [j for j, t in enumerate(tensors) if t is args[i]]
-            return {inputs[j]: 0 for j in picked}
-        if not step.params:
-            raise TypeError("the step has no parameters (tensors that require grad): name its "
-                            "batch arguments with batch_argnums=(...)")
-        rest = [j for j, t in enumerate(tensors)
-                if j < step.n_args and j not in step.params and t.dim() >= 1]
-        if not rest:
-            raise NotShardable("no tensor argument without requires_grad to split")
-        n = tensors[rest[0]].shape[0]
-        return {inputs[j]: 0 for j in rest if tensors[j].shape[0] == n}
-
-    def _compile(self, args: Sequence[Any], state: State) -> _Compiled:
-        step = capture_step(self.fn, args, state=state)
-        cost = self.runner.cost_model()
-        batch = self._batch(step, args)
+    def _compile(self, fn: Callable, args: Sequence[Any], state: State) -> _Compiled:
+        step = capture_step(fn, args, name=self.name, state=state)
+        cost = self._cost_model()
+        batch = batch_inputs(step, args, self.batch_argnums)
         shard_devices(batch, cost, self.options.devices, self.shards)  # the user's mistakes
         try:
             choice = choose(step, batch, cost, self.options.devices,
@@ -172,7 +150,7 @@ class DataParallelStep:
         if self.shards is None:  # the user didn't ask for a split: measured against eager
             if choice.sharded is None:
                 compiled.way = "eager"  # unsplit is the step as written
-            else:
+            elif self.measured:
                 compiled.way = None
                 compiled.trial = Trial({"eager": _gpus(self._eager_devices(args)),
                                         "autopar": _gpus(choice.sharded.devices)}, self.name)
@@ -220,15 +198,24 @@ class DataParallelStep:
         return "\n".join(lines)
 
     # -- calling ----------------------------------------------------------------------------
-    def _unsplit(self, *args: Any) -> Any:
-        """A call that runs unsplit: through :func:`autopar.compile` of the step (its measured
-        choice between the step as written, Inductor and autopar's plan), so that not
-        splitting is never slower than what ``autopar.compile`` gives the same step."""
-        if self._whole is None:
-            self._whole = compile(self.fn, **self._raw)
-        return self._whole(*args)
+    def prepare(self, *args: Any, **kwargs: Any) -> _Compiled | None:
+        """Capture and plan the signature of ``fn(*args, **kwargs)`` (once; nothing runs): its
+        compiled form, or None where it runs unsplit (the reason logged once)."""
+        try:
+            return self._prepared(*self._packed(args, kwargs))[0]
+        except StateNotReady:
+            return None
 
-    def __call__(self, *args: Any) -> Any:
+    def _packed(self, args: tuple, kwargs: dict) -> tuple[Callable, tuple]:
+        """The function and arguments that are traced: keyword arguments as a last dict."""
+        if not kwargs:
+            return self.fn, args
+        n, fn = len(args), self.fn
+        return (lambda *a: fn(*a[:n], **a[n])), (*args, kwargs)
+
+    def _prepared(self, fn: Callable, args: tuple) -> tuple[_Compiled | None, list | None]:
+        """The signature's compiled form and its tensors (arguments', then the state's), or
+        (None, None) where it runs unsplit."""
         leaves, spec = tree_flatten(tuple(args))
         try:
             state = find_state(self.fn, args)
@@ -236,26 +223,29 @@ class DataParallelStep:
             if self.refused is None:
                 log.warning("autopar: running %s unsplit: %s", self.name, e)
                 self.refused = str(e)
-            self.last = None
-            return self._unsplit(*args)
+            return None, None
         # the trace bakes the caller's grad mode and autocast in: they are part of the key
         key = (_signature(leaves, spec), state.signature, CallerState.capture())
         if key not in self._compiled:
-            try:
-                self._compiled[key] = self._compile(args, state)
-            except StateNotReady as e:  # this call makes the optimizer's state: trace the next
-                log.info("autopar: %s", e)
-                self.last = None
-                return self.fn(*args)
+            try:  # StateNotReady (this call makes the optimizer's state) goes to the caller
+                self._compiled[key] = self._compile(fn, args, state)
             except (Unsupported, NotShardable) as e:
                 log.warning("autopar: running %s unsplit: %s", self.name, e)
                 self._compiled[key] = None
         compiled = self._compiled[key]
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)] + state.tensors
+        return compiled, tensors
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.last = None
+        try:
+            compiled, tensors = self._prepared(*self._packed(args, kwargs))
+        except StateNotReady as e:  # this call makes the optimizer's state: trace the next
+            log.info("autopar: %s", e)
+            return self.fn(*args, **kwargs)
         if compiled is None or compiled.way == "eager" or any(
                 tensors[j].grad is not None for j in compiled.step.arg_params):
-            return self._unsplit(*args)
+            return self._unsplit(*args, **kwargs)
         if compiled.trial is None:
             self.last = compiled
             return self._run(compiled, tensors)
@@ -264,12 +254,12 @@ class DataParallelStep:
             if way == "eager":
                 return self.fn
 
-            def split(*_: Any) -> Any:
+            def split(*_: Any, **__: Any) -> Any:
                 self.last = compiled
                 return self._run(compiled, tensors)
             return split
 
-        out = compiled.trial.run(way_of, args, {})
+        out = compiled.trial.run(way_of, args, kwargs)
         won = compiled.trial.verdict()
         if won is not None:
             log.info("autopar: %s keeps %s (%s)", self.name, won, compiled.trial.summary())
@@ -319,6 +309,33 @@ class DataParallelStep:
         self._replicas[(j, device)] = (fresh, t._version, t.data_ptr())
 
 
+def batch_inputs(step: StepGraph, args: Sequence[Any],
+                 batch_argnums: Sequence[int] | None) -> dict[Node, int]:
+    """The graph inputs split along dim 0: those of ``batch_argnums`` (positions of tensor
+    arguments), else every tensor argument that doesn't require grad whose dim 0 equals the
+    first such one's (see the module docstring)."""
+    inputs = step.graph.inputs
+    tensors = [x for x in tree_flatten(tuple(args))[0] if isinstance(x, torch.Tensor)]
+    if batch_argnums is not None:
+        picked = []
+        for i in batch_argnums:
+            if not 0 <= i < len(args) or not isinstance(args[i], torch.Tensor):
+                raise TypeError(f"batch_argnums names argument {i}, which is not a tensor "
+                                f"(the step got {len(args)} arguments)")
+            # every position of that tensor (one tensor passed twice: ids and labels)
+            picked += [j for j, t in enumerate(tensors) if t is args[i]]
+        return {inputs[j]: 0 for j in picked}
+    if not step.params:
+        raise TypeError("the step has no parameters (tensors that require grad): name its "
+                        "batch arguments with batch_argnums=(...)")
+    rest = [j for j, t in enumerate(tensors)
+            if j < step.n_args and j not in step.params and t.dim() >= 1]
+    if not rest:
+        raise NotShardable("no tensor argument without requires_grad to split")
+    n = tensors[rest[0]].shape[0]
+    return {inputs[j]: 0 for j in rest if tensors[j].shape[0] == n}
+
+
 @dataclass
 class StepPrediction:
     """:func:`predict_step`'s answer: the choice, eager's predicted seconds (every op where
@@ -347,25 +364,9 @@ def predict_step(fn: Callable, args: Sequence[Any], machine: Any,
         relabel_devices(step.graph, "cpu", inputs_on)
     cost = CostModel(load_machine(machine))
     devices = [d.name for d in cost.machine.devices]
-    runner = DataParallelStep(fn, Options(devices=tuple(devices)), batch_argnums, shards)
-    choice = choose(step, runner._batch(step, args), cost, devices, shards=shards)
+    choice = choose(step, batch_inputs(step, args, batch_argnums), cost, devices,
+                    shards=shards)
     eager = place(step.graph, cost, policy="single", devices=devices)
     return StepPrediction(choice, eager.predicted_s,
                           simulate(make_plan(choice.placement, cost), cost))
 
-
-def data_parallel(fn: Callable, *, batch_argnums: Sequence[int] | None = None,
-                  shards: int | None = None, **options: Any) -> DataParallelStep:
-    """Run ``fn`` (a whole training or inference step) with its batch split over devices.
-
-    ``batch_argnums``: positions of the arguments to split along dim 0 (default: see the module
-    docstring). ``shards``: how many devices take a shard (default: the cost model decides; 1
-    never splits). Options are :func:`autopar.compile`'s (``devices``, ``policy``,
-    ``machine``, ``trace``).
-    """
-    if not callable(fn):
-        raise TypeError(f"data_parallel expects a function, got {type(fn).__name__}")
-    if shards is not None and (not isinstance(shards, int) or shards < 1):
-        raise ValueError(f"shards must be a positive int or None, not {shards!r}")
-
-    return DataParallelStep(fn, Options.parse(options), batch_argnums, shards, raw=options)
