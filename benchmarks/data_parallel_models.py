@@ -1,13 +1,15 @@
 """Real models' training steps (as users write them: ``nn.Module``, ``torch.optim``,
-``zero_grad``/``backward``/``step``) with the batch split by ``autopar.data_parallel``,
-predicted on a preset: eager on one GPU against the best split, and the planning time.
+``zero_grad``/``backward``/``step``) with the batch split by ``autopar.data_parallel``, and
+their inference under ``no_grad`` (what ``autopar.compile(model)``'s split way runs), predicted
+on a preset: eager on one GPU against the best split, and the planning time.
 
-    python benchmarks/data_parallel_models.py [--machines h200x2 h200x8] [--json out.json]
+    python benchmarks/data_parallel_models.py [--machines h200x2 h200x8] [--models ...]
+                                              [--json out.json]
 
-Models: GPT-2 small (124M parameters, batch 16 x 512, AdamW) and a ResNet-50 (Hugging Face's
-ResNet, the torchvision-shaped default config, batch 256 x 224 x 224, SGD with momentum). The
-trace runs on fake tensors: nothing of the step is computed here (the optimizer's state is made
-by one step on zero gradients).
+Models: GPT-2 small (124M parameters, batch 16 x 512, AdamW; inference 64 x 512) and a
+ResNet-50 (Hugging Face's ResNet, the torchvision-shaped default config, batch 256 x 224 x 224,
+SGD with momentum; inference the same batch). The trace runs on fake tensors: nothing of the
+step is computed here (the optimizer's state is made by one step on zero gradients).
 """
 
 from __future__ import annotations
@@ -74,13 +76,41 @@ def resnet50() -> tuple:
     return "ResNet-50, 256x224x224, SGD momentum", step, (images, labels), (0, 1)
 
 
+def gpt2_infer() -> tuple:
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval()
+    ids = torch.randint(0, 50257, (64, 512))
+
+    def infer(ids):
+        return model(input_ids=ids).logits
+    return "GPT-2 small inference, 64x512", infer, (ids,), (0,)
+
+
+def resnet50_infer() -> tuple:
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.ResNetForImageClassification(transformers.ResNetConfig()).eval()
+    images = torch.randn(256, 3, 224, 224)
+
+    def infer(images):
+        return model(pixel_values=images).logits
+    return "ResNet-50 inference, 256x224x224", infer, (images,), (0,)
+
+
+INFERENCE = ("gpt2-infer", "resnet50-infer")  # traced under no_grad
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--machines", nargs="+", default=["h200x2", "h200x8"])
-    ap.add_argument("--models", nargs="+", default=["gpt2", "resnet50"])
+    ap.add_argument("--models", nargs="+", default=["gpt2", "resnet50", *INFERENCE])
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
-    makers = {"gpt2": gpt2_small, "resnet50": resnet50}
+    makers = {"gpt2": gpt2_small, "resnet50": resnet50, "gpt2-infer": gpt2_infer,
+              "resnet50-infer": resnet50_infer}
     rows = []
     print(f"{'model':40s} {'machine':8s} {'eager':>10s} {'split':>10s} {'ratio':>6s} "
           f"{'devices':>6s} {'plan s':>7s}")
@@ -88,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         name, step, args, batch = makers[key]()
         for machine in a.machines:
             start = time.perf_counter()
-            got = predict_step(step, args, machine, batch_argnums=batch)
+            with torch.set_grad_enabled(key not in INFERENCE):
+                got = predict_step(step, args, machine, batch_argnums=batch)
             planning = time.perf_counter() - start
             sharded = got.choice.sharded
             k = 1 if sharded is None else len(sharded.devices)

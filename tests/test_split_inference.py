@@ -111,3 +111,28 @@ def test_a_split_whose_results_differ_is_dropped(any_size, monkeypatch, caplog):
             torch.testing.assert_close(compiled(x), model(x))
         assert d.kept_way((x,)) == "eager"
     assert "the split way is left out: its results differ" in caplog.text
+
+
+def test_eval_batch_norm_splits_per_row_with_the_running_statistics(any_size):
+    """A convolutional model in ``eval()``: batch norm reads its running statistics, so each
+    shard normalizes its own rows with them: nothing is left unsplit, the statistics are not
+    touched, the result is eager's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                                torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+                                torch.nn.Flatten(), torch.nn.Linear(8, 4))
+    with torch.no_grad():  # running statistics that are not the defaults
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2)
+    model.eval()
+    before = [b.clone() for b in model.buffers()]
+    compiled = autopar.compile(model, devices=CPUS, candidates="split")
+    d = dispatcher_of(compiled)
+    x = torch.randn(9, 3, 16, 16)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    sharded = d.split.last.sharded
+    assert sharded.sizes == (5, 4) and not sharded.unsplit
+    for b, was in zip(model.buffers(), before):
+        assert torch.equal(b, was)

@@ -1054,8 +1054,12 @@ def _batch_norm(b: _Builder, node: Node) -> Layout | None:
     ``n_i (var_i + mean_i^2)`` are reduced in float64 (one hop) to the whole batch's mean and
     variance; every shard normalizes with those (``native_batch_norm`` in eval form, one
     kernel). The running statistics (which the kernel updates in place) are updated once, on
-    home, from the same statistics, as eager does (unbiased variance)."""
+    home, from the same statistics, as eager does (unbiased variance). Eval form (a module's
+    ``eval()``: the running statistics read, not updated): per row, each shard normalizes its
+    rows with the whole running statistics."""
     x, w, bias, rm, rv, training, momentum, eps = node.args[:8]
+    if not training:
+        return _batched((0,), ("split", "own", "own"))(b, node)
     s = _split_of(b, x)
     if (s is None or s.dim != 0 or not training or _ndim(x) < 2
             or any(_split_of(b, a) is not None for a in (w, bias, rm, rv))):
