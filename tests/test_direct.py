@@ -208,3 +208,93 @@ def test_what_is_not_learned_keeps_going_through_dynamo():
             got, want = compiled(*args, **kwargs), fn(*args, **kwargs)
             torch.testing.assert_close(got, want)
         assert len(calls) == 3 and not compiled.compiled.entries
+
+
+def _as_on_torch_2_11(monkeypatch) -> None:
+    """dynamo failing inside when scalars are captured, as torch 2.11's does on CUDA slice
+    bounds made inside (``PendingUnbackedSymbolNotFound``)."""
+    import autopar.api
+    from autopar.capture import dynamo
+
+    real = dynamo.capturing_scalars
+
+    def failing(compiled, **kwargs):
+        def call(*args, **kw):
+            if torch._dynamo.config.capture_scalar_outputs:
+                raise torch._dynamo.exc.InternalTorchDynamoError("PendingUnbackedSymbolNotFound")
+            return compiled(*args, **kw)
+        return real(call, **kwargs)
+    monkeypatch.setattr(autopar.api, "capturing_scalars", failing)
+
+
+def w1_bounds_inside(A, B):
+    d = A.device
+    r0, r1 = torch.tensor(2, device=d), torch.tensor(5, device=d)
+    c0, c1 = torch.tensor(1, device=d), torch.tensor(3, device=d)
+    B[:] = A[r0:r1, c0:c1]
+    return B
+
+
+def test_where_dynamo_cannot_capture_the_scalars_the_function_is_traced_by_running(
+        monkeypatch, caplog):
+    """W1 on torch 2.11's CUDA path: dynamo's trace fails with the bounds captured and breaks
+    the graph at each bound instead; the mode then traces the function by running it on
+    copies of its arguments, and the bounds fold: the entry is two slices and a copy into B,
+    no tensor made, no value read, and calls skip dynamo."""
+    _as_on_torch_2_11(monkeypatch)
+    compiled = autopar.compile(w1_bounds_inside, devices="cpu:0", guards="arguments",
+                               candidates="autopar")
+    A, B = torch.randn(8, 6), torch.zeros(3, 2)
+    with caplog.at_level("INFO", logger="autopar"):
+        assert compiled(A, B) is B and torch.equal(B, A[2:5, 1:3])  # dynamo, graph breaks
+        direct = compiled.compiled
+        assert direct.by_running and not direct.entries
+        B.zero_()
+        assert compiled(A, B) is B and torch.equal(B, A[2:5, 1:3])  # traced by running
+    assert "traced by running it" in caplog.text
+    assert len(direct.entries) == 1
+    source = direct.entries[0].source
+    assert "_program(a0, a1)" in source
+    calls = through_dynamo(compiled)
+    for _ in range(3):
+        A, B = torch.randn(8, 6), torch.zeros(3, 2)  # new data, the same signature
+        assert compiled(A, B) is B and torch.equal(B, A[2:5, 1:3])
+    assert not calls
+    assert compiled(torch.randn(9, 6), B) is B  # a new shape: a new entry, traced again
+    assert len(direct.entries) == 2
+
+
+def test_a_bound_read_from_an_argument_stops_tracing_by_running(monkeypatch):
+    """A bound that depends on an argument's data can't be baked in: make_fx stops at the
+    read, the call goes through dynamo (right for every value), and tracing by running
+    is not tried again."""
+    _as_on_torch_2_11(monkeypatch)
+
+    def data_bounds(A, n):
+        return A[: n[0]] * 2
+
+    compiled = autopar.compile(data_bounds, devices="cpu:0", guards="arguments",
+                               candidates="autopar")
+    A = torch.randn(6, 2)
+    for k in (2, 2, 4, 3):
+        n = torch.tensor([k])
+        torch.testing.assert_close(compiled(A, n), A[:k] * 2)
+    direct = compiled.compiled
+    assert not direct.by_running and "the trace stopped" in direct.refused
+    assert not direct.entries
+
+
+def test_a_function_reading_a_global_tensor_is_not_traced_by_running(monkeypatch):
+    _as_on_torch_2_11(monkeypatch)
+
+    def reads_w(x):
+        k = torch.tensor(3)
+        return x[:, :k] @ W[:k]
+
+    compiled = autopar.compile(reads_w, devices="cpu:0", guards="arguments",
+                               candidates="autopar")
+    x = torch.randn(4, 10)
+    for _ in range(3):
+        torch.testing.assert_close(compiled(x), x[:, :3] @ W[:3])
+    direct = compiled.compiled
+    assert direct.refused == "it reads 1 tensor(s) besides its arguments"

@@ -403,7 +403,8 @@ def compile(fn: Callable, **options: Any) -> Callable:
         switch = WaySwitch(replay=GraphedCall) if runner.inductor_candidate and \
             not opts.trace else None
         dynamo = torch.compile(fn, backend=make_backend(runner, name=name, switch=switch))
-    compiled = capturing_scalars(dynamo, needed=lambda: not runner.graphs or runner.reads_scalars)
+    compiled = capturing_scalars(dynamo, needed=lambda: not runner.graphs or runner.reads_scalars,
+                                 failed=direct.scalars_failed if direct is not None else None)
     ours = compiled.forward if module is not None else compiled
     if direct is not None:
         direct.compiled, ours = ours, direct

@@ -41,6 +41,17 @@ Policy
   object bound to its name. A check that fails sends the call through dynamo, which re-guards
   it (and recaptures what changed) and the entry is learned again.
 - Entries: at most ``MAX_ENTRIES``, the latest first; each is one generated function.
+- Traced by running (a plain function, not a module's forward, whose scalars dynamo failed to
+  capture: torch 2.11 on CUDA fails on W1's slice bounds made inside with
+  ``PendingUnbackedSymbolNotFound`` and traces with graph breaks, a device sync per bound):
+  a call no entry matches is traced with ``make_fx``'s real tracing on copies of its tensor
+  arguments (the function runs once on the copies, its ``.item()`` reads give real numbers,
+  so the bounds of values made inside fold into the graph), and the entry is that graph,
+  which then runs the call itself on the real arguments. Sound by make_fx's own rule: a value
+  read from a tensor that depends on an argument stops the trace (``.item()`` of a tracing
+  tensor), and so does a graph that reads any tensor other than its arguments (a parameter, a
+  global) after dead code is gone. Where the trace stops, the call goes through dynamo, and
+  the function is not traced by running again.
 
 What breaks the contract, undetected: Python side effects of the function (appending to a list,
 counting calls in a global: dynamo replays them, an entry does not); a module's attribute,
@@ -86,6 +97,13 @@ class Direct:
         self.entries: list[Callable] = []  # generated, the latest first
         self.learned = 0  # entries made
         self._watch: list | None = None  # the graph calls of the call being learned
+        self.by_running = False  # trace calls by running them (dynamo failed on the scalars)
+        self.refused: str | None = None  # why tracing by running stopped, once it did
+
+    def scalars_failed(self) -> None:
+        """dynamo could not trace the function with its scalars captured: trace by running."""
+        if self.module is None and self.refused is None:
+            self.by_running = True
 
     def record(self, program: Callable, args: tuple, out: Sequence[Any]) -> None:
         """The backend's report of one graph call (``program(*args) -> out``)."""
@@ -98,20 +116,68 @@ class Direct:
                 out = entry(args)
                 if out is not _MISS:
                     return out
+            if self.by_running:
+                entry = self._traced(args)
+                if entry is not None:
+                    self._add(entry)
+                    out = entry(args)
+                    if out is not _MISS:  # (it matches the arguments it was made from)
+                        return out
         watch: list = []
         self._watch = watch
         try:
             out = self.compiled(*args, **kwargs)  # type: ignore[misc]
         finally:
             self._watch = None
-        if not kwargs:
+        if not kwargs and not self.by_running:
             entry = self._learn(args, watch, out)
             if entry is not None:
-                sig = entry.signature
-                self.entries = [entry, *(e for e in self.entries if e.signature != sig)]
-                del self.entries[MAX_ENTRIES:]
-                self.learned += 1
+                self._add(entry)
         return out
+
+    def _add(self, entry: Callable) -> None:
+        sig = entry.signature
+        self.entries = [entry, *(e for e in self.entries if e.signature != sig)]
+        del self.entries[MAX_ENTRIES:]
+        self.learned += 1
+
+    # -- tracing by running --------------------------------------------------------------------
+    def _traced(self, args: tuple) -> Callable | None:
+        """An entry for ``args``' signature from ``make_fx``'s real trace of the function on
+        copies of them (see the module docstring), or None (``by_running`` then stops)."""
+        grad = torch.is_grad_enabled()
+        why = None
+        if any_autocast_enabled():
+            return None
+        if any(isinstance(a, torch.Tensor) and grad and a.requires_grad for a in args) or \
+                not all(isinstance(a, (torch.Tensor, *PLAIN_VALUES)) for a in args):
+            why = "its arguments are not tensors autograd ignores and plain values"
+        else:
+            from torch.fx.experimental.proxy_tensor import make_fx  # heavy: on first use
+
+            copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+            try:
+                gm = make_fx(self.code, tracing_mode="real")(*copies)
+            except Exception as e:  # a data-dependent read, or an op the tracer lacks
+                why = f"the trace stopped: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            else:
+                gm.graph.eliminate_dead_code()
+                outside = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
+                if outside:
+                    why = f"it reads {len(outside)} tensor(s) besides its arguments"
+        if why is not None:
+            self.by_running, self.refused = False, why
+            log.info("autopar: %s is not traced by running (%s); its calls go through dynamo",
+                     getattr(self.code, "__name__", "the function"), why)
+            return None
+        gm.recompile()  # (positional arguments: plain code, the result built as returned)
+        code = _Code(grad, len(args))
+        for i, a in enumerate(args):
+            code.argument(i, a)
+        log.info("autopar: %s traced by running it (dynamo could not capture its scalars): "
+                 "%d ops", getattr(self.code, "__name__", "the function"),
+                 sum(n.op == "call_function" for n in gm.graph.nodes))
+        return code.build(gm.forward, [f"a{i}" for i in range(len(args))], "out")
 
     # -- learning ------------------------------------------------------------------------------
     def _learn(self, args: tuple, watch: list, result: Any) -> Callable | None:

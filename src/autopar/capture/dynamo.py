@@ -385,7 +385,8 @@ _is_grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 
 
-def capturing_scalars(compiled: Callable, needed: Callable[[], bool] | None = None) -> Callable:
+def capturing_scalars(compiled: Callable, needed: Callable[[], bool] | None = None,
+                      failed: Callable[[], None] | None = None) -> Callable:
     """``compiled`` (a ``torch.compile`` result) traced with ``.item()`` and tensor slice
     bounds kept in the graph (dynamo's ``capture_scalar_outputs``) instead of breaking it.
 
@@ -396,7 +397,9 @@ def capturing_scalars(compiled: Callable, needed: Callable[[], bool] | None = No
     ``torch._dynamo.config.capture_scalar_outputs = True`` (or
     ``TORCHDYNAMO_CAPTURE_SCALAR_OUTPUTS=1``) already set, calls go straight through. Where
     dynamo itself fails to trace with the setting on (an internal error, before anything ran),
-    the call is traced again without it, once, logged, and the setting is not used again.
+    the call is traced again without it, once, logged, and the setting is not used again
+    (``failed()`` is then called: ``guards="arguments"`` traces such a function by running
+    it, :class:`autopar.capture.direct.Direct`).
     """
     config = torch._dynamo.config
     state = {"off": False}
@@ -414,6 +417,8 @@ def capturing_scalars(compiled: Callable, needed: Callable[[], bool] | None = No
                     return fn(*args, **kwargs)
                 except torch._dynamo.exc.InternalTorchDynamoError as e:
                     state["off"] = True
+                    if failed is not None:
+                        failed()
                     log.warning("autopar: tracing %s with .item() captured failed inside "
                                 "dynamo (%s); tracing it with graph breaks at .item() instead",
                                 getattr(fn, "__name__", "the function"), str(e).splitlines()[0])
