@@ -298,3 +298,47 @@ def test_a_copy_keeps_the_strides_of_a_non_dense_view():
     assert executor_module._kept_strides(torch.randn(3, 1).expand(3, 4)) is None
     assert executor_module._kept_strides(torch.randn(4, 4)) is None
     assert executor_module._copy_to(view, "cpu").stride() == view.stride()
+
+
+def _sliced(chain, also_out: bool = False) -> Graph:
+    """A graph of slice views of its input ``A`` (6 x 5): ``chain`` = [(dim, start, end)]."""
+    g = Graph("slices")
+    x = a = g.input(TensorMeta.make((6, 5)), "A")
+    views = []
+    for dim, start, end in chain:
+        x = g.call(torch.ops.aten.slice.Tensor, (x, dim, start, end))
+        views.append(x)
+    g.set_outputs([x, views[0]] if also_out else [x])
+    assert a.is_input
+    return g
+
+
+@pytest.mark.parametrize("chain", [
+    [(0, 1, 4), (1, 2, 5)],  # W1's A[r0:r1, c0:c1]
+    [(0, -4, None), (-1, None, 3), (0, 1, 2)],  # negative and open bounds, three deep
+    [(1, 1, 99), (0, 2, 6)],  # an end past the size
+])
+def test_a_chain_of_slices_from_an_input_is_one_view_at_the_inputs_offset(chain):
+    runner = SequentialRunner(_sliced(chain))
+    source = runner.program.source
+    assert "slices as one view" in source and "slice" not in source.replace(
+        "slices as one view", "")
+    big = torch.randn(8, 5)
+    A = big[2:]  # the input's strides, at a storage offset of its own
+    want = A
+    for dim, start, end in chain:
+        want = want[(slice(None),) * (dim % 2) + (slice(start, end),)]
+    got = runner([A])[0]
+    assert torch.equal(got, want) and got.stride() == want.stride()
+    assert got.untyped_storage().data_ptr() == big.untyped_storage().data_ptr()  # a view
+
+
+def test_a_slice_something_else_reads_is_kept_and_a_single_slice_stays_a_slice():
+    runner = SequentialRunner(_sliced([(0, 1, 4), (1, 2, 5)], also_out=True))
+    source = runner.program.source
+    assert source.count("slices as one view") == 1 and "aten.slice.Tensor" in source
+    A = torch.randn(6, 5)
+    end, first = runner([A])
+    assert torch.equal(end, A[1:4, 2:5]) and torch.equal(first, A[1:4])
+    one = SequentialRunner(_sliced([(0, 1, 4)])).program.source
+    assert "slices as one view" not in one and "aten.slice.Tensor" in one

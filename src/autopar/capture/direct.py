@@ -34,7 +34,9 @@ Policy
   records) or a plain value (``int``, ``float``, ``bool``, ``str``, ``None``), no tensor
   passed twice. Anything else keeps going through dynamo.
 - An entry matches a call with as many arguments, each tensor of the learned shape, strides,
-  dtype and device (not requiring grad where grad mode is on), each plain value equal (and of
+  dtype, device, ``requires_grad`` and dispatch keys (checked at once by dynamo's own C++
+  tensor check, ``TensorGuards``: 0.17 us for two tensors on the 2-core VM, against 0.75 for
+  the attributes compared in Python), each plain value equal (and of
   the same type), the same grad mode, no autocast, a module's ``training`` as learned; and its
   cheap checks hold: every parameter and buffer the graph reads has the ``_version`` it had
   (an optimizer's in-place step changes it), every global or closure tensor is still the
@@ -70,6 +72,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch._C._dynamo.guards import TensorGuards
 
 from ..ir.ops import PLAIN_VALUES
 from .dynamo import any_autocast_enabled
@@ -293,6 +296,7 @@ class _Code:
                                           "_grad": torch.is_grad_enabled,
                                           "_autocast": any_autocast_enabled}
         self.signature: list[Any] = [grad, n]
+        self.tensors: list[tuple[str, torch.Tensor]] = []  # (argument, the call's tensor)
 
     def name(self, value: Any) -> str:
         if id(value) not in self.names:
@@ -306,14 +310,8 @@ class _Code:
     def argument(self, i: int, a: Any) -> None:
         a_i = f"a{i}"
         if isinstance(a, torch.Tensor):
-            meta = (a.shape, a.stride(), a.dtype, a.device)
-            self.signature.append(meta)
-            shape, stride, dtype, device = (self.name(m) for m in meta)
-            self.check(f"isinstance({a_i}, _Tensor) and {a_i}.shape == {shape} and "
-                       f"{a_i}.stride() == {stride} and {a_i}.dtype is {dtype} and "
-                       f"{a_i}.device == {device}")
-            if self.grad:
-                self.check(f"not {a_i}.requires_grad")
+            self.signature.append((a.shape, a.stride(), a.dtype, a.device))
+            self.tensors.append((a_i, a))
         else:
             self.signature.append((type(a), a))
             self.check(f"type({a_i}) is {self.name(type(a))} and {a_i} == {self.name(a)}")
@@ -330,6 +328,12 @@ class _Code:
 
     def build(self, program: Callable, feeds: list[str], ret: str) -> Callable:
         self.namespace["_program"] = program
+        if self.tensors:  # every tensor argument at once, in C++ (dynamo's own tensor check)
+            examples = [t for _, t in self.tensors]
+            self.namespace["_tensors_match"] = TensorGuards(
+                *examples, dynamic_dims_sizes=[list(t.shape) for t in examples],
+                dynamic_dims_strides=[list(t.stride()) for t in examples]).check
+            self.checks.insert(0, f"_tensors_match({', '.join(a for a, _ in self.tensors)})")
         unpack = "".join(f"a{i}, " for i in range(self.n))
         lines = [
             "def entry(args):",
