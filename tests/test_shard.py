@@ -376,3 +376,17 @@ def test_a_split_that_would_not_fit_a_gpus_memory_is_not_chosen():
     assert got.choice.sharded is None
     (why,) = [v for k, v in got.choice.refused.items() if k.startswith("cuda:0,cuda:1")][:1]
     assert "on cuda:1, which has 0.10 GiB" in why
+
+
+def test_capture_step_drops_what_nothing_reads_but_keeps_random_draws():
+    """Dead ops (batch norm's eval form returns empty statistics) leave the step; a random
+    draw nothing reads stays, since eager's generator advances by it."""
+    def step(x):
+        x * 3  # nothing reads it
+        torch.empty(5)
+        torch.rand(2)
+        return x + 1
+
+    ops = [op_name(n.op) for n in capture_step(step, (torch.randn(4),)).graph.ops]
+    assert "aten.mul.Tensor" not in ops and not any("empty" in o for o in ops)
+    assert "aten.rand" in ops and "aten.add.Tensor" in ops
