@@ -75,6 +75,27 @@ def test_matmul_on_the_host_is_launch_plus_roofline():
     assert cost == OpCost(pytest.approx(2e-6 + 2e9 / 1e11), 0.0, "roofline")
 
 
+def test_a_convolution_is_priced_on_the_conv_curve_a_matmul_on_the_matmul_one():
+    import dataclasses
+
+    machine = toy_machine()
+    cpu = dataclasses.replace(machine.profile.devices["cpu"],
+                              curves={"conv": ((1e3, 1e9), (1e12, 1e9))})  # 100x below
+    machine = dataclasses.replace(
+        machine, profile=dataclasses.replace(machine.profile,
+                                             devices={**machine.profile.devices, "cpu": cpu}))
+    g = Graph("conv")
+    x = g.input(TensorMeta.make((8, 16, 32, 32)))
+    w = g.input(TensorMeta.make((16, 16, 3, 3)))
+    conv = g.call(aten.convolution.default, (x, w, None, [1, 1], [1, 1], [1, 1], False,
+                                             [0, 0], 1))
+    g.set_outputs([conv])
+    cm = CostModel(machine)
+    assert cm.op_cost(conv, "cpu:0").host_s == pytest.approx(2e-6 + conv.flops / 1e9)
+    node = mm(1000, 1000, 1000)  # no matmul curve: the flat float32 rate
+    assert cm.op_cost(node, "cpu:0").host_s == pytest.approx(2e-6 + 2e9 / 1e11)
+
+
 def test_cpu_workers_split_the_host_threads():
     node = mm(1000, 1000, 1000)
     # two workers own 2 of the 4 threads each: half the rate

@@ -186,10 +186,22 @@ def test_compute_time_scales_the_float32_curve_for_other_dtypes():
                       2**30, curves={"matmul": ((1e6, 1e12), (1e9, 10e12))})
     assert d.compute_time("float32", 1e9) == pytest.approx(1e9 / 10e12)
     assert d.compute_time("bfloat16", 1e6) == pytest.approx(1e6 / 4e12)
-    assert d.compute_time("float32", 1e3) == pytest.approx(1e3 / 1e12)  # clamped below
+    # below the smallest size measured, its time: an op's fixed cost stays
+    assert d.compute_time("float32", 1e3) == pytest.approx(1e6 / 1e12)
     assert d.compute_time("int64", 1e12) == pytest.approx(1e12 / 10e12)  # slowest known rate
     flat = DeviceProfile("cuda", "g", 1e-6, 1e-6, {"float32": 10e12, "float16": 20e12}, 1e12, 1)
     assert flat.compute_time("float16", 1e9) == pytest.approx(1e9 / 20e12)
+
+
+def test_convolutions_are_priced_on_their_own_curve_where_measured():
+    curves = {"matmul": ((1e6, 1e12), (1e9, 10e12)), "conv": ((1e6, 1e11), (1e9, 20e12))}
+    d = DeviceProfile("cpu", "x", 1e-6, 1e-6, {"float32": 10e12, "bfloat16": 20e12}, 1e12,
+                      2**30, curves=curves)
+    assert d.compute_time("float32", 1e6, curve="conv") == pytest.approx(1e6 / 1e11)
+    assert d.compute_time("bfloat16", 1e9, curve="conv") == pytest.approx(1e9 / 40e12)
+    no_conv = DeviceProfile("cpu", "x", 1e-6, 1e-6, {"float32": 10e12}, 1e12, 2**30,
+                            curves={"matmul": curves["matmul"]})
+    assert no_conv.compute_time("float32", 1e9, curve="conv") == pytest.approx(1e9 / 10e12)
 
 
 def test_read_and_write_times():

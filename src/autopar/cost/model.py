@@ -7,7 +7,8 @@ Policy, in order of preference for a node ``n`` on device ``d``
    same input shapes, dtypes and arguments on the same device (CPU workers share one entry), their
    outlier-robust median replaces the estimate below.
 3. Roofline: ``work = max(compute, read + write)``, each read off the profile's calibrated curves
-   (achieved rates grow with size): ``compute`` for the op's FLOPs in its dtype, ``read`` for the
+   (achieved rates grow with size): ``compute`` for the op's FLOPs in its dtype (convolutions on
+   the ``conv`` curve where the profile has one, else the ``matmul`` one), ``read`` for the
    bytes of its inputs, ``write`` for the bytes of its outputs (in place: of the inputs it
    mutates; on the host writing fresh memory costs page faults). Ops without a FLOP formula are
    costed by bytes alone, except transcendental pointwise ops (exp, tanh, softmax...), whose
@@ -342,7 +343,8 @@ class CostModel:
         threads = self.machine.cpu_threads if dev.is_cpu else 0
         compute_s = 0.0
         if node.flops:
-            compute_s = dp.compute_time(self._rate_dtype(node, dev), node.flops, threads)
+            curve = "conv" if _schema_name(node) in _CONVOLUTIONS else "matmul"
+            compute_s = dp.compute_time(self._rate_dtype(node, dev), node.flops, threads, curve)
         elif _schema_name(node) in _TRANSCENDENTAL:
             compute_s = dp.transcendental_time(_elements(node), threads)
         read, written = node.in_bytes, _bytes_written(node)

@@ -12,8 +12,12 @@ What is measured, per device
   sizes, tf32 off; ``read``, bytes/s of ``aten.sum`` over 2n floats; ``write``, bytes/s of the
   4n-byte output of ``aten.add`` on two n-float arrays (allocated as eager does), its 8n bytes of
   reading taken off; ``exp``, elements/s of ``aten.exp`` (its whole time: where it is no slower
-  than its bytes, it adds nothing). One size per other dtype (tf32, float16, bfloat16, float64)
-  gives that dtype's ratio to float32.
+  than its bytes, it adds nothing); ``conv``, float32 FLOP/s of a 3x3 ``aten.convolution``
+  (stride 1, same padding, batch 8, as many channels out as in) over a range of channel counts
+  and image sides (on the 2-core VM a small convolution runs 1.3-4.7x below the matmul curve
+  at its FLOPs, a big one 2x above it: the matmul curve priced a tiny ResNet's forward at 0.36
+  of its measured time). One size per other dtype (tf32, float16, bfloat16, float64) gives that
+  dtype's ratio to float32.
 - links: host<->GPU pinned (into a pre-allocated pinned buffer) and pageable (``.to()`` /
   ``.cpu()`` with fresh host memory, as eager code does), GPU<->GPU; a few sizes each, kept as
   samples (pageable copies of fresh memory slow down sharply past 32 MB, where glibc stops
@@ -337,9 +341,21 @@ Timer = Callable[[Callable[[], Any]], float]
 """Seconds of work of one call of a function (host: wall time less dispatch; GPU: kernel time)."""
 
 
+CONV_SIZES = ((4, 4), (4, 8), (8, 16), (16, 16), (16, 32), (32, 32), (64, 28), (64, 56), (128, 28),
+              (256, 14), (256, 28), (512, 14))
+"""(channels, image side) of the ``conv`` curve's convolutions (batch 8, 3x3)."""
+
+
+def _conv_flops(c: int, side: int) -> float:
+    return 2.0 * 8 * c * c * 9 * side * side
+
+
 def _curves(timer: Timer, device: str, mm_sizes: tuple[int, ...], add_sizes: tuple[int, ...],
-            max_bytes: float, max_op_s: float) -> dict[str, tuple[tuple[float, float], ...]]:
-    """The ``matmul``, ``read`` and ``write`` curves of a device (see autopar.machine.model.CURVES).
+            max_bytes: float, max_op_s: float,
+            conv_sizes: tuple[tuple[int, int], ...] = CONV_SIZES,
+            ) -> dict[str, tuple[tuple[float, float], ...]]:
+    """The ``matmul``, ``read``, ``write``, ``exp`` and ``conv`` curves of a device (see
+    autopar.machine.model.CURVES).
 
     ``read`` from ``sum`` over 2n floats (8n bytes read); ``write`` from ``add`` of two n-float
     arrays, less the time of reading its 8n bytes: what producing 4n fresh bytes costs. Sizes
@@ -371,7 +387,17 @@ def _curves(timer: Timer, device: str, mm_sizes: tuple[int, ...], add_sizes: tup
         write.append((4.0 * n, 4.0 * n / max(t_add - t_read, 0.1 * t_add)))
         exp.append((float(n), n / timer(lambda a=a: aten.exp.default(a))))
         del a, b, both
-    return {"matmul": tuple(mm), "read": tuple(read), "write": tuple(write), "exp": tuple(exp)}
+    conv: list[tuple[float, float]] = []
+    for c, side in conv_sizes:
+        flops = _conv_flops(c, side)
+        if too_slow(conv, flops) or too_slow(mm, flops):
+            break
+        x, w = _rand(c, 8, c, side, side, device=device), _rand(c, c, c, 3, 3, device=device)
+        conv.append((flops, flops / timer(lambda x=x, w=w: aten.convolution.default(
+            x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1))))
+        del x, w
+    return {"matmul": tuple(mm), "read": tuple(read), "write": tuple(write), "exp": tuple(exp),
+            "conv": tuple(conv)}
 
 
 def _calibrate_cpu(mode: _Mode, step: Callable[[str], None]) -> tuple[DeviceProfile, float]:

@@ -173,12 +173,20 @@ def _curve_at(curve: Curve, x: float) -> float:
     return math.exp(math.log(r0) + w * (math.log(r1) - math.log(r0)))
 
 
+def _floored(curve: Curve, x: float) -> float:
+    """Seconds of an op of size ``x`` on ``curve``; below its smallest measured size, that
+    size's time: an op's fixed cost stays (a 3x3 convolution of 0.02 MFLOP took 46-128 us on
+    the 2-core VM, where the rate of the smallest one measured gave 5 us)."""
+    return max(x, curve[0][0]) / _curve_at(curve, x)
+
+
 # -- profiles --------------------------------------------------------------------------------
-CURVES = ("matmul", "read", "write", "exp")
+CURVES = ("matmul", "read", "write", "exp", "conv")
 """Curve names of a DeviceProfile: float32 matmul FLOPs -> FLOP/s; bytes read -> bytes/s (an op
 reading that much, like ``sum``); bytes written -> bytes/s (the output of ``add``, its reads
 apart; on the host this includes the first-touch page faults of fresh output memory); elements
--> elements/s of ``exp``, the compute of transcendental pointwise ops. Each may also be given
+-> elements/s of ``exp``, the compute of transcendental pointwise ops; float32 convolution FLOPs
+-> FLOP/s (a profile without it prices convolutions by ``matmul``). Each may also be given
 measured with one thread, as ``"<name>@1t"``."""
 
 
@@ -224,12 +232,17 @@ class DeviceProfile:
         """Host time to issue one op of ``kind`` (an :func:`autopar.ir.graph.op_kind` family)."""
         return self.launch_by_kind.get(kind, self.launch_s)
 
-    def compute_time(self, dtype: str, flops: float, threads: int = 0) -> float:
+    def compute_time(self, dtype: str, flops: float, threads: int = 0,
+                     curve: str = "matmul") -> float:
         """Seconds of ``flops`` FLOPs in ``dtype`` (a dtype name) with ``threads`` threads (0:
-        as measured). A dtype never measured (integers, complex) gets the slowest known rate."""
+        as measured), on ``curve`` (``"conv"`` for convolutions, where measured) scaled by
+        the dtype's matmul rate. A dtype never measured (integers, complex) gets the slowest
+        known rate."""
         peak = self.flops.get(dtype, min(self.flops.values()))
         fp32 = self.flops.get("float32", peak)
-        return self._time("matmul", flops, fp32, threads) * fp32 / peak
+        if curve not in self.curves:
+            curve = "matmul"
+        return self._time(curve, flops, fp32, threads) * fp32 / peak
 
     def read_time(self, nbytes: float, threads: int = 0) -> float:
         return self._time("read", nbytes, self.mem_bw, threads)
@@ -251,13 +264,13 @@ class DeviceProfile:
         ``c = T (t - 1) / (t (T - 1))``), or, without a one-thread curve, the linear share.
         Both keep time non-decreasing in size."""
         points = self.curves.get(curve)
-        full = size / (_curve_at(points, size) if points else flat_rate)
+        full = _floored(points, size) if points else size / flat_rate
         if not threads or not self.threads or threads >= self.threads:
             return full
         one_points = self.curves.get(f"{curve}@1t")
         if not one_points:
             return full * self.threads / threads
-        one = size / _curve_at(one_points, size)
+        one = _floored(one_points, size)
         total = self.threads
         c = total * (threads - 1) / (threads * (total - 1))
         return (1 - c) * one + c * full
