@@ -48,6 +48,7 @@ import torch
 import autopar
 from autopar.bench.harness import settle
 from autopar.bench.measure import Stats, in_process_compiles, measure_side_by_side
+from autopar.bench.workloads import w1_bounds_inside, w1_slice
 
 US = 1e6
 
@@ -59,19 +60,6 @@ def tiny_chain(n_ops: int) -> Callable:
             x = x * 1.0001 + 0.001
         return x
     return chain
-
-
-def w1_bounds_inside(A, B):
-    d = A.device
-    r0, r1 = torch.tensor(100, device=d), torch.tensor(356, device=d)
-    c0, c1 = torch.tensor(100, device=d), torch.tensor(356, device=d)
-    B[:] = A[r0:r1, c0:c1]
-    return B
-
-
-def w1_slice(A, B, r0, r1, c0, c1):
-    B[:] = A[r0:r1, c0:c1]
-    return B
 
 
 def w2_a1_inside(A):

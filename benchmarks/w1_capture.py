@@ -27,19 +27,11 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import autopar
-
-
-def w1_bounds_inside(A, B):
-    d = A.device
-    r0, r1 = torch.tensor(100, device=d), torch.tensor(356, device=d)
-    c0, c1 = torch.tensor(100, device=d), torch.tensor(356, device=d)
-    B[:] = A[r0:r1, c0:c1]
-    return B
+from autopar.bench.workloads import w1_bounds_inside, w1_slice
 
 
 def w1_ints(A, B):
-    B[:] = A[100:356, 100:356]
-    return B
+    return w1_slice(A, B, 100, 356, 100, 356)
 
 
 def _graphs(capture_scalars: bool, A: torch.Tensor, B: torch.Tensor) -> dict:

@@ -160,6 +160,16 @@ def w1_slice(A, B, r0, r1, c0, c1):
     return B
 
 
+def w1_bounds_inside(A, B):
+    """W1 with its bounds made inside the function, as 0-dim tensors on ``A``'s device (the
+    forum case: ``benchmarks/launch.py``, ``benchmarks/w1_capture.py``)."""
+    d = A.device
+    r0, r1 = torch.tensor(100, device=d), torch.tensor(356, device=d)
+    c0, c1 = torch.tensor(100, device=d), torch.tensor(356, device=d)
+    B[:] = A[r0:r1, c0:c1]
+    return B
+
+
 def _w1_prepare(inputs: tuple, gpus: Sequence[str]) -> tuple:
     A, B, *bounds = inputs
     return (A, B, *(int(b) for b in bounds))  # read the bounds back once, not on every call
