@@ -177,6 +177,8 @@ def test_a_graph_that_writes_an_argument_is_learned_and_writes_it_each_call():
                                candidates="autopar")
     assert compiled(A, B) is B and torch.equal(B, A[2:4])
     assert len(compiled.compiled.entries) == 1
+    source = compiled.compiled.entries[0].source  # the light wrapper inline: copy back, B out
+    assert "_run([a0, a1])" in source and "a1.copy_(outs[0])" in source
     graph = compiled.runner.executors[-1].plan.graph  # the slice is copied into B once, by
     assert not any(n.op is torch.ops.aten.copy.default for n in graph.ops)  # the epilogue
     calls = through_dynamo(compiled)

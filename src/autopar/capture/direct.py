@@ -326,6 +326,28 @@ class _Code:
             self.check(f"{self.name(where[1])}.cell_contents is {t}")
         return t
 
+    def _unwrapped(self, parts: tuple, feeds: list[str]) -> list[str]:
+        """Lines doing what :func:`autopar.capture.dynamo._without_aot_wrapper`'s call does
+        (grad mode off around the graph, the updated inputs copied back, inputs returned where
+        the graph returns them), leaving ``out`` as its result."""
+        run, boxed, mutated, bases = parts
+        self.namespace["_run"] = run
+        self.namespace["_set_grad"] = torch._C._set_grad_enabled
+        call = f"_run([{', '.join(feeds)}])" if boxed else f"_run({', '.join(feeds)})"
+        if self.grad:
+            lines = ["    _set_grad(False)", "    try:", f"        outs = {call}",
+                     "    finally:", "        _set_grad(True)"]
+        else:
+            lines = [f"    outs = {call}"]
+        lines += [f"    {feeds[i]}.copy_(outs[{k}])" for k, i in enumerate(mutated)]
+        n = len(mutated)
+        if not bases or all(b is None for b in bases):
+            lines.append(f"    out = outs[{n}:]" if n else "    out = outs")
+        else:
+            items = [f"outs[{n + j}]" if b is None else feeds[b] for j, b in enumerate(bases)]
+            lines.append(f"    out = [{', '.join(items)}]")
+        return lines
+
     def build(self, program: Callable, feeds: list[str], ret: str) -> Callable:
         self.namespace["_program"] = program
         if self.tensors:  # every tensor argument at once, in C++ (dynamo's own tensor check)
@@ -345,7 +367,11 @@ class _Code:
         if self.checks:
             lines.append("    if not (" + "\n            and ".join(self.checks) + "):")
             lines.append("        return _MISS")
-        lines.append(f"    out = _program({', '.join(feeds)})")
+        parts = getattr(program, "parts", None)
+        if parts is None:
+            lines.append(f"    out = _program({', '.join(feeds)})")
+        else:  # aot's light wrapper (capture.dynamo), inline: two frames less a call
+            lines += self._unwrapped(parts, feeds)
         lines.append(f"    return {ret}")
         source = "\n".join(lines) + "\n"
         exec(compile(source, f"<autopar direct entry #{next(_counter)}>", "exec"),

@@ -378,6 +378,7 @@ def _without_aot_wrapper(run: Callable, mutated: tuple[int, ...] = (),
                 _set_grad_enabled(True)
     call.autopar_bare = True  # type: ignore[attr-defined]
     call.mutated = mutated  # type: ignore[attr-defined]
+    call.parts = (run, boxed, mutated, bases)  # type: ignore[attr-defined]  # (capture.direct)
     return call
 
 
