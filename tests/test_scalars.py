@@ -381,3 +381,28 @@ def test_a_dynamo_failure_with_scalars_captured_is_traced_again_without(caplog):
     assert f(4) == 8
     assert calls == [True, False, False]
     assert "tracing it with graph breaks at .item() instead" in caplog.text
+
+
+def test_a_backend_failing_on_a_data_dependent_value_is_traced_again_without_scalars(caplog):
+    """torch 2.11's aot_autograd on tensor slice bounds passed in: the backend's failure
+    (``GuardOnDataDependentSymNode``) reached the user; now the call is traced with graph breaks
+    instead. Any other backend failure is raised as it is."""
+    from autopar.capture.dynamo import capturing_scalars
+
+    def failing(why):
+        calls = []
+
+        def compiled(x):
+            calls.append(torch._dynamo.config.capture_scalar_outputs)
+            if torch._dynamo.config.capture_scalar_outputs:
+                raise torch._dynamo.exc.BackendCompilerFailed("ours", why, None)
+            return x * 2
+        return compiled, calls
+
+    compiled, calls = failing(RuntimeError("GuardOnDataDependentSymNode: Eq(256, u4)"))
+    with caplog.at_level("WARNING", logger="autopar"):
+        assert capturing_scalars(compiled)(3) == 6
+    assert calls == [True, False] and "tracing it with graph breaks" in caplog.text
+    compiled, calls = failing(ValueError("an unrelated bug"))
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="unrelated"):
+        capturing_scalars(compiled)(3)

@@ -398,6 +398,8 @@ def capturing_scalars(compiled: Callable, needed: Callable[[], bool] | None = No
     ``torch._dynamo.config.capture_scalar_outputs = True`` (or
     ``TORCHDYNAMO_CAPTURE_SCALAR_OUTPUTS=1``) already set, calls go straight through. Where
     dynamo itself fails to trace with the setting on (an internal error, before anything ran),
+    or a backend fails on a value read in the graph (aot_autograd on torch 2.11, W1's slice
+    bounds passed in as tensors: ``GuardOnDataDependentSymNode``, which reached the user),
     the call is traced again without it, once, logged, and the setting is not used again
     (``failed()`` is then called: ``guards="arguments"`` traces such a function by running
     it, :class:`autopar.capture.direct.Direct`).
@@ -416,7 +418,11 @@ def capturing_scalars(compiled: Callable, needed: Callable[[], bool] | None = No
                 config.capture_scalar_outputs = True
                 try:
                     return fn(*args, **kwargs)
-                except torch._dynamo.exc.InternalTorchDynamoError as e:
+                except (torch._dynamo.exc.InternalTorchDynamoError,
+                        torch._dynamo.exc.BackendCompilerFailed) as e:
+                    if isinstance(e, torch._dynamo.exc.BackendCompilerFailed) and \
+                            not _data_dependent(e):
+                        raise
                     state["off"] = True
                     if failed is not None:
                         failed()
@@ -435,6 +441,21 @@ def capturing_scalars(compiled: Callable, needed: Callable[[], bool] | None = No
         compiled.forward = wrap(compiled.forward)
         return compiled
     return wrap(compiled)
+
+
+_DATA_DEPENDENT = ("GuardOnDataDependentSymNode", "PendingUnbackedSymbolNotFound",
+                   "data-dependent")
+
+
+def _data_dependent(error: BaseException) -> bool:
+    """Whether a backend's failure came from a value read in the graph (an unbacked symbol)."""
+    for _ in range(8):  # the chain of causes, a few deep
+        if error is None:
+            return False
+        if any(m in f"{type(error).__name__}: {error}" for m in _DATA_DEPENDENT):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 _STDLIB = os.path.dirname(os.__file__)
