@@ -342,3 +342,31 @@ def test_a_slice_something_else_reads_is_kept_and_a_single_slice_stays_a_slice()
     assert torch.equal(end, A[1:4, 2:5]) and torch.equal(first, A[1:4])
     one = SequentialRunner(_sliced([(0, 1, 4)])).program.source
     assert "slices as one view" not in one and "aten.slice.Tensor" in one
+
+
+def test_ops_run_through_the_python_binding_that_provably_dispatches_them():
+    """fast_call: torch's binding where calling it on meta tensors dispatched the very op with
+    the very arguments (add, permute, a Tensor method for view), else the op's C++ entry
+    (linear decomposes below autograd; gelu has no binding); the results are eager's."""
+    from autopar.runtime.codegen import fast_call
+
+    aten = torch.ops.aten
+    g = Graph("bindings")
+    x = g.input(TensorMeta.make((4, 8)), "x")
+    w = g.input(TensorMeta.make((3, 8)), "w")
+    add = g.call(aten.add.Tensor, (x, x))
+    perm = g.call(aten.permute.default, (add, [1, 0]))
+    view = g.call(aten.view.default, (add, [32]))
+    lin = g.call(aten.linear.default, (x, w))
+    gelu = g.call(aten.gelu.default, (lin,))
+    g.set_outputs([perm, view, gelu])
+    assert fast_call(add) is torch._C._VariableFunctions.add
+    assert fast_call(perm) is torch._C._VariableFunctions.permute
+    assert fast_call(view) is torch.Tensor.view
+    assert fast_call(lin) is aten.linear.default._op
+    assert fast_call(gelu) is aten.gelu.default._op
+    X, W = torch.randn(4, 8), torch.randn(3, 8)
+    got = SequentialRunner(g)([X, W])
+    torch.testing.assert_close(got[0], (X + X).permute(1, 0))
+    torch.testing.assert_close(got[1], (X + X).view(32))
+    torch.testing.assert_close(got[2], torch.nn.functional.gelu(X @ W.T))
