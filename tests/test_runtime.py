@@ -370,3 +370,4 @@ def test_ops_run_through_the_python_binding_that_provably_dispatches_them():
     torch.testing.assert_close(got[0], (X + X).permute(1, 0))
     torch.testing.assert_close(got[1], (X + X).view(32))
     torch.testing.assert_close(got[2], torch.nn.functional.gelu(X @ W.T))
+

@@ -290,10 +290,13 @@ class _Record(torch.utils._python_dispatch.TorchDispatchMode):
 def _binding(node: Node) -> Any:
     """torch's Python function or Tensor method for ``node.op`` where calling it on meta
     tensors like the node's inputs dispatches ``node.op`` alone with the same arguments and
-    returns the same type; else None. Ops given a device, or a tensor that is not a graph
-    value, are left to their entry."""
+    returns the same type; else None. Ops given a device, ops of no graph value (factories:
+    a binding would obey a ``torch.device`` context of the caller's, a function mode), and
+    ops given a tensor that is not a graph value are left to their entry."""
     op = node.op
-    if "device" in node.kwargs or any(isinstance(v, torch.Tensor) for v in _leaves(node)):
+    leaves = _leaves(node)
+    if "device" in node.kwargs or any(isinstance(v, torch.Tensor) for v in leaves) or \
+            not any(isinstance(v, Node) for v in leaves):
         return None
     try:
         args = _meta(list(node.args))
