@@ -300,3 +300,22 @@ def test_a_function_reading_a_global_tensor_is_not_traced_by_running(monkeypatch
         torch.testing.assert_close(compiled(x), x[:, :3] @ W[:3])
     direct = compiled.compiled
     assert direct.refused == "it reads 1 tensor(s) besides its arguments"
+
+
+def test_a_tensor_passed_twice_is_not_traced_by_running(monkeypatch):
+    """The traced graph assumes distinct arguments (it ran on a copy of each, and a graph that
+    writes one would not see the other change): one tensor passed twice keeps going through
+    dynamo, as for a learned entry."""
+    _as_on_torch_2_11(monkeypatch)
+
+    def two(x, y):
+        n = torch.tensor(2, device=x.device)
+        return x[:n] + y[:n]
+
+    compiled = autopar.compile(two, devices="cpu:0", guards="arguments", candidates="autopar")
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(compiled(x, x.clone()), 2 * x[:2])  # dynamo, graph breaks
+    direct = compiled.compiled
+    assert direct.by_running
+    torch.testing.assert_close(compiled(x, x), 2 * x[:2])
+    assert not direct.by_running and "distinct" in direct.refused and not direct.entries

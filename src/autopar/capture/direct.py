@@ -76,6 +76,7 @@ from torch._C._dynamo.guards import TensorGuards
 
 from ..ir.ops import PLAIN_VALUES
 from .dynamo import any_autocast_enabled
+from .fx import kept_unused
 
 __all__ = ["MAX_ENTRIES", "Direct"]
 
@@ -148,13 +149,12 @@ class Direct:
     def _traced(self, args: tuple) -> Callable | None:
         """An entry for ``args``' signature from ``make_fx``'s real trace of the function on
         copies of them (see the module docstring), or None (``by_running`` then stops)."""
-        grad = torch.is_grad_enabled()
-        why = None
         if any_autocast_enabled():
             return None
-        if any(isinstance(a, torch.Tensor) and grad and a.requires_grad for a in args) or \
-                not all(isinstance(a, (torch.Tensor, *PLAIN_VALUES)) for a in args):
-            why = "its arguments are not tensors autograd ignores and plain values"
+        grad = torch.is_grad_enabled()
+        why = None
+        if _tensor_positions(args, grad) is None:
+            why = "its arguments are not distinct tensors autograd ignores and plain values"
         else:
             from torch.fx.experimental.proxy_tensor import make_fx  # heavy: on first use
 
@@ -164,7 +164,7 @@ class Direct:
             except Exception as e:  # a data-dependent read, or an op the tracer lacks
                 why = f"the trace stopped: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
             else:
-                gm.graph.eliminate_dead_code()
+                gm.graph.eliminate_dead_code(is_impure_node=kept_unused)
                 outside = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
                 if outside:
                     why = f"it reads {len(outside)} tensor(s) besides its arguments"
@@ -190,14 +190,9 @@ class Direct:
         grad = torch.is_grad_enabled()
         if any_autocast_enabled():
             return None
-        at: dict[int, int] = {}  # id of a tensor argument -> its position
-        for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor):
-                if id(a) in at or (grad and a.requires_grad):
-                    return None
-                at[id(a)] = i
-            elif not isinstance(a, PLAIN_VALUES):
-                return None
+        at = _tensor_positions(args, grad)
+        if at is None:
+            return None
         fixed = self._fixed()
         feeds: list[str] = []
         code = _Code(grad, len(args))
@@ -237,6 +232,21 @@ class Direct:
                 if isinstance(v, torch.Tensor):
                     found.setdefault(id(v), where)
         return found
+
+
+def _tensor_positions(args: tuple, grad: bool) -> dict[int, int] | None:
+    """id of each tensor argument -> its position, where the arguments are what an entry can
+    check: tensors autograd does not record (with grad mode on, none requiring grad), each
+    passed once (the graph assumes distinct tensors), and plain values; else None."""
+    at: dict[int, int] = {}
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            if id(a) in at or (grad and a.requires_grad):
+                return None
+            at[id(a)] = i
+        elif not isinstance(a, PLAIN_VALUES):
+            return None
+    return at
 
 
 def free_values(fn: Callable) -> Iterator[tuple[str, Any, tuple]]:

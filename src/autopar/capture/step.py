@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..ir.graph import Graph, Node
 from .direct import free_values
-from .fx import Unsupported, from_fx
+from .fx import Unsupported, from_fx, kept_unused
 from .state import State
 
 __all__ = ["StepGraph", "capture_step"]
@@ -127,7 +127,7 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
             gm = make_fx(torch.func.functionalize(torch.fx.Interpreter(gm).run,
                                                   remove="mutations"),
                          tracing_mode="fake")(*plain)
-        gm.graph.eliminate_dead_code(is_impure_node=_kept_unused)
+        gm.graph.eliminate_dead_code(is_impure_node=kept_unused)
     except Unsupported:
         raise
     except Exception as e:
@@ -150,16 +150,6 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
     mutated = _take_input_copies(graph)
     return StepGraph(graph, found["n"], found["spec"], found["grads"], mutated, params, n_args,
                      found["cleared"], constants)
-
-
-def _kept_unused(node: torch.fx.Node) -> bool:
-    """Whether an op nothing reads stays in the step: fx's impure nodes (writes, the trailing
-    copies into inputs) and random draws (eager's generator advances by them). The rest is
-    dead: batch norm's eval form returns empty statistics (53 ``empty`` in a ResNet-50's
-    inference, each an allocation a call)."""
-    target = node.target
-    return node.is_impure() or (isinstance(target, torch._ops.OpOverload)
-                                and torch.Tag.nondeterministic_seeded in target.tags)
 
 
 def _held_outside(fn: Callable, constants: Sequence[torch.Tensor]) -> list[torch.Tensor]:
