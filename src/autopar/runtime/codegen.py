@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.utils._python_dispatch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..ir.graph import Node, TensorMeta, op_name
 from ..ir.ops import PLAIN_VALUES
@@ -247,11 +248,6 @@ _SLICE = torch.ops.aten.slice.Tensor
 _AS_STRIDED = torch.Tensor.as_strided  # the Python binding: 1.16 us, the op's C++ entry 2.7
 
 
-def _entry_of(op: Any) -> Any:
-    """What calling ``op`` calls: an OpOverload's C++ entry, else ``op`` itself."""
-    return op._op if type(op) is torch._ops.OpOverload else op
-
-
 _FAST: dict[tuple, Any] = {}  # (op, argument types) -> the callable fast_call chose
 
 
@@ -261,7 +257,7 @@ def fast_call(node: Node) -> Any:
     op = node.op
     if type(op) is not torch._ops.OpOverload:
         return op
-    key = (op, _kinds(node.args), tuple(sorted(node.kwargs)))
+    key = (op, _kind(node.args), *((k, _kind(v)) for k, v in node.kwargs.items()))
     got = _FAST.get(key)
     if got is None:
         with unset_fake_temporarily():  # (a backend compiles inside dynamo's fake mode)
@@ -269,11 +265,13 @@ def fast_call(node: Node) -> Any:
     return got
 
 
-def _kinds(x: Any) -> Any:
+def _kind(x: Any) -> Any:
+    """What a binding's overload choice may depend on: a graph tensor, another graph value,
+    a constant's type, lists and tuples item by item."""
     if isinstance(x, Node):
-        return "T" if isinstance(x.meta, TensorMeta) else "value"
+        return "tensor" if isinstance(x.meta, TensorMeta) else "value"
     if isinstance(x, list | tuple):
-        return (type(x).__name__, *map(_kinds, x))
+        return (type(x).__name__, *map(_kind, x))
     return type(x).__name__
 
 
@@ -294,13 +292,13 @@ def _binding(node: Node) -> Any:
     a binding would obey a ``torch.device`` context of the caller's, a function mode), and
     ops given a tensor that is not a graph value are left to their entry."""
     op = node.op
-    leaves = _leaves(node)
+    leaves = tree_flatten((node.args, node.kwargs))[0]
     if "device" in node.kwargs or any(isinstance(v, torch.Tensor) for v in leaves) or \
             not any(isinstance(v, Node) for v in leaves):
         return None
     try:
-        args = _meta(list(node.args))
-        kwargs = {k: _meta(v) for k, v in node.kwargs.items()}
+        args = tree_map_only(Node, _meta, list(node.args))
+        kwargs = tree_map_only(Node, _meta, dict(node.kwargs))
         want = op(*args, **kwargs)
     except Exception:  # a value the meta device can't stand for: the entry it is
         return None
@@ -321,32 +319,12 @@ def _binding(node: Node) -> Any:
     return None
 
 
-def _leaves(node: Node) -> list[Any]:
-    out: list[Any] = []
-
-    def walk(x: Any) -> None:
-        if isinstance(x, list | tuple):
-            for v in x:
-                walk(v)
-        elif isinstance(x, dict):
-            for v in x.values():
-                walk(v)
-        else:
-            out.append(x)
-    walk(list(node.args))
-    walk(dict(node.kwargs))
-    return out
-
-
-def _meta(x: Any) -> Any:
-    if isinstance(x, Node):
-        m = x.meta
-        if not isinstance(m, TensorMeta):
-            raise TypeError(f"{x!r} is not a tensor")
-        return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
-    if isinstance(x, list | tuple):
-        return type(x)(_meta(v) for v in x)
-    return x
+def _meta(x: Node) -> torch.Tensor:
+    """A meta tensor like the value ``x`` (raises for a value that is not a tensor)."""
+    m = x.meta
+    if not isinstance(m, TensorMeta):
+        raise TypeError(f"{x!r} is not a tensor")
+    return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -374,22 +352,13 @@ def _slice_chains(steps: list, entry: tuple[list[int], list], slots: SlotTable,
     inputs = set(entry[0])
     outputs = {v for kind, v in entry[1] if kind == "slot"}
     readers: dict[Node, list[Node | None]] = {}  # value -> the Run nodes reading it (None: other)
-
-    def read(x: Any, by: Node | None) -> None:
-        if isinstance(x, Node):
-            readers.setdefault(x, []).append(by)
-        elif isinstance(x, list | tuple):
-            for v in x:
-                read(v, by)
-        elif isinstance(x, dict):
-            for v in x.values():
-                read(v, by)
-
     for s in steps:
         if isinstance(s, Run):
-            read(list(s.node.args) + list(s.node.kwargs.values()), s.node)
+            for x in s.node.inputs:
+                readers.setdefault(x, []).append(s.node)
         elif isinstance(s, Fused):
-            read(list(s.inputs), None)
+            for x in s.inputs:
+                readers.setdefault(x, []).append(None)
     slices = {s.node for s in steps if isinstance(s, Run) and s.node.op is _SLICE and all(
         a is None or type(a) is int for a in [*s.node.args[1:], *s.node.kwargs.values()])}
 
