@@ -35,7 +35,7 @@ import os
 import re
 import statistics
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -58,6 +58,7 @@ from .dataparallel import DataParallelStep
 from .ir.graph import LOCAL_SCALAR_DENSE, Graph
 from .ir.logs import first_line, quiet
 from .ir.ops import PLAIN_VALUES
+from .ir.routing import cuda_indices
 from .ir.units import fmt_seconds
 from .machine.detect import load_machine
 from .passes.cudagraphs import capture_rule
@@ -207,7 +208,7 @@ class Runner:
         # whether any of them writes a tensor in place (an op's write, or aot_autograd's
         # epilogue into an input or buffer): a call is then not repeatable
         self.writes = False
-        self.gpus = _cuda_indices(options.devices)  # GPU indices autopar may use
+        self.gpus = cuda_indices(options.devices)  # GPU indices autopar may use
         self.inductor_can = inductor_compiles_for(options.devices, options.fuse)
         self.inductor_candidate = self.inductor_can and "inductor" in options.candidates
 
@@ -236,7 +237,7 @@ class Runner:
                     ours.add(device)
                 ours.update(s.dst for s in steps if isinstance(s, Send))
             ours.update(d for _, d in plan.outputs if d is not None)
-        return _cuda_indices(eager), _cuda_indices(ours)
+        return cuda_indices(eager), cuda_indices(ours)
 
     @property
     def planned(self) -> int:
@@ -335,10 +336,6 @@ class _FallsBack:
             return out
 
 
-def _cuda_indices(devices: Iterable[str]) -> frozenset[int]:
-    return frozenset(torch.device(d).index or 0 for d in devices if d.startswith("cuda"))
-
-
 def make_runner(options: Options) -> Runner:
     """The GraphRunner for these options (see :class:`Runner`)."""
     return Runner(options)
@@ -412,7 +409,9 @@ def compile(fn: Callable, **options: Any) -> Callable:
         functools.partial(_inductor_alone, module if module is not None else fn)
     eager = module.__call__ if module is not None else fn
     split = DataParallelStep(eager, opts, None, unsplit=eager, cost_model=runner.cost_model,
-                             measured=False) if _may_split(opts) else None
+                             measured=False, name=_name(eager)) \
+        if "split" in opts.candidates and any(
+            _of_kind(opts.devices, kind) > 1 for kind in ("cpu", "cuda")) else None
     if module is not None:
         compiled.forward = ours if opts.trace else Dispatcher(  # type: ignore[method-assign]
             eager, ours, runner, make_way=make_way, switch=switch,
@@ -423,11 +422,10 @@ def compile(fn: Callable, **options: Any) -> Callable:
     return Dispatcher(fn, ours, runner, make_way=make_way, switch=switch, split=split)
 
 
-def _may_split(options: Options) -> bool:
-    """Whether a batch may be split under these options: the split way a candidate and two
-    or more devices of one kind named."""
-    kinds = [d.split(":")[0] for d in options.devices]
-    return "split" in options.candidates and any(kinds.count(k) > 1 for k in set(kinds))
+def _of_kind(devices: Sequence[str], kind: str | None) -> int:
+    """How many of ``devices`` are of ``kind`` ("cpu", "cuda"): a batch of that kind may be
+    split where two or more are."""
+    return sum(d.split(":")[0] == kind for d in devices)
 
 
 def data_parallel(fn: Callable, *, batch_argnums: Sequence[int] | None = None,
@@ -608,8 +606,6 @@ class Dispatcher:
         self.switch = switch  # the shared trace's switch: inductor and cudagraphs are its forms
         self.split = split  # the split way: the call with its batch split (None: never)
         self.name = _name(fn)  # for the log and the profiler's ranges
-        if split is not None:
-            split.name = self.name
         self._built: dict[str, Callable] = {}  # those ways, once built
         self.verdicts: dict[Any, list[str]] = {}  #: signature -> each trial's medians, in order
         self.key_extra = key_extra  # what else decides a call's graphs (a module's .training)
@@ -714,8 +710,8 @@ class Dispatcher:
                 sum(e.plan.placement.predicted_s for e in executors) < SPLIT_MIN_S:
             return None
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        kind = tensors[0].device.type if tensors else None
-        if sum(d.split(":")[0] == kind for d in self.runner.options.devices) < 2:
+        if _of_kind(self.runner.options.devices,
+                    tensors[0].device.type if tensors else None) < 2:
             return None
         try:
             compiled = split.prepare(*args, **kwargs)
@@ -724,8 +720,7 @@ class Dispatcher:
             return None
         if compiled is None or compiled.sharded is None:
             return None
-        gpus = {int(d.split(":")[1]) for d in compiled.sharded.devices if d.startswith("cuda")}
-        return frozenset(gpus | {t.device.index or 0 for t in tensors if t.is_cuda})
+        return cuda_indices([*compiled.sharded.devices, *(str(t.device) for t in tensors)])
 
     def _tried(self, key: Any, trial: Trial, args: tuple, kwargs: dict) -> Any:
         way = trial.next_way()

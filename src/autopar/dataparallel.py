@@ -64,6 +64,7 @@ from .capture.step import StepGraph, capture_step
 from .choose import Trial
 from .cost.model import CostModel
 from .ir.graph import Node
+from .ir.routing import cuda_indices
 from .machine.detect import load_machine
 from .passes.dataparallel import Choice, choose, shard_devices
 from .passes.fusion import regions_to_fuse
@@ -77,11 +78,6 @@ from .schedule.simulate import simulate
 __all__ = ["DataParallelStep", "StepPrediction", "batch_inputs", "predict_step"]
 
 log = logging.getLogger("autopar.dataparallel")
-
-def _gpus(devices: Sequence[str]) -> list[int]:
-    """The CUDA indices among ``devices`` (a trial times each way on the GPUs it touches)."""
-    return sorted({int(d.split(":")[1]) if ":" in d else 0 for d in devices
-                   if d.startswith("cuda")})
 
 
 def _signature(leaves: Sequence[Any], spec: Any) -> tuple:
@@ -113,9 +109,10 @@ class DataParallelStep:
 
     def __init__(self, fn: Callable, options: Any, batch_argnums: Sequence[int] | None,
                  shards: int | None = None, *, unsplit: Callable,
-                 cost_model: Callable[[], CostModel], measured: bool = True) -> None:
+                 cost_model: Callable[[], CostModel], measured: bool = True,
+                 name: str | None = None) -> None:
         self.fn = fn
-        self.name = getattr(fn, "__name__", "step")
+        self.name = name or getattr(fn, "__name__", "step")
         self.options = options  # autopar.compile's Options: devices, policy, trace, fuse
         self._unsplit = unsplit  # what runs a call that is not split
         self._cost_model = cost_model
@@ -152,8 +149,9 @@ class DataParallelStep:
                 compiled.way = "eager"  # unsplit is the step as written
             elif self.measured:
                 compiled.way = None
-                compiled.trial = Trial({"eager": _gpus(self._eager_devices(args)),
-                                        "autopar": _gpus(choice.sharded.devices)}, self.name)
+                compiled.trial = Trial({"eager": cuda_indices(self._eager_devices(args)),
+                                        "autopar": cuda_indices(choice.sharded.devices)},
+                                       self.name)
         return compiled
 
     @staticmethod

@@ -412,6 +412,11 @@ def owns_storage(node: Node, device_of: dict[Node, str],
     return alias_base(node) is None and not is_free_move(node, device_of, passthrough)
 
 
+def cuda_indices(devices: Iterable[str]) -> frozenset[int]:
+    """The CUDA indices among device names (``"cuda"`` is 0; CPU workers have none)."""
+    return frozenset(torch.device(d).index or 0 for d in devices if d.startswith("cuda"))
+
+
 def home_device(torch_device: str) -> str:
     """Machine device name of a torch device string: "cpu" -> cpu:0, "cuda" -> cuda:0."""
     if torch_device.startswith("cpu"):
