@@ -15,9 +15,8 @@ What is measured, per device
   than its bytes, it adds nothing); ``conv``, float32 FLOP/s of a 3x3 ``aten.convolution``
   (stride 1, same padding, batch 8, as many channels out as in) over a range of channel counts
   and image sides (on the 2-core VM a small convolution runs 1.3-4.7x below the matmul curve
-  at its FLOPs, a big one 2x above it: the matmul curve priced a tiny ResNet's forward at 0.36
-  of its measured time). One size per other dtype (tf32, float16, bfloat16, float64) gives that
-  dtype's ratio to float32.
+  at its FLOPs, a big one 2x above it). One size per other dtype (tf32, float16, bfloat16,
+  float64) gives that dtype's ratio to float32.
 - links: host<->GPU pinned (into a pre-allocated pinned buffer) and pageable (``.to()`` /
   ``.cpu()`` with fresh host memory, as eager code does), GPU<->GPU; a few sizes each, kept as
   samples (pageable copies of fresh memory slow down sharply past 32 MB, where glibc stops
@@ -351,9 +350,7 @@ def _conv_flops(c: int, side: int) -> float:
 
 
 def _curves(timer: Timer, device: str, mm_sizes: tuple[int, ...], add_sizes: tuple[int, ...],
-            max_bytes: float, max_op_s: float,
-            conv_sizes: tuple[tuple[int, int], ...] = CONV_SIZES,
-            ) -> dict[str, tuple[tuple[float, float], ...]]:
+            max_bytes: float, max_op_s: float) -> dict[str, tuple[tuple[float, float], ...]]:
     """The ``matmul``, ``read``, ``write``, ``exp`` and ``conv`` curves of a device (see
     autopar.machine.model.CURVES).
 
@@ -388,7 +385,7 @@ def _curves(timer: Timer, device: str, mm_sizes: tuple[int, ...], add_sizes: tup
         exp.append((float(n), n / timer(lambda a=a: aten.exp.default(a))))
         del a, b, both
     conv: list[tuple[float, float]] = []
-    for c, side in conv_sizes:
+    for c, side in CONV_SIZES:
         flops = _conv_flops(c, side)
         if too_slow(conv, flops) or too_slow(mm, flops):
             break
