@@ -75,7 +75,7 @@ import torch
 from torch._C._dynamo.guards import TensorGuards
 
 from ..ir.ops import PLAIN_VALUES
-from .dynamo import any_autocast_enabled
+from .dynamo import LightWrapper, any_autocast_enabled
 from .fx import kept_unused
 
 __all__ = ["MAX_ENTRIES", "Direct"]
@@ -196,7 +196,8 @@ class Direct:
         fixed = self._fixed()
         feeds: list[str] = []
         code = _Code(grad, len(args))
-        written = set(getattr(program, "mutated", ()))
+        light = getattr(program, "light", None)
+        written = set(light.mutated) if light is not None else set()
         for j, x in enumerate(inputs):
             if not isinstance(x, torch.Tensor):
                 return None  # a symbolic size or an unspecialized number
@@ -336,11 +337,11 @@ class _Code:
             self.check(f"{self.name(where[1])}.cell_contents is {t}")
         return t
 
-    def _unwrapped(self, parts: tuple, feeds: list[str]) -> list[str]:
+    def _unwrapped(self, light: LightWrapper, feeds: list[str]) -> list[str]:
         """Lines doing what :func:`autopar.capture.dynamo._without_aot_wrapper`'s call does
         (grad mode off around the graph, the updated inputs copied back, inputs returned where
         the graph returns them), leaving ``out`` as its result."""
-        run, boxed, mutated, bases = parts
+        run, boxed, mutated, bases = light
         self.namespace["_run"] = run
         self.namespace["_set_grad"] = torch._C._set_grad_enabled
         call = f"_run([{', '.join(feeds)}])" if boxed else f"_run({', '.join(feeds)})"
@@ -377,11 +378,11 @@ class _Code:
         if self.checks:
             lines.append("    if not (" + "\n            and ".join(self.checks) + "):")
             lines.append("        return _MISS")
-        parts = getattr(program, "parts", None)
-        if parts is None:
+        light = getattr(program, "light", None)
+        if light is None:
             lines.append(f"    out = _program({', '.join(feeds)})")
         else:  # aot's light wrapper (capture.dynamo), inline: two frames less a call
-            lines += self._unwrapped(parts, feeds)
+            lines += self._unwrapped(light, feeds)
         lines.append(f"    return {ret}")
         source = "\n".join(lines) + "\n"
         exec(compile(source, f"<autopar direct entry #{next(_counter)}>", "exec"),

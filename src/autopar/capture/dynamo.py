@@ -30,7 +30,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx
@@ -41,7 +41,7 @@ from ..ir.logs import cover_torch_loggers, first_line, quiet_code
 from .fx import Unsupported, from_fx, source_of
 from .shapes import PerShape, is_symbolic
 
-__all__ = ["GraphRunner", "WaySwitch", "capturing_scalars", "make_backend"]
+__all__ = ["GraphRunner", "LightWrapper", "WaySwitch", "capturing_scalars", "make_backend"]
 
 log = logging.getLogger("autopar.capture")
 
@@ -355,7 +355,7 @@ def _without_aot_wrapper(run: Callable, mutated: tuple[int, ...] = (),
     """``run`` (boxed or not) called as dynamo calls a backend's result, doing what
     :func:`_light_inference` found aot_autograd's wrapper does: grad mode off, the inputs
     ``mutated`` copied from the first outputs, an input returned where ``bases`` names one.
-    ``call.mutated``: the input indices it writes into."""
+    ``call.light``: the parts, a :class:`LightWrapper`."""
     boxed = getattr(run, "_boxed_call", False)
     n = len(mutated)
     aliased = any(b is not None for b in bases)
@@ -377,9 +377,20 @@ def _without_aot_wrapper(run: Callable, mutated: tuple[int, ...] = (),
             if grad:
                 _set_grad_enabled(True)
     call.autopar_bare = True  # type: ignore[attr-defined]
-    call.mutated = mutated  # type: ignore[attr-defined]
-    call.parts = (run, boxed, mutated, bases)  # type: ignore[attr-defined]  # (capture.direct)
+    call.light = LightWrapper(run, boxed, mutated, bases)  # type: ignore[attr-defined]
     return call
+
+
+class LightWrapper(NamedTuple):
+    """What :func:`_without_aot_wrapper`'s call does, for code that does it inline
+    (:mod:`autopar.capture.direct`): ``run`` the graph's runner (``boxed``: takes one list),
+    ``mutated`` the input indices copied from its first outputs, ``bases`` per user output the
+    input returned in its place (or None)."""
+
+    run: Callable
+    boxed: bool
+    mutated: tuple[int, ...]
+    bases: tuple[int | None, ...]
 
 
 _is_grad_enabled = torch.is_grad_enabled
