@@ -66,9 +66,36 @@ class _Timed:
                     self.calls[name] += 1
         return timed
 
+    def trial_ways(self) -> tuple[Any, str, Any, Any]:
+        """``Trial._call`` wrapped: the seconds of each way's calls in the trial, its first
+        (untimed: it builds the way, Inductor and CUDA-graph capture included) apart."""
+        from autopar import choose
+        orig = choose.Trial._call
+        seen: set[tuple[int, str]] = set()
+
+        def timed(trial: Any, fn: Any, way: str, args: Any, kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return orig(trial, fn, way, args, kwargs)
+            finally:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                first = (id(trial), way) not in seen
+                seen.add((id(trial), way))
+                name = f"trial {way} {'first call' if first else 'other calls'}"
+                self.seconds[name] += time.perf_counter() - start
+                self.calls[name] += 1
+        return choose.Trial, "_call", timed, orig
+
     @contextlib.contextmanager
     def installed(self):
         undo = []
+        try:
+            cls, attr, timed, orig = self.trial_ways()
+            setattr(cls, attr, timed)
+            undo.append((cls, attr, orig))
+        except ImportError:
+            pass
         for name, (mod, attr) in PHASES.items():
             try:
                 m = importlib.import_module(mod)
