@@ -6,7 +6,9 @@
 
 Modes: ``infer`` (fp32 under ``no_grad``), ``bf16`` (``no_grad`` under
 ``torch.autocast(<device>, torch.bfloat16)``), ``train`` (a step with ``torch.optim.AdamW``:
-zero_grad, loss, backward, step, compiled whole). Each (model, mode) runs in a process of its
+zero_grad, loss, backward, step, compiled whole), ``train-fused`` (the same with
+``AdamW(fused=True)``) and ``train-sgd`` (SGD with momentum 0.9 and
+``clip_grad_norm_(1.0)`` before the step). Each (model, mode) runs in a process of its
 own (a crash or a hang costs one row): it checks every variant against eager (pass or fail,
 and why), then times those that passed in interleaved rounds (``measure_side_by_side``), after
 autopar's trials are over (``settle``); ``first_s`` is each variant's first call (for autopar:
@@ -39,7 +41,7 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from autopar.choose import results_differ
 
-MODES = ("infer", "bf16", "train")
+MODES = ("infer", "bf16", "train", "train-fused", "train-sgd")
 SIM_TOL = 0.2  # the simulator's goal: each kept plan predicted within 20% of its measured time
 VARIANTS = ("eager", "compile", "compile-ro", "autopar")
 
@@ -60,7 +62,7 @@ def _close(got: list[torch.Tensor], want: list[torch.Tensor], mode: str) -> str 
 
 
 def _same_step(step: Any, model: torch.nn.Module, opt: Any, args: tuple, kwargs: dict,
-               loss_of: Any) -> str | None:
+               loss_of: Any, clip: bool = False) -> str | None:
     """Why one call of ``step`` differs from an eager step taken from the same parameters and
     optimizer state (on a copy), or None: the loss and every parameter after it."""
     twin = copy.deepcopy(model)
@@ -70,6 +72,8 @@ def _same_step(step: Any, model: torch.nn.Module, opt: Any, args: tuple, kwargs:
     twin_opt.zero_grad(set_to_none=True)
     loss = loss_of(twin(*args, **kwargs))
     loss.backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
     twin_opt.step()
     bad = _close([step().float()], [loss.detach().float()], "train")
     if bad:
@@ -79,6 +83,17 @@ def _same_step(step: Any, model: torch.nn.Module, opt: Any, args: tuple, kwargs:
     got = torch.cat([p.detach().float().flatten() for p in model.parameters()])
     want = torch.cat([p.detach().float().flatten() for p in twin.parameters()])
     return _close([got], [want], "train")
+
+
+def _optimizer(mode: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """A training mode's optimizer for ``model`` (see the module's docstring)."""
+    if mode == "train-sgd":
+        return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=mode == "train-fused" or None)
+
+
+def _clips(mode: str) -> bool:
+    return mode == "train-sgd"
 
 
 def _variant(name: str, fn: Any) -> Any:
@@ -114,7 +129,10 @@ def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: i
     b = batch or (8 if size == "small" else 3)
     args, kwargs = inputs_for(m, size, batch=b, length=length, device=dev)
     base = m.make(size).to(dev)
-    if mode == "train":  # dropout draws differ between ways: compare without it
+    training = mode.startswith("train")
+    if training and mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}: one of {', '.join(MODES)}")
+    if training:  # dropout draws differ between ways: compare without it
         without_dropout(base.train())
     prepared: dict[str, tuple[Any, tuple]] = {}
     want: list[torch.Tensor] | None = None
@@ -123,13 +141,16 @@ def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: i
         row["variants"][name] = cell
         try:
             model = copy.deepcopy(base)
-            if mode == "train":
-                opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            if training:
+                opt = _optimizer(mode, model)
+                clip = _clips(mode)
 
-                def step(model=model, opt=opt):
+                def step(model=model, opt=opt, clip=clip):
                     opt.zero_grad(set_to_none=True)
                     loss = loss_of(model(*args, **kwargs))
                     loss.backward()
+                    if clip:
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                     opt.step()
                     return loss.detach()
                 fn = _variant(name, step)
@@ -150,7 +171,7 @@ def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: i
             if gpus:
                 torch.cuda.synchronize()
             cell["first_s"] = time.perf_counter() - start
-            got = [out.float()] if mode == "train" else _outputs(out)
+            got = [out.float()] if training else _outputs(out)
             if name == "eager":
                 want = got
             else:
@@ -159,7 +180,7 @@ def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: i
                     cell["fail"] = bad
                     continue
             if name == "autopar":  # until its trials are over, as compiling is before timing
-                d = dispatcher_of(fn if mode == "train" else compiled)
+                d = dispatcher_of(fn if training else compiled)
                 start = time.perf_counter()
                 for _ in range(SETTLE_CALLS):
                     if d is None or not d.trials:
@@ -175,8 +196,8 @@ def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: i
                                               for e in d.runner.executors)
                 # the way kept is checked too, not only the first call's: in training, one
                 # step of it against an eager step from the same parameters and state
-                bad = _close(_outputs(call()), want, mode) if mode != "train" else \
-                    _same_step(call, model, opt, args, kwargs, loss_of)
+                bad = _close(_outputs(call()), want, mode) if not training else \
+                    _same_step(call, model, opt, args, kwargs, loss_of, clip)
                 if bad:
                     cell["fail"] = f"after settling on {cell['kept']}: {bad}"
                     continue
