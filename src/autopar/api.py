@@ -613,6 +613,7 @@ class Dispatcher:
         self.trials: dict[Any, Trial] = {}  #: signature -> its open trial
         self._checked: set[tuple[Any, str]] = set()  # (signature, way) whose results were checked
         self.only: Callable | None = None  #: the one way every call takes, once settled
+        self._direct: Direct | None = None  # ...where that is a Direct: called by its head
         # the latest plain call: its grad mode, weak references to its tensors (in order),
         # and each tensor's metadata
         self._last_grad: bool | None = None
@@ -649,6 +650,8 @@ class Dispatcher:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.only is not None:
+            if self._direct is not None:  # its latest entry, past Direct's own frame
+                return self._direct.head(*args, **kwargs)
             return self.only(*args, **kwargs)
         refs = self._last_refs
         if refs and not kwargs and self._last_grad == _grad_enabled() and \
@@ -820,6 +823,7 @@ class Dispatcher:
         self.kept[key] = way
         if not self.trials and len(set(self.kept.values())) == 1 and way != "eager":
             self.only = self.way(way)  # one compiled way serves every call: no key needed
+            self._direct = self.only if isinstance(self.only, Direct) else None
 
     def _remember(self, args: tuple) -> None:
         flat: list[torch.Tensor] = []

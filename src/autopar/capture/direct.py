@@ -86,6 +86,10 @@ MAX_ENTRIES = 16
 """Signatures a :class:`Direct` keeps entries for (the latest first)."""
 
 _MISS = object()
+
+
+def _missed(*args: Any, **kwargs: Any) -> Any:
+    return _MISS  # the miss of an entry tried alone (traced by running, checked once)
 _counter = itertools.count()
 
 
@@ -103,6 +107,9 @@ class Direct:
         self._watch: list | None = None  # the graph calls of the call being learned
         self.by_running = False  # trace calls by running them (dynamo failed on the scalars)
         self.refused: str | None = None  # why tracing by running stopped, once it did
+        #: what a call runs: the latest entry, whose miss calls the next one, the last one's
+        #: :meth:`_slow` (one frame a matched call: no loop over the entries in between)
+        self.head: Callable = self._slow
 
     def scalars_failed(self) -> None:
         """dynamo could not trace the function with its scalars captured: trace by running."""
@@ -115,18 +122,18 @@ class Direct:
             self._watch.append((program, args, out))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not kwargs:
-            for entry in self.entries:
-                out = entry(args)
-                if out is not _MISS:
-                    return out
-            if self.by_running:
-                entry = self._traced(args)
-                if entry is not None:
+        return self.head(*args, **kwargs)
+
+    def _slow(self, *args: Any, **kwargs: Any) -> Any:
+        """A call no entry matched: traced by running, else through dynamo (and learned)."""
+        if not kwargs and self.by_running:
+            entry = self._traced(args)
+            if entry is not None:
+                entry.__globals__["_next"] = _missed
+                out = entry(*args)
+                if out is not _MISS:  # (it matches the arguments it was made from)
                     self._add(entry)
-                    out = entry(args)
-                    if out is not _MISS:  # (it matches the arguments it was made from)
-                        return out
+                    return out
         watch: list = []
         self._watch = watch
         try:
@@ -144,6 +151,9 @@ class Direct:
         self.entries = [entry, *(e for e in self.entries if e.signature != sig)]
         del self.entries[MAX_ENTRIES:]
         self.learned += 1
+        for e, after in zip(self.entries, [*self.entries[1:], self._slow]):
+            e.__globals__["_next"] = after  # a miss tries the next entry, the last one _slow
+        self.head = self.entries[0]
 
     # -- tracing by running --------------------------------------------------------------------
     def _traced(self, args: tuple) -> Callable | None:
@@ -296,7 +306,8 @@ def _result(result: Any, outputs: Sequence[Any]) -> str | None:
 
 
 class _Code:
-    """The source of one entry: ``entry(args) -> result``, or ``_MISS``."""
+    """The source of one entry: ``entry(*args, **kwargs) -> result``; where the call is not
+    its signature's, the next entry's result (``_next``, set by :meth:`Direct._add`)."""
 
     def __init__(self, grad: bool, n: int) -> None:
         self.grad = grad
@@ -339,17 +350,18 @@ class _Code:
 
     def _unwrapped(self, light: LightWrapper, feeds: list[str]) -> list[str]:
         """Lines doing what :func:`autopar.capture.dynamo._without_aot_wrapper`'s call does
-        (grad mode off around the graph, the updated inputs copied back, inputs returned where
-        the graph returns them), leaving ``out`` as its result."""
+        (the updated inputs copied back, inputs returned where the graph returns them; its
+        grad mode switch is not needed here, see below), leaving ``out`` as its result."""
         run, boxed, mutated, bases = light
-        self.namespace["_run"] = run
-        self.namespace["_set_grad"] = torch._C._set_grad_enabled
+        # a runner's call without its own argument count check, where it has one (the
+        # entry's feeds are fixed): one frame less
+        self.namespace["_run"] = getattr(run, "unchecked", run) if boxed else run
         call = f"_run([{', '.join(feeds)}])" if boxed else f"_run({', '.join(feeds)})"
-        if self.grad:
-            lines = ["    _set_grad(False)", "    try:", f"        outs = {call}",
-                     "    finally:", "        _set_grad(True)"]
-        else:
-            lines = [f"    outs = {call}"]
+        # Grad mode is left as it is: aot made this graph an inference graph, so with grad
+        # mode on no input requires grad (the arguments' requires_grad is in the tensor check;
+        # a parameter that requires grad makes aot build a training graph, not learned), and
+        # its ops record nothing either way
+        lines = [f"    outs = {call}"]
         lines += [f"    {feeds[i]}.copy_(outs[{k}])" for k, i in enumerate(mutated)]
         n = len(mutated)
         if not bases or all(b is None for b in bases):
@@ -369,15 +381,16 @@ class _Code:
             self.checks.insert(0, f"_tensors_match({', '.join(a for a, _ in self.tensors)})")
         unpack = "".join(f"a{i}, " for i in range(self.n))
         lines = [
-            "def entry(args):",
-            f"    if len(args) != {self.n} or _grad() is not {self.grad} or _autocast():",
-            "        return _MISS",
+            "def entry(*args, **kwargs):",
+            f"    if kwargs or len(args) != {self.n} or _grad() is not {self.grad} or "
+            "_autocast():",
+            "        return _next(*args, **kwargs)",
         ]
         if self.n:
             lines.append(f"    {unpack}= args")
         if self.checks:
             lines.append("    if not (" + "\n            and ".join(self.checks) + "):")
-            lines.append("        return _MISS")
+            lines.append("        return _next(*args, **kwargs)")
         light = getattr(program, "light", None)
         if light is None:
             lines.append(f"    out = _program({', '.join(feeds)})")

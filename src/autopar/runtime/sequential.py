@@ -41,6 +41,9 @@ class SequentialRunner:
                                      eager_devices=True, entry=(self._input_slots, outputs))
         self._n = len(self._input_slots)
         self._fn = self.program.fn
+        #: the call without the argument count check, for callers that know the count
+        #: (:mod:`autopar.capture.direct`'s entries)
+        self.unchecked = self.program.fn
 
     def __call__(self, args: Sequence[Any]) -> list[Any]:
         if len(args) != self._n:
