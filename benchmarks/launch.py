@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 import autopar
+from autopar.api import dispatcher_of
 from autopar.bench.harness import settle
 from autopar.bench.measure import Stats, in_process_compiles, measure_side_by_side
 from autopar.bench.workloads import w1_bounds_inside, w1_slice
@@ -211,7 +212,11 @@ def main() -> None:
             "errors": {v: f"{type(s).__name__}: {s}" for v, s in stats.items()
                        if not isinstance(s, Stats)},
             "check": verdicts, "goal": goal, "slack_s": w.get("slack_s", 0.0),
-            "goal_met": met}
+            "goal_met": met,
+            # what each autopar variant kept, and its trials' medians (a choice that missed
+            # the fastest way shows here)
+            "explain": {v: d.explain() for v, (fn, _) in w["variants"].items()
+                        if (d := dispatcher_of(fn)) is not None}}
 
     print(f"{'workload':<20} {'variant':<30} {'median us':>10} {'vs eager':>9}  result")
     for name, row in rows.items():
@@ -227,6 +232,9 @@ def main() -> None:
                 verdict = {True: "met", False: "NOT met", None: "not measured"}[met]
                 print(f"{'':<20} goal: {variant} <= {' and '.join(row['goal'])}{slack}: "
                       f"{verdict}")
+        for variant in AUTOPAR:
+            if variant in row["explain"]:
+                print(f"{'':<20} {variant}: {row['explain'][variant]}")
     result = {"benchmark": "launch", "date": date.today().isoformat(), "host": platform.node(),
               "torch": torch.__version__, "device": args.device,
               "gpu": torch.cuda.get_device_name(torch.device(args.device))

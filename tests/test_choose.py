@@ -10,7 +10,7 @@ import torch
 
 import autopar
 from autopar import choose
-from autopar.choose import TRIAL_CALLS, Trial, candidates
+from autopar.choose import TRIAL_CALLS, TURN_CALLS, Trial, candidates
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 needs_cxx = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
@@ -59,18 +59,20 @@ def test_a_trial_goes_round_the_ways_and_keeps_the_fastest_median():
 def test_after_a_switch_a_call_is_not_timed(monkeypatch):
     """A call that follows another way's runs in caches and memory that way left (a compiled
     BERT step: 2.5 ms a call alone, 6.3 ms right after an eager one): it is not timed; the
-    way's next call is."""
+    way's next ``TURN_CALLS`` calls, one after another, are."""
     ran: list[tuple[str, bool]] = []
     monkeypatch.setattr(choose, "_clock", _fake_clock(eager=1.0, autopar=1.0))
     trial = Trial({"eager": (), "autopar": ()})
 
     def way_of(w):
         return lambda: ran.append((w, len(trial.calls)))
-    for _ in range(4):
+    for _ in range(2 * (1 + TURN_CALLS)):
         trial.run(way_of, (), {})
-    # eager untimed, eager timed (then 1 counted), autopar untimed, autopar timed
-    assert ran == [("eager", 0), ("eager", 0), ("autopar", 1), ("autopar", 1)]
-    assert [c[0] for c in trial.calls] == ["eager", "autopar"]
+    # eager untimed, eager timed TURN_CALLS times, autopar untimed, autopar timed as often
+    assert ran == [("eager", 0), *(("eager", i) for i in range(TURN_CALLS)),
+                   ("autopar", TURN_CALLS),
+                   *(("autopar", TURN_CALLS + i) for i in range(TURN_CALLS))]
+    assert [c[0] for c in trial.calls] == ["eager"] * TURN_CALLS + ["autopar"] * TURN_CALLS
 
 
 def test_fast_calls_are_timed_for_a_while_but_not_for_ever():
@@ -114,14 +116,27 @@ class _Stream:
     now = 0.0
 
 
+TURNS = -(-TRIAL_CALLS // TURN_CALLS)  # a way's turns in a trial (of calls over 50 ms)
+COUNTED = TRIAL_CALLS  # ...its counted calls (its last turn ends there)
+CALLS = TURNS + TRIAL_CALLS  # ...and all its calls, the untimed first of each turn too
+
+
 def _fake_clock(**seconds: float):
+    """The host clock of a trial whose ways take turns in ``WAYS``' order (each turn
+    ``TURN_CALLS`` counted calls, a way's last turn cut at ``TRIAL_CALLS``), each counted call
+    taking ``seconds[way]`` (two reads a call)."""
     ways = [w for w in choose.WAYS if w in seconds]
+    order = [w for t in range(TURNS) for w in ways
+             for _ in range(min(TURN_CALLS, TRIAL_CALLS - t * TURN_CALLS))]
 
     def clock() -> float:
         i = clock.reads
         clock.reads += 1
         if i % 2:
-            clock.now += seconds[ways[(i // 2) % len(ways)]]
+            k = i // 2
+            way = order[k] if k < len(order) else \
+                ways[((k - len(order)) // TURN_CALLS) % len(ways)]
+            clock.now += seconds[way]
         return clock.now
 
     clock.reads, clock.now = 0, 0.0
@@ -144,7 +159,7 @@ def _gpu_trial(monkeypatch, host: dict[str, float], gpu: dict[str, float],
         return call
 
     trial = Trial({w: (0,) for w in host})
-    for _ in range(4 * TRIAL_CALLS):  # per way and turn: an untimed call, then a timed one
+    for _ in range(len(host) * CALLS):  # per way and turn: an untimed call, then timed ones
         trial.run(way, (), {})
     return trial
 
@@ -204,12 +219,12 @@ def test_a_trial_waits_for_a_gpu_one_call_behind_without_timing_more_calls(monke
         verdict = trial.verdict()
         if verdict is not None:
             break
-        if Event.recorded == 4 * TRIAL_CALLS:  # the GPU catches up once the host waits
+        if Event.recorded == 4 * COUNTED:  # the GPU catches up once the host waits
             Event.recorded += 2
     assert verdict == "eager"
-    assert len(trial.calls) == 2 * TRIAL_CALLS  # counted; as many untimed ones before them
-    assert ran[4 * TRIAL_CALLS:] == ["autopar"] * (len(ran) - 4 * TRIAL_CALLS)
-    assert len(ran) > 4 * TRIAL_CALLS
+    assert len(trial.calls) == 2 * COUNTED  # counted; an untimed one before each turn's
+    assert ran[2 * CALLS:] == ["autopar"] * (len(ran) - 2 * CALLS)
+    assert len(ran) > 2 * CALLS
 
 
 def test_a_trial_times_only_the_gpus_each_way_touches(monkeypatch):
@@ -224,11 +239,12 @@ def test_a_trial_times_only_the_gpus_each_way_touches(monkeypatch):
     trial = Trial({"eager": (0,), "autopar": ()})
     trial.run(lambda w: (lambda: None), (), {})  # eager's first call: untimed
     assert recorded == []
-    trial.run(lambda w: (lambda: None), (), {})  # eager: before and after, on cuda:0
-    assert recorded == [0, 0]
+    for _ in range(TURN_CALLS):
+        trial.run(lambda w: (lambda: None), (), {})  # eager: before and after, on cuda:0
+    assert recorded == [0, 0] * TURN_CALLS
     trial.run(lambda w: (lambda: None), (), {})  # autopar, untimed
     trial.run(lambda w: (lambda: None), (), {})  # autopar, host only: no event
-    assert recorded == [0, 0]
+    assert recorded == [0, 0] * TURN_CALLS
 
 
 def test_a_way_that_fails_compiling_is_left_out_and_the_call_runs_eagerly(monkeypatch, caplog):

@@ -35,8 +35,10 @@ Policy (one place decides "is autopar's plan better than what the user would oth
   the batch's kind are named and the model predicts the split faster than not splitting
   (:meth:`autopar.api.Dispatcher._split_candidate`): kept only if measured faster.
 - A trial (:class:`Trial`): the next calls of a new signature go round the candidates; each
-  turn is two calls of a way, the first neither timed nor counted (after a switch, caches,
-  memory and first-use kernels are the last way's; a way's first turn also compiles), and
+  turn is a call of a way neither timed nor counted (after a switch, caches, memory and
+  first-use kernels are the last way's; a way's first turn also compiles), then
+  ``TURN_CALLS`` counted ones in a row (a call right after the warm-up still runs partly in
+  the other way's caches), and
   each way is counted for at least ``TRIAL_CALLS`` calls and ``TRIAL_MIN_S`` (at most
   ``TRIAL_MAX_CALLS``). A call's time is the longer of its host time and, on each GPU the way
   touches, the GPU work it queued (CUDA events, no sync). The fastest median keeps the
@@ -74,7 +76,8 @@ from .ir.compare import outputs_differ
 from .ir.units import fmt_seconds
 from .machine.host import cpu_fusion_unavailable
 
-__all__ = ["LAUNCH_BOUND", "RESULT_TOL", "RESULT_TOL_LOW", "TRIAL_CALLS", "WAYS", "Trial",
+__all__ = ["LAUNCH_BOUND", "RESULT_TOL", "RESULT_TOL_LOW", "TRIAL_CALLS", "TURN_CALLS", "WAYS",
+           "Trial",
            "candidates", "launch_bound", "results_differ"]
 
 log = logging.getLogger("autopar.trials")
@@ -108,6 +111,14 @@ the first call after a switch from another way is neither timed nor counted (cac
 and kernels loaded on first use are another way's then: on the 2-core VM a compiled BERT
 training step took 2.5 ms a call alone and 6.3 ms right after an eager one; on 2xH200, W2's
 first plain call took 42 ms, the next ones 40-100 us)."""
+
+TURN_CALLS = 3
+"""Counted calls a turn makes after its untimed first, one after another: a call timed right
+after a switch runs in caches the other way filled, and the way with more Python code loses
+more there (2-core VM, trial medians of a turn of one counted call against calls in a loop:
+W1 in the mode 13.6 against 6.7 us, eager 35.6 against 16; on one H200 the tiny chain kept a
+way at 72.9 us a call where autopar's own measured 28.8 in a loop; benchmarks/NOTES.md,
+2026-12-01 (e))."""
 
 TRIAL_MIN_S = 0.05
 """Host seconds of counted calls each way needs before its median is trusted: five samples
@@ -172,6 +183,7 @@ class Trial:
         self.gpu: dict[str, list[float]] = {}  # ...and the GPUs' (the longest; 0 for none)
         self.dropped: dict[str, str] = {}  # way -> why it failed
         self._turn: str | None = None  # the way whose turn's first call was made
+        self._left = 0  # ...and the counted calls left in that turn
         self._last: str | None = None  # the way called last
 
     def next_way(self) -> str | None:
@@ -196,8 +208,11 @@ class Trial:
             return self._call(way_of(self._last or self.ways[0]), self._last, args, kwargs)
         if way != self._last:  # a switch: this call warms the way up, untimed
             self._turn = self._last = way
+            self._left = TURN_CALLS
             return self._call(way_of(way), way, args, kwargs)
-        self._turn = None
+        self._left -= 1
+        if self._left <= 0:
+            self._turn = None
         marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
                   torch.cuda.current_stream(i)) for i in self.gpus[way]]
         for begin, _, stream in marks:
