@@ -132,3 +132,17 @@ def test_autopar_logs_shows_placements_and_trials(capfd):
     err = capfd.readouterr().err
     assert "[autopar.placement] autopar: branches_inference_1:" in err and "placed" in err
     assert not logging.getLogger("autopar").handlers
+
+
+def test_a_frame_whose_code_holds_a_slice_does_not_break_the_filter():
+    """Code dynamo generates can hold a slice among its constants, and before Python 3.12 such
+    a code object can't be hashed: the filter that keeps torch's records quiet must not raise
+    inside the user's call when one is on the stack (torch 2.11, W1's bounds captured)."""
+    logs.quiet_code(lambda: None)  # a quiet code registered: the filter walks the stack
+
+    def emit() -> None:
+        logging.getLogger("torch._dynamo").warning("a record from inside dynamo's code")
+
+    code = emit.__code__.replace(co_consts=(*emit.__code__.co_consts, slice(1, 2)))
+    logs.cover_torch_loggers()
+    type(emit)(code, emit.__globals__, "emit", None, emit.__closure__)()  # raises nothing

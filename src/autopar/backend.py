@@ -5,15 +5,18 @@ with :func:`autopar.api.make_runner`'s runner.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.fx
 
 from .api import Options, make_runner
-from .capture.dynamo import make_backend
+from .capture.dynamo import data_dependent, make_backend
 
 __all__ = ["autopar_backend"]
+
+log = logging.getLogger("autopar.capture")
 
 _BACKENDS: dict[tuple, Callable] = {}  # options -> its backend: one runner per set of options
 
@@ -29,6 +32,12 @@ def autopar_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
 
     ``guards``: only "all". A backend is called from inside dynamo's frame, whose guards it does
     not decide; ``guards="arguments"`` is :func:`autopar.compile`'s (its calls skip the frame).
+
+    A graph that reads values dynamo captured (``capture_scalar_outputs``: ``.item()``, tensor
+    slice bounds) which this torch's aot_autograd fails on (torch 2.11 on W1's bounds:
+    ``GuardOnDataDependentSymNode``) runs as dynamo captured it, op by op, logged: a backend
+    can't ask dynamo to trace again with graph breaks (:func:`autopar.compile` does), and
+    the error would reach a user whose code runs eagerly.
     """
     merged = {**(options or {}), **kwargs}
     key = tuple(sorted((k, repr(v)) for k, v in merged.items()))
@@ -40,4 +49,12 @@ def autopar_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                 "calls go through dynamo's frame and guards, which a backend does not decide; "
                 f"write autopar.compile(fn, guards={opts.guards!r})")
         _BACKENDS[key] = make_backend(make_runner(opts))
-    return _BACKENDS[key](gm, example_inputs)
+    try:
+        return _BACKENDS[key](gm, example_inputs)
+    except Exception as e:
+        if not data_dependent(e):
+            raise
+        log.warning("autopar: a graph reads values captured in it that this torch's "
+                    "aot_autograd can't trace (%s: %s); it runs as captured, op by op",
+                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return gm.forward

@@ -41,7 +41,8 @@ from ..ir.logs import cover_torch_loggers, first_line, quiet_code
 from .fx import Unsupported, from_fx, source_of
 from .shapes import PerShape, is_symbolic
 
-__all__ = ["GraphRunner", "LightWrapper", "WaySwitch", "capturing_scalars", "make_backend"]
+__all__ = ["GraphRunner", "LightWrapper", "WaySwitch", "capturing_scalars", "data_dependent",
+           "make_backend"]
 
 log = logging.getLogger("autopar.capture")
 
@@ -432,7 +433,7 @@ def capturing_scalars(compiled: Callable, needed: Callable[[], bool] | None = No
                 except (torch._dynamo.exc.InternalTorchDynamoError,
                         torch._dynamo.exc.BackendCompilerFailed) as e:
                     if isinstance(e, torch._dynamo.exc.BackendCompilerFailed) and \
-                            not _data_dependent(e):
+                            not data_dependent(e):
                         raise
                     state["off"] = True
                     if failed is not None:
@@ -458,7 +459,7 @@ _DATA_DEPENDENT = ("GuardOnDataDependentSymNode", "PendingUnbackedSymbolNotFound
                    "data-dependent")
 
 
-def _data_dependent(error: BaseException) -> bool:
+def data_dependent(error: BaseException) -> bool:
     """Whether a backend's failure came from a value read in the graph (an unbacked symbol)."""
     for _ in range(8):  # the chain of causes, a few deep
         if error is None:

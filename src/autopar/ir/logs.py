@@ -103,7 +103,11 @@ def configure_from_env() -> None:
 
 # -- PyTorch's records while autopar compiles ----------------------------------------------------
 
-_QUIET_CODES: set[CodeType] = set()
+# id -> code, looked up by id: a code object's hash hashes its constants, and code dynamo
+# generates can hold a slice among them (unhashable before Python 3.12: the filter raised
+# "unhashable type: 'slice'" inside the user's call, torch 2.11). The values keep each id's code
+# alive, so an id is never another code's.
+_QUIET_CODES: dict[int, CodeType] = {}
 """Code objects of the functions inside which PyTorch's records are rerouted (see :func:`quiet`)."""
 _torch_log = logging.getLogger("autopar.torch")
 _covered = [0]  # the size of logging's logger table when torch's loggers were last covered
@@ -114,7 +118,7 @@ def quiet_code(fn: Callable) -> Callable:
     (dynamo's graph-break warnings, fake tensors' errors on a user's shape mistake) go to
     ``autopar.torch`` at DEBUG instead of the console. Costs nothing per call: the stack is
     only looked at when PyTorch emits a record."""
-    _QUIET_CODES.add(fn.__code__)
+    _QUIET_CODES[id(fn.__code__)] = fn.__code__
     cover_torch_loggers()
     return fn
 
@@ -129,7 +133,7 @@ def quiet(fn: Callable) -> Callable:
 def _inside_quiet() -> bool:
     frame = sys._getframe(2)
     while frame is not None:
-        if frame.f_code in _QUIET_CODES:
+        if id(frame.f_code) in _QUIET_CODES:
             return True
         frame = frame.f_back
     return False
