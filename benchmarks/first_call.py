@@ -66,11 +66,10 @@ class _Timed:
                     self.calls[name] += 1
         return timed
 
-    def trial_ways(self) -> tuple[Any, str, Any, Any]:
-        """``Trial._call`` wrapped: the seconds of each way's calls in the trial, its first
-        (untimed: it builds the way, Inductor and CUDA-graph capture included) apart."""
-        from autopar import choose
-        orig = choose.Trial._call
+    def trial_ways(self, orig: Any) -> Any:
+        """``Trial._call`` (``orig``) wrapped: the host seconds of each way's calls in the
+        trial, its first (untimed: it builds the way, Inductor and CUDA-graph capture
+        included) apart. No device sync here: the trial times these very calls."""
         seen: set[tuple[int, str]] = set()
 
         def timed(trial: Any, fn: Any, way: str, args: Any, kwargs: Any) -> Any:
@@ -78,24 +77,19 @@ class _Timed:
             try:
                 return orig(trial, fn, way, args, kwargs)
             finally:
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
                 first = (id(trial), way) not in seen
                 seen.add((id(trial), way))
                 name = f"trial {way} {'first call' if first else 'other calls'}"
                 self.seconds[name] += time.perf_counter() - start
                 self.calls[name] += 1
-        return choose.Trial, "_call", timed, orig
+        return timed
 
     @contextlib.contextmanager
     def installed(self):
-        undo = []
-        try:
-            cls, attr, timed, orig = self.trial_ways()
-            setattr(cls, attr, timed)
-            undo.append((cls, attr, orig))
-        except ImportError:
-            pass
+        from autopar.choose import Trial
+
+        undo = [(Trial, "_call", Trial._call)]
+        Trial._call = self.trial_ways(Trial._call)
         for name, (mod, attr) in PHASES.items():
             try:
                 m = importlib.import_module(mod)

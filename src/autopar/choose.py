@@ -77,8 +77,7 @@ from .ir.units import fmt_seconds
 from .machine.host import cpu_fusion_unavailable
 
 __all__ = ["LAUNCH_BOUND", "RESULT_TOL", "RESULT_TOL_LOW", "TRIAL_CALLS", "TURN_CALLS", "WAYS",
-           "Trial",
-           "candidates", "launch_bound", "results_differ"]
+           "Trial", "candidates", "launch_bound", "results_differ"]
 
 log = logging.getLogger("autopar.trials")
 

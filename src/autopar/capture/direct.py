@@ -86,11 +86,11 @@ MAX_ENTRIES = 16
 """Signatures a :class:`Direct` keeps entries for (the latest first)."""
 
 _MISS = object()
+_counter = itertools.count()
 
 
 def _missed(*args: Any, **kwargs: Any) -> Any:
     return _MISS  # the miss of an entry tried alone (traced by running, checked once)
-_counter = itertools.count()
 
 
 class Direct:

@@ -40,7 +40,6 @@ class SequentialRunner:
         self.program = build_program(_SPACE, steps, self.slots, lambda v, d: _SPACE, set(),
                                      eager_devices=True, entry=(self._input_slots, outputs))
         self._n = len(self._input_slots)
-        self._fn = self.program.fn
         #: the call without the argument count check, for callers that know the count
         #: (:mod:`autopar.capture.direct`'s entries)
         self.unchecked = self.program.fn
@@ -48,4 +47,4 @@ class SequentialRunner:
     def __call__(self, args: Sequence[Any]) -> list[Any]:
         if len(args) != self._n:
             raise TypeError(f"graph {self.graph.name} takes {self._n} inputs, got {len(args)}")
-        return self._fn(args)
+        return self.unchecked(args)
