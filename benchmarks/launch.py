@@ -216,7 +216,11 @@ def main() -> None:
             # what each autopar variant kept, and its trials' medians (a choice that missed
             # the fastest way shows here)
             "explain": {v: d.explain() for v, (fn, _) in w["variants"].items()
-                        if (d := dispatcher_of(fn)) is not None}}
+                        if (d := dispatcher_of(fn)) is not None},
+            # ...and the last trial's counted calls, way -> host and GPU seconds in call order
+            "trials": {v: {"host": d.last_trial.host, "gpu": d.last_trial.gpu}
+                       for v, (fn, _) in w["variants"].items()
+                       if (d := dispatcher_of(fn)) is not None and d.last_trial is not None}}
 
     print(f"{'workload':<20} {'variant':<30} {'median us':>10} {'vs eager':>9}  result")
     for name, row in rows.items():

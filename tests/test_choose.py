@@ -172,6 +172,8 @@ def test_a_call_is_timed_by_the_longer_of_host_and_queued_gpu_work(monkeypatch):
     assert trial.verdict() is None  # the GPU work is still queued
     monkeypatch.setattr(_FakeEvent, "done", True)
     assert trial.verdict() == "autopar"
+    # the log and explain say which clock decided
+    assert trial.summary() == "eager 5 s (host 1 s, GPU 5 s), autopar 2 s (host 2 s, GPU 2 s)"
 
 
 def test_calls_are_launch_bound_where_the_gpu_waited_on_the_host(monkeypatch):

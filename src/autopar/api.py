@@ -608,6 +608,7 @@ class Dispatcher:
         self.name = _name(fn)  # for the log and the profiler's ranges
         self._built: dict[str, Callable] = {}  # those ways, once built
         self.verdicts: dict[Any, list[str]] = {}  #: signature -> each trial's medians, in order
+        self.last_trial: Trial | None = None  #: the trial decided last (its calls' times)
         self.key_extra = key_extra  # what else decides a call's graphs (a module's .training)
         self.kept: dict[Any, str] = {}  #: signature -> the way that runs it
         self.trials: dict[Any, Trial] = {}  #: signature -> its open trial
@@ -765,6 +766,7 @@ class Dispatcher:
             trials_log.info("autopar: %s: %s kept for %s (medians: %s)", self.name, won,
                             _describe(key), trial.summary())
             self.verdicts.setdefault(key, []).append(f"{won} ({trial.summary()})")
+            self.last_trial = trial
             if self._graphs_may_pay(trial):
                 host, gpu = (fmt_seconds(statistics.median(t["inductor"]))
                              for t in (trial.host, trial.gpu))

@@ -186,11 +186,13 @@ def loss_of(out: Any) -> torch.Tensor:
     """A scalar to train on: the model's own loss where it gives one, else the sum of its
     floating outputs' mean squares (every output, so that every parameter gets a gradient:
     where an output is left out, eager leaves its parameters' ``.grad`` None, and a graph
-    compiled by aot_autograd, ``torch.compile``'s too, gives them zeros)."""
+    compiled by aot_autograd, ``torch.compile``'s too, gives them zeros). 16-bit outputs are
+    summed in float32, float64 ones in float64."""
     loss = getattr(out, "loss", None)
     if loss is not None:
         return loss
-    return sum(t.float().pow(2).mean() for t in flat_tensors(out) if t.is_floating_point())
+    return sum((t if t.element_size() >= 4 else t.float()).pow(2).mean()
+               for t in flat_tensors(out) if t.is_floating_point())
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, keys: Sequence[str],
