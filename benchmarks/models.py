@@ -191,6 +191,8 @@ def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: i
                 cell["settle_s"] = time.perf_counter() - start
                 cell["first_s"] += cell["settle_s"]
                 cell["kept"] = sorted(set(d.kept.values())) if d is not None else []
+                if d is not None:  # each trial's medians, and each way left out and why
+                    cell["explain"] = d.explain()
                 if cell["kept"] == ["autopar"]:  # the simulator's time of one call's graphs
                     cell["predicted_s"] = sum(e.plan.placement.predicted_s
                                               for e in d.runner.executors)

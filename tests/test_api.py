@@ -16,6 +16,7 @@ from autopar.capture.dynamo import make_backend
 from autopar.capture.fx import from_fx
 from autopar.choose import WAYS
 from autopar.ir.graph import Graph, TensorMeta
+from autopar.machine.host import cpu_fusion_unavailable
 from autopar.runtime import SequentialRunner
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -241,6 +242,26 @@ def test_compiled_graphs_that_gain_nothing_run_as_sequential_runners():
     traced = Runner(Options.parse({"devices": "cpu:0", "trace": True}))  # traced: the executor
     torch.compile(lambda x: (x @ x).relu() + 1, backend=make_backend(traced))(x)
     assert traced.executors[0].runs_as == "executor"
+
+
+@pytest.mark.skipif(cpu_fusion_unavailable() is not None, reason="needs a C++ compiler")
+def test_eager_like_plans_fuse_only_where_inductor_is_not_the_same_traces_form():
+    """A chain on eager's placement: with Inductor's whole graph a form of the same trace
+    (guards="all") autopar's plan fuses nothing of its own and runs as eager's sequence;
+    under guards="arguments" (Inductor's way is torch.compile's own, through dynamo's frame)
+    it is fused, for the entry that skips dynamo."""
+    from autopar.api import Options, Runner
+    from autopar.capture.dynamo import make_backend
+
+    x = torch.randn(64)
+    for guards, fused in (("all", False), ("arguments", True)):
+        runner = Runner(Options.parse({"devices": "cpu:0", "fuse": True, "guards": guards,
+                                       "candidates": "auto"}))
+        compiled = torch.compile(lambda x: (x * 2 + 1).sin() * 3, backend=make_backend(runner))
+        torch.testing.assert_close(compiled(x), (x * 2 + 1).sin() * 3)
+        (ex,) = runner.executors
+        assert bool(ex.fused) is fused, guards
+        assert ex.runs_as == ("executor" if fused else "eager's sequence"), guards
 
 
 def test_a_function_with_nothing_to_gain_runs_as_plain_python_from_its_second_call():

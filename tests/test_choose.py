@@ -413,7 +413,11 @@ def test_a_way_whose_results_are_not_eagers_is_left_out(monkeypatch, caplog):
             torch.testing.assert_close(compiled(x), model(x))
     assert "the autopar way is left out: its results differ from eager's" in caplog.text
     assert "relative error" in caplog.text
-    assert set(autopar.api.dispatcher_of(compiled).kept.values()) == {"eager"}
+    d = autopar.api.dispatcher_of(compiled)
+    assert set(d.kept.values()) == {"eager"}
+    # explain says why the one way left runs
+    assert "runs eager: eager (autopar left out (its results differ from eager's: " \
+        in d.explain()
 
 
 def test_a_way_within_the_tolerance_is_kept_in_the_trial(monkeypatch, caplog):

@@ -409,3 +409,25 @@ def test_a_regions_outputs_keep_eagers_strides(monkeypatch):
         (out,) = kernel([y])
         assert out.stride() == (1, 6)
         torch.testing.assert_close(out, (y * 2).t() + 1)
+
+
+@needs_cxx
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_fused_region_keeps_the_precision_autocast_gave_its_graph():
+    """Under autocast the captured graph already holds autocast's casts; a region compiled
+    from it must not be autocast again: a matmul the code ran in float32 (autocast switched
+    off around it) stays float32 inside a fused region, as in eager."""
+    def fn(x, w):
+        h = (x * 2).tanh()
+        with torch.autocast("cpu", enabled=False):
+            y = h.float() @ w
+        return (y + 1).relu()
+
+    x, w = torch.randn(16, 32), torch.randn(32, 16)
+    compiled = autopar.compile(fn, devices="cpu:0", fuse=True, candidates=["autopar"])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = fn(x, w)
+        got = compiled(x, w)
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert autopar.api.dispatcher_of(compiled).runner.executors[0].fused

@@ -211,6 +211,13 @@ class Runner:
         self.gpus = cuda_indices(options.devices)  # GPU indices autopar may use
         self.inductor_can = inductor_compiles_for(options.devices, options.fuse)
         self.inductor_candidate = self.inductor_can and "inductor" in options.candidates
+        # On eager's placement with nothing to overlap, fusing regions would repeat what
+        # Inductor's form of the same trace does (compiled twice). Under guards="arguments"
+        # the inductor way is torch.compile's own (dynamo's frame every call) and autopar's
+        # is the one that skips it: there a plan of eager's placement fuses (one H200, the
+        # 100-op tiny chain: 28 us a call fused past dynamo, 270 us of GPU time unfused, the
+        # inductor way 114 us; benchmarks/NOTES.md, 2026-12-02)
+        self.eager_like_unfused = self.inductor_candidate and options.guards != "arguments"
 
     def planned_s(self) -> float:
         """The predicted seconds of one call of every graph the executor runs."""
@@ -268,10 +275,8 @@ class Runner:
             if places_by_cost(options.policy):  # priced op by op; fusion changes that
                 fusing = fusion_devices(options.devices, options.fuse)
                 plan = prefer_fused(plan, graph, cost, options.devices, fusing)
-            # On eager's placement with nothing to overlap, fusing regions would repeat what
-            # Inductor's whole graph, a candidate of its own, does better (and compile twice)
             eager_like = not options.trace and runs_as_eager(plan, cost, options.devices) \
-                if self.inductor_candidate else None  # else asked below, only if need be
+                if self.eager_like_unfused else None  # else asked below, only if need be
             executor = Executor(plan, trace=bool(options.trace),
                                 fuse=regions_to_fuse(plan, False if eager_like else options.fuse),
                                 cuda_graphs=capture_rule(options.cuda_graphs))
@@ -755,6 +760,7 @@ class Dispatcher:
                 live = [w for w in trial.ways if w not in trial.dropped]
                 if len(live) == 1:  # nothing left to compare: kept at once
                     del self.trials[key]
+                    self.verdicts.setdefault(key, []).append(f"{live[0]} ({trial.summary()})")
                     self._keep(key, live[0])
                     return out
         return self._verdict(key, trial, out)

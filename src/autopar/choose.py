@@ -265,5 +265,5 @@ class Trial:
                 part += (f" (host {fmt_seconds(statistics.median(self.host[w]))}, "
                          f"GPU {fmt_seconds(statistics.median(self.gpu[w]))})")
             parts.append(part)
-        parts += [f"{w} failed ({why})" for w, why in self.dropped.items()]
+        parts += [f"{w} left out ({why})" for w, why in self.dropped.items()]
         return ", ".join(parts)
