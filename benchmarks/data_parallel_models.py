@@ -112,8 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     makers = {"gpt2": gpt2_small, "resnet50": resnet50, "gpt2-infer": gpt2_infer,
               "resnet50-infer": resnet50_infer}
     rows = []
-    print(f"{'model':40s} {'machine':8s} {'eager':>10s} {'split':>10s} {'ratio':>6s} "
-          f"{'devices':>6s} {'plan s':>7s}")
+    # eager: each op its own kernel on one GPU; unsplit: autopar's plan on one GPU, fused as
+    # the executor runs it; split: the kept candidate (ratio against eager, and against unsplit)
+    print(f"{'model':40s} {'machine':8s} {'eager':>10s} {'unsplit':>10s} {'split':>10s} "
+          f"{'ratio':>6s} {'/unspl':>6s} {'devices':>6s} {'plan s':>7s}")
     for key in a.models:
         name, step, args, batch = makers[key]()
         for machine in a.machines:
@@ -123,13 +125,17 @@ def main(argv: list[str] | None = None) -> int:
             planning = time.perf_counter() - start
             sharded = got.choice.sharded
             k = 1 if sharded is None else len(sharded.devices)
+            unsplit = got.choice.predicted["unsplit"]
             row = {"model": name, "machine": machine, "eager_s": got.eager_s,
-                   "predicted_s": got.predicted_s, "ratio": got.eager_s / got.predicted_s,
+                   "unsplit_s": unsplit, "predicted_s": got.predicted_s,
+                   "ratio": got.eager_s / got.predicted_s,
+                   "ratio_unsplit": unsplit / got.predicted_s,
                    "devices": k, "planning_s": planning, "candidates_s": got.choice.predicted,
                    "unsplit": dict(sharded.unsplit) if sharded is not None else None}
             rows.append(row)
             print(f"{name:40s} {machine:8s} {fmt_seconds(got.eager_s):>10s} "
-                  f"{fmt_seconds(got.predicted_s):>10s} {row['ratio']:5.2f}x {k:6d} "
+                  f"{fmt_seconds(unsplit):>10s} {fmt_seconds(got.predicted_s):>10s} "
+                  f"{row['ratio']:5.2f}x {row['ratio_unsplit']:5.2f}x {k:6d} "
                   f"{planning:7.1f}", flush=True)
     if a.json is not None:
         a.json.parent.mkdir(parents=True, exist_ok=True)

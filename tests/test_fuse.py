@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import autopar
-from _fakes import by_hand, w4
+from _fakes import FakeCost, by_hand, machine, w4
 from autopar.cost.model import CostModel
 from autopar.ir.graph import Graph, Node, TensorMeta
 from autopar.ir.routing import GraphIndex
@@ -431,3 +431,22 @@ def test_a_fused_region_keeps_the_precision_autocast_gave_its_graph():
     assert got.dtype == want.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert autopar.api.dispatcher_of(compiled).runner.executors[0].fused
+
+
+def test_a_candidate_is_predicted_as_the_executor_runs_it():
+    """passes.dataparallel.predicted_run: a chain of four pointwise ops on cuda:0 (1 ms each
+    in the table) is 4 ms op by op and one region's 1 ms fused; the calling thread's issue
+    time bounds the prediction from below."""
+    from autopar.passes.dataparallel import predicted_run
+
+    g = Graph("chain4")
+    x = g.input(TensorMeta.make((64,), device="cuda:0"), "x")
+    for i in range(4):
+        x = g.call(aten.mul.Tensor, (x, 1.5), name=f"m{i}")
+    g.set_outputs([x])
+    cost = FakeCost(machine(cpus=1, gpus=1), default=1e-3)
+    placed = by_hand(g, {f"m{i}": "cuda:0" for i in range(4)})
+    timeline, predicted = predicted_run(placed, cost, fusing=())
+    assert round(timeline.makespan * 1e3, 6) == 4 and round(predicted * 1e3, 6) == 4
+    timeline, predicted = predicted_run(placed, cost, fusing=["cuda:0"])
+    assert round(timeline.makespan * 1e3, 6) == 1 and round(predicted * 1e3, 6) == 1

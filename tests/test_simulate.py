@@ -8,7 +8,7 @@ from _fakes import FakeCost, by_name, chains_cost, machine, op, tensor, two_chai
 from autopar.ir.graph import Graph
 from autopar.schedule.place import place
 from autopar.schedule.plan import make_plan
-from autopar.schedule.simulate import peak_memory, simulate
+from autopar.schedule.simulate import issue_s, peak_memory, simulate
 from autopar.schedule.steps import Plan, Record, Run, Send, Wait
 from autopar.schedule.timeline import Span
 
@@ -117,3 +117,26 @@ def test_timeline_span_type_is_shared_with_the_runtime():
     tl = simulate(make_plan(place(two_chains(), cost)), cost)
     assert all(isinstance(s, Span) for s in tl.spans)
     assert tl.busy("cuda:0/compute") == pytest.approx(20 * ms)
+
+
+def test_one_thread_issues_every_gpus_work():
+    """The two chains on two GPUs overlap on the lanes (makespan 22 ms, b2 copied back), but
+    one thread launches both GPUs' ops: with 6 ms of host time a launch the call takes at
+    least 24 ms (issue_s), and a cost model without a host split counts each op whole (40)."""
+    g = two_chains()
+    cost = chains_cost()
+    plan = make_plan(place(g, cost), cost)
+    assert round(simulate(plan, cost).makespan / ms, 6) == 22
+    assert round(issue_s(plan, cost) / ms, 6) == 40  # FakeCost: no host/device split
+
+    class Launches(FakeCost):
+        def host_s(self, node, device):
+            return 6e-3
+
+    launching = Launches(cost.machine, cost.times, default=cost.default,
+                         bandwidth=cost.bandwidth)
+    assert round(issue_s(plan, launching) / ms, 6) == 24
+    # another CPU worker's program runs on a thread of its own: not counted
+    host = Plan(g, plan.placement, {**plan.programs, "cpu:1": [Run(n) for n in g.ops]},
+                plan.outputs, plan.n_events)
+    assert issue_s(host, launching) == issue_s(plan, launching)

@@ -67,13 +67,12 @@ from .ir.graph import Node
 from .ir.routing import cuda_indices
 from .machine.detect import load_machine
 from .passes.dataparallel import Choice, choose, shard_devices
-from .passes.fusion import regions_to_fuse
+from .passes.fusion import fusion_devices, regions_to_fuse
 from .passes.shard import NotShardable, Sharded, torch_device
 from .runtime import Executor
 from .runtime.callerstate import CallerState
 from .schedule.place import place
 from .schedule.plan import make_plan
-from .schedule.simulate import simulate
 
 __all__ = ["DataParallelStep", "StepPrediction", "batch_inputs", "predict_step"]
 
@@ -133,7 +132,8 @@ class DataParallelStep:
         shard_devices(batch, cost, self.options.devices, self.shards)  # the user's mistakes
         try:
             choice = choose(step, batch, cost, self.options.devices,
-                            policy=self.options.policy, shards=self.shards)
+                            policy=self.options.policy, shards=self.shards,
+                            fusing=fusion_devices(self.options.devices, self.options.fuse))
             plan = make_plan(choice.placement, cost)
             run = Executor(plan, trace=bool(self.options.trace),
                            fuse=regions_to_fuse(plan, self.options.fuse))
@@ -337,7 +337,8 @@ def batch_inputs(step: StepGraph, args: Sequence[Any],
 @dataclass
 class StepPrediction:
     """:func:`predict_step`'s answer: the choice, eager's predicted seconds (every op where
-    eager runs it) and the simulated Timeline of the chosen plan."""
+    eager runs it, each its own kernel) and the simulated Timeline of the chosen plan as the
+    executor runs it (fused where ``fuse`` says)."""
 
     choice: Choice
     eager_s: float
@@ -345,15 +346,16 @@ class StepPrediction:
 
     @property
     def predicted_s(self) -> float:
-        return self.choice.placement.predicted_s
+        """The chosen candidate's predicted seconds, as :func:`choose` ranked it."""
+        return self.choice.predicted[self.choice.label]
 
 
 def predict_step(fn: Callable, args: Sequence[Any], machine: Any,
                  inputs_on: str | None = "cuda:0", batch_argnums: Sequence[int] | None = None,
-                 shards: int | None = None) -> StepPrediction:
+                 shards: int | None = None, fuse: bool | str = "auto") -> StepPrediction:
     """What :func:`data_parallel` would do with ``fn(*args)`` on ``machine`` (a preset name or a
     Machine), without running it: tensors built on the CPU are taken to live on ``inputs_on``.
-    """
+    ``fuse`` as :func:`data_parallel`'s (``"auto"``: the GPUs' programs fused)."""
     state = find_state(fn, args)
     if inputs_on is not None and inputs_on.startswith("cuda"):
         state.foreach = True  # torch.optim's default for CUDA tensors
@@ -362,9 +364,9 @@ def predict_step(fn: Callable, args: Sequence[Any], machine: Any,
         relabel_devices(step.graph, "cpu", inputs_on)
     cost = CostModel(load_machine(machine))
     devices = [d.name for d in cost.machine.devices]
+    fusing = fusion_devices(devices, fuse)
     choice = choose(step, batch_inputs(step, args, batch_argnums), cost, devices,
-                    shards=shards)
+                    shards=shards, fusing=fusing)
     eager = place(step.graph, cost, policy="single", devices=devices)
-    return StepPrediction(choice, eager.predicted_s,
-                          simulate(make_plan(choice.placement, cost), cost))
+    return StepPrediction(choice, eager.predicted_s, choice.timeline)
 

@@ -363,6 +363,11 @@ class CostModel:
             t = self._times[key] = self.op_cost(node, device).time
         return t
 
+    def host_s(self, node: Node, device: Device | str) -> float:
+        """Seconds of the launching thread's time the node takes on ``device`` (its whole
+        time on the host; a GPU op's launch)."""
+        return self.op_cost(node, device).host_s
+
     def can_run(self, node: Node, device: Device | str) -> bool:
         dev = self.machine.device(device)
         if node.kind == "random":

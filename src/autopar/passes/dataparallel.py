@@ -1,5 +1,15 @@
 """Data parallelism's choice: a step placed unsplit and split over k devices for each k, the
-one predicted fastest kept (see :mod:`autopar.dataparallel` for the policy)."""
+one predicted fastest kept (see :mod:`autopar.dataparallel` for the policy).
+
+Each candidate is predicted as the executor will run it, and for at least the time the one
+thread that issues the host's and every GPU's work spends on it
+(:func:`~autopar.schedule.simulate.issue_s`); where the programs of some devices get their
+regions fused (``fusing``, :func:`autopar.passes.fusion.fusion_devices` of the
+``fuse`` option: the GPUs by default), its plan is simulated under
+:class:`~autopar.passes.fusion.FusedCost`. Unfused, every small kernel of a GPU's share is a
+launch whatever its size: GPT-2 small's AdamW step split over 8 H200s (``h200x8``) kept
+~8 ms of small kernels on every GPU beside 19 ms of GEMMs, the same count as on one GPU, so
+the split's prediction was bound by launches that the executor fuses away."""
 
 from __future__ import annotations
 
@@ -13,10 +23,11 @@ from ..ir.graph import Node
 from ..machine.model import GiB
 from ..schedule.place import memory_limits, place
 from ..schedule.plan import make_plan
-from ..schedule.simulate import peak_memory, simulate
+from ..schedule.simulate import issue_s, peak_memory, simulate
+from .fusion import FusedCost, fused_regions
 from .shard import NotShardable, Sharded, shard
 
-__all__ = ["Choice", "choose", "shard_devices"]
+__all__ = ["Choice", "choose", "predicted_run", "shard_devices"]
 
 log = logging.getLogger("autopar.dataparallel")
 
@@ -31,13 +42,28 @@ class Choice:
     sharded: Sharded | None
     predicted: dict[str, float]
     refused: dict[str, str] = field(default_factory=dict)  # candidate -> why it can't run
+    timeline: Any = None  # the kept candidate's simulated Timeline, as predicted
+    label: str = "unsplit"  # the kept candidate's key in ``predicted``
+
+
+def predicted_run(placed: Any, cost: Any, fusing: Sequence[str]) -> tuple[Any, float]:
+    """The simulated Timeline of ``placed`` as the executor runs it (the regions of the
+    programs of ``fusing`` fused; none: priced op by op), and its predicted seconds: the
+    longer of its makespan and the calling thread's issue time (:func:`issue_s`: one thread
+    launches every GPU's work)."""
+    plan = make_plan(placed, cost)
+    priced = FusedCost(cost, fused_regions(plan, fusing)) if fusing else cost
+    timeline = simulate(plan, priced)
+    return timeline, max(timeline.makespan, issue_s(plan, priced))
 
 
 def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence[str], *,
-           policy: str = "heft", shards: int | None = None) -> Choice:
+           policy: str = "heft", shards: int | None = None,
+           fusing: Sequence[str] = ()) -> Choice:
     """Place ``step`` unsplit and split over the first k same-kind devices (home first) for
-    k = 1, 2, 4, ... and all of them, and keep the one predicted fastest; ``shards`` forces k
-    (1: don't split). A split over two devices whose big partial sums are reduced in chunks
+    k = 1, 2, 4, ... and all of them, and keep the one predicted fastest (with the programs
+    of ``fusing`` fused, as the executor will run them); ``shards`` forces k (1: don't split).
+    A split over two devices whose big partial sums are reduced in chunks
     (:mod:`autopar.passes.shard`) is also placed with every sum reduced at once (key
     ``"<devices> at once"``): the model picks."""
     devices, same_kind = shard_devices(batch, cost, devices, shards)
@@ -45,6 +71,7 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
     ks = sorted({k for k in (1 << i for i in range(n.bit_length())) if k <= n} | {n}) \
         if shards is None else [shards]  # powers of two and all: planning time stays bounded
     predicted: dict[str, float] = {}
+    timelines: dict[str, Any] = {}
     placed_all: list[tuple[str, Any, Sharded | None]] = []
     for k in ks:
         if k == 1:
@@ -69,18 +96,18 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
             candidates = [(label + suffix, place(s.graph, cost, policy=policy, devices=devices,
                                                  pins=s.pins), s) for suffix, s in forms]
         for label, placed, sharded in candidates:
-            predicted[label] = placed.predicted_s
+            timelines[label], predicted[label] = predicted_run(placed, cost, fusing)
             placed_all.append((label, placed, sharded))
-    ranked = sorted(placed_all, key=lambda c: c[1].predicted_s)
+    ranked = sorted(placed_all, key=lambda c: predicted[c[0]])
     refused: dict[str, str] = {}
     for label, placed, sharded in ranked:  # the fastest that fits every device's memory
         why = _does_not_fit(placed, cost)
         if why is None:
-            return Choice(placed, sharded, predicted, refused)
+            return Choice(placed, sharded, predicted, refused, timelines[label], label)
         refused[label] = why
         log.info("autopar: %s %s: %s", step.graph.name, label, why)
-    _, placed, sharded = ranked[0]  # nothing fits (eager's own form neither): the fastest
-    return Choice(placed, sharded, predicted, refused)
+    label, placed, sharded = ranked[0]  # nothing fits (eager's own form neither): the fastest
+    return Choice(placed, sharded, predicted, refused, timelines[label], label)
 
 
 def _does_not_fit(placed: Any, cost: Any) -> str | None:

@@ -34,7 +34,7 @@ from ..ir.routing import GraphIndex, is_free_move, kind_of, pool, route
 from ..machine.host import cpu_fusion_unavailable
 from ..schedule.place import place
 from ..schedule.plan import make_plan
-from ..schedule.simulate import simulate
+from ..schedule.simulate import host_time, simulate
 from ..schedule.steps import Free, Plan, Run, Step
 
 __all__ = ["MIN_FUSED_OPS", "FusedCost", "fused_regions", "fusible", "fusion_devices",
@@ -178,11 +178,17 @@ class FusedCost:
     def __init__(self, cost: Any, fused: dict[str, list[list[Node]]]) -> None:
         self.cost = cost
         self._times: dict[tuple[Node, str], float] = {}
+        self._host: dict[tuple[Node, str], float] = {}
         for device, groups in fused.items():
             for group in groups:
                 for n in group:
-                    self._times[(n, device)] = 0.0
+                    self._times[(n, device)] = self._host[(n, device)] = 0.0
                 self._times[(group[0], device)] = self._region_time(group, device)
+                extern = [n for n in group if kind_of(n.op) in _EXTERN]
+                fused_ops = [n for n in group if kind_of(n.op) not in _EXTERN]
+                self._host[(group[0], device)] = \
+                    sum(host_time(cost, n, device) for n in extern) + \
+                    max((host_time(cost, n, device) for n in fused_ops), default=0.0)
 
     def _region_time(self, group: list[Node], device: str) -> float:
         extern = [n for n in group if kind_of(n.op) in _EXTERN]
@@ -199,6 +205,12 @@ class FusedCost:
     def node_time(self, node: Node, device: str) -> float:
         t = self._times.get((node, device))
         return self.cost.node_time(node, device) if t is None else t
+
+    def host_s(self, node: Node, device: str) -> float:
+        """A region's launches at its first node (its library calls', and one for the
+        rest), nothing at its other nodes; other nodes as ``cost``."""
+        t = self._host.get((node, device))
+        return host_time(self.cost, node, device) if t is None else t
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.cost, name)
