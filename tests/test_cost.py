@@ -69,6 +69,30 @@ def add(numel: int, device: str = "cpu"):
 
 
 # -- exact costs on the toy machine ----------------------------------------------------------
+def test_devices_of_equal_profiles_share_one_roofline(monkeypatch):
+    """h200x8's eight GPUs price a node alike and its roofline is computed once for them
+    (once more for the host); a GPU of another profile gets its own."""
+    cost = CostModel(preset("h200x8"))
+    node = mm(512, 512, 512, "cuda:0")
+    calls = []
+    work = CostModel._work
+    monkeypatch.setattr(CostModel, "_work", lambda self, *a: calls.append(a[1].name) or
+                        work(self, *a))
+    times = {d.name: cost.node_time(node, d.name) for d in cost.machine.devices}
+    assert len({t for d, t in times.items() if d.startswith("cuda")}) == 1
+    assert times["cpu:0"] != times["cuda:0"]
+    assert calls == ["cpu:0", "cuda:0"]
+    machine = preset("h200x2")
+    fast = machine.profile.device("cuda:1")  # its roofline (not a launch) 100x slower:
+    slow = replace(fast, flops={k: v / 100 for k, v in fast.flops.items()},
+                   curves={k: [(x, r / 100) for x, r in c] for k, c in fast.curves.items()})
+    other = replace(machine, profile=replace(
+        machine.profile, devices={**machine.profile.devices, "cuda:1": slow}))
+    cost = CostModel(other)
+    cost.node_time(node, "cuda:0")
+    assert cost.node_time(node, "cuda:1") > 10 * cost.node_time(node, "cuda:0")
+
+
 def test_matmul_on_the_host_is_launch_plus_roofline():
     node = mm(1000, 1000, 1000)  # 2 GFLOP, 12 MB moved: compute-bound everywhere
     cost = CostModel(toy_machine()).op_cost(node, "cpu:0")

@@ -107,6 +107,22 @@ def test_sharded_graph_computes_what_the_original_does():
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
+def test_relabelled_code_keeps_what_eager_keeps_on_the_host():
+    """relabel_devices' ``keep``: a kept input (a step count) and what is computed from it
+    alone stay on the host; a value mixing it with a moved one, and a factory, move."""
+    g = Graph("steps")
+    count = g.input(TensorMeta.make((), device="cpu"), "count")
+    x = g.input(TensorMeta.make((4,), device="cpu"), "x")
+    bumped = g.call(aten.add.Tensor, (count, 1), name="bumped")
+    scaled = g.call(aten.mul.Tensor, (x, bumped), name="scaled")
+    made = g.call(aten.zeros.default, ([4],), {"device": torch.device("cpu")}, name="made")
+    g.set_outputs([scaled, made, bumped])
+    relabel_devices(g, "cpu", "cuda:0", keep=[count])
+    assert {n.name: n.device for n in g.nodes} == {
+        "count": "cpu", "x": "cuda:0", "bumped": "cpu", "scaled": "cuda:0", "made": "cuda:0"}
+    assert made.kwargs["device"] == torch.device("cuda:0")
+
+
 def test_on_gpus_parameters_are_replicated_and_gradients_all_reduced():
     step = capture_step(w6_train_step, mlp_inputs(batch=8))
     relabel_devices(step.graph, "cpu", "cuda:0")

@@ -360,8 +360,16 @@ def predict_step(fn: Callable, args: Sequence[Any], machine: Any,
     if inputs_on is not None and inputs_on.startswith("cuda"):
         state.foreach = True  # torch.optim's default for CUDA tensors
     step = capture_step(fn, args, state=state)
-    if inputs_on is not None:
-        relabel_devices(step.graph, "cpu", inputs_on)
+    if inputs_on is not None:  # torch.optim keeps step counts on the host (but capturable
+        inputs = step.graph.inputs  # or fused optimizers)
+        on_device = {var for var, opt in state.optimizers
+                     if any(g.get("capturable") or g.get("fused") for g in opt.param_groups)}
+        counts = [inputs[step.n_args + j] for j, name in enumerate(state.names)
+                  if name.endswith("['step']") and name.split(".state[")[0] not in on_device]
+        # ...and so are 0-dim tensors the trace made (torch.tensor(beta) in torch.optim)
+        made = inputs[len(inputs) - len(step.constants):] if step.constants else ()
+        counts += [n for n in made if n.meta is not None and not n.meta.shape]
+        relabel_devices(step.graph, "cpu", inputs_on, keep=counts)
     cost = CostModel(load_machine(machine))
     devices = [d.name for d in cost.machine.devices]
     fusing = fusion_devices(devices, fuse)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..ir.graph import Graph, TensorMeta
+from ..ir.graph import Graph, Node, TensorMeta
 from .dynamo import capturing_scalars, make_backend
 from .fx import Unsupported, from_fx
 
@@ -126,12 +126,17 @@ def capture_by_running(fn: Callable, args: Sequence[Any],
     return graphs
 
 
-def relabel_devices(graph: Graph, src: str, dst: str) -> Graph:
-    """Take every value eager put on ``src`` (e.g. "cpu") to live on ``dst`` ("cuda:0"), in place.
+def relabel_devices(graph: Graph, src: str, dst: str,
+                    keep: Collection[Node] = ()) -> Graph:
+    """Take every value eager put on ``src`` (e.g. "cpu") to live on ``dst`` ("cuda:0"), in place,
+    but the inputs in ``keep`` and what is computed from them alone: eager code written for
+    ``dst`` keeps those on ``src`` (``torch.optim``'s step counts stay on the host beside
+    CUDA parameters, and so do the bias corrections computed from them).
 
     Used to explain CPU-captured code as if it had been written for ``dst``.
     """
     target = torch.device(dst)
+    stays = set(keep)
 
     def moved(meta: Any) -> Any:
         if isinstance(meta, TensorMeta) and meta.device == src:
@@ -141,6 +146,12 @@ def relabel_devices(graph: Graph, src: str, dst: str) -> Graph:
         return meta
 
     for node in graph.nodes:
+        if node in stays:
+            continue
+        ins = node.inputs
+        if ins and all(v in stays for v in ins):
+            stays.add(node)
+            continue
         node.meta = moved(node.meta)
         if isinstance(node.kwargs.get("device"), torch.device) and str(
                 node.kwargs["device"]) == src:

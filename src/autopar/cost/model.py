@@ -302,6 +302,10 @@ class CostModel:
         self.machine = machine
         self.history = history if history is not None else History.for_machine(machine)
         self._times: dict[tuple[Node, str], float] = {}
+        # the roofline of a node is the same on devices of equal profiles (a preset's 8 GPUs):
+        # computed once per (node, first such device)
+        self._works: dict[tuple[Node, str], float] = {}
+        self._twin: dict[str, str] = {}
         if allow_tf32 is None:
             self.tf32_matmul, self.tf32_conv = _tf32_flags()
         elif isinstance(allow_tf32, Mapping):
@@ -327,7 +331,10 @@ class CostModel:
                 return OpCost(measured, 0.0, "history")
             return OpCost(dp.launch(node.kind), measured, "history")
 
-        work = self._work(node, dev, dp)
+        twin = self._twin.get(dev.name) or self._twin_of(dev)
+        work = self._works.get((node, twin))
+        if work is None:
+            work = self._works[(node, twin)] = self._work(node, dev, dp)
         source = "roofline" if node.flops else "bytes"
         launch = dp.launch(node.kind)
         if dev.is_cpu:
@@ -337,6 +344,19 @@ class CostModel:
         if _schema_name(node) in _HOST_READS:
             host_s += device_s + prof.host_sync_s  # the host waits for the value
         return OpCost(host_s, device_s, source)
+
+    def _twin_of(self, dev: Device) -> str:
+        """The first device seen whose roofline is ``dev``'s: of its kind, with an equal
+        profile (and so equal rates, bandwidths and thread counts)."""
+        prof = self.machine.profile
+        mine = prof.device(dev.name)
+        for name, twin in self._twin.items():
+            if name == twin and self.machine.device(name).is_cpu == dev.is_cpu and \
+                    prof.device(name) == mine:
+                self._twin[dev.name] = name
+                return name
+        self._twin[dev.name] = dev.name
+        return dev.name
 
     def _work(self, node: Node, dev: Device, dp: DeviceProfile) -> float:
         """The roofline: seconds of compute or of memory traffic, whichever is longer."""
