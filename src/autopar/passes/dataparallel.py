@@ -46,15 +46,15 @@ class Choice:
     label: str = "unsplit"  # the kept candidate's key in ``predicted``
 
 
-def predicted_run(placed: Any, cost: Any, fusing: Sequence[str]) -> tuple[Any, float]:
-    """The simulated Timeline of ``placed`` as the executor runs it (the regions of the
-    programs of ``fusing`` fused; none: priced op by op), and its predicted seconds: the
+def predicted_run(placed: Any, cost: Any, fusing: Sequence[str]) -> tuple[Any, Any, float]:
+    """The plan of ``placed``, its simulated Timeline as the executor runs it (the regions of
+    the programs of ``fusing`` fused; none: priced op by op), and its predicted seconds: the
     longer of its makespan and the calling thread's issue time (:func:`issue_s`: one thread
     launches every GPU's work)."""
     plan = make_plan(placed, cost)
     priced = FusedCost(cost, fused_regions(plan, fusing)) if fusing else cost
     timeline = simulate(plan, priced)
-    return timeline, max(timeline.makespan, issue_s(plan, priced))
+    return plan, timeline, max(timeline.makespan, issue_s(plan, priced))
 
 
 def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence[str], *,
@@ -71,7 +71,7 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
     ks = sorted({k for k in (1 << i for i in range(n.bit_length())) if k <= n} | {n}) \
         if shards is None else [shards]  # powers of two and all: planning time stays bounded
     predicted: dict[str, float] = {}
-    timelines: dict[str, Any] = {}
+    runs: dict[str, tuple[Any, Any]] = {}  # label -> (plan, timeline)
     placed_all: list[tuple[str, Any, Sharded | None]] = []
     for k in ks:
         if k == 1:
@@ -96,25 +96,25 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
             candidates = [(label + suffix, place(s.graph, cost, policy=policy, devices=devices,
                                                  pins=s.pins), s) for suffix, s in forms]
         for label, placed, sharded in candidates:
-            timelines[label], predicted[label] = predicted_run(placed, cost, fusing)
+            plan, timeline, predicted[label] = predicted_run(placed, cost, fusing)
+            runs[label] = plan, timeline
             placed_all.append((label, placed, sharded))
     ranked = sorted(placed_all, key=lambda c: predicted[c[0]])
     refused: dict[str, str] = {}
     for label, placed, sharded in ranked:  # the fastest that fits every device's memory
-        why = _does_not_fit(placed, cost)
+        why = _does_not_fit(*runs[label], cost)
         if why is None:
-            return Choice(placed, sharded, predicted, refused, timelines[label], label)
+            return Choice(placed, sharded, predicted, refused, runs[label][1], label)
         refused[label] = why
         log.info("autopar: %s %s: %s", step.graph.name, label, why)
     label, placed, sharded = ranked[0]  # nothing fits (eager's own form neither): the fastest
-    return Choice(placed, sharded, predicted, refused, timelines[label], label)
+    return Choice(placed, sharded, predicted, refused, runs[label][1], label)
 
 
-def _does_not_fit(placed: Any, cost: Any) -> str | None:
-    """Why a placement's simulated peak memory exceeds a device's, or None."""
-    plan = make_plan(placed, cost)
+def _does_not_fit(plan: Any, timeline: Any, cost: Any) -> str | None:
+    """Why a plan's peak memory over its simulated timeline exceeds a device's, or None."""
     limits = memory_limits(cost)
-    for pool, peak in peak_memory(plan, simulate(plan, cost)).items():
+    for pool, peak in peak_memory(plan, timeline).items():
         has = limits.get(pool)
         if has is not None and peak > has:
             return f"needs {peak / GiB:.2f} GiB on {pool}, which has {has / GiB:.2f} GiB"
