@@ -230,6 +230,24 @@ def test_cost_model_splits_w6_over_two_h200s_and_not_a_tiny_batch():
     assert choice.sharded is None and set(choice.predicted) == {"unsplit", "cuda:0,cuda:1"}
 
 
+def test_the_at_once_form_is_placed_only_where_the_chunked_one_is_near_the_fastest(
+        monkeypatch):
+    """The pair's form with every sum reduced at once is a second placement of the same
+    split: placed only where the chunked form is predicted within AT_ONCE_SLACK of the
+    fastest candidate (the W6 step on h200x2 above is; with no slack it is not)."""
+    from autopar.bench.workloads import _w6_inputs
+    from autopar.passes import dataparallel
+
+    cost = CostModel(preset("h200x2"))
+    devices = [d.name for d in cost.machine.devices]
+    big = capture_step(w6_train_step, _w6_inputs(["cpu"], "full"))
+    relabel_devices(big.graph, "cpu", "cuda:0")
+    monkeypatch.setattr(dataparallel, "AT_ONCE_SLACK", -0.5)
+    choice = choose(big, batch_of(big), cost, devices)
+    assert set(choice.predicted) == {"unsplit", "cuda:0,cuda:1"}
+    assert choice.sharded is not None and choice.sharded.reduced_in_chunks
+
+
 def test_capture_step_outputs_loss_then_grads_then_updates():
     def no_update(w, x):
         loss = (x @ w).square().mean()

@@ -30,9 +30,9 @@ import torch
 
 from ..ir.graph import Graph, Node, TensorMeta
 from ..ir.regions import is_view, outputs_of
-from ..ir.routing import GraphIndex, is_free_move, kind_of, pool, route
+from ..ir.routing import is_free_move, kind_of, pool, route
 from ..machine.host import cpu_fusion_unavailable
-from ..schedule.place import place
+from ..schedule.place import index_of, place
 from ..schedule.plan import make_plan
 from ..schedule.simulate import host_time, simulate
 from ..schedule.steps import Free, Plan, Run, Step
@@ -153,7 +153,7 @@ def fused_regions(plan: Plan, devices: Sequence[str]) -> dict[str, list[list[Nod
     """The regions the executor will fuse in the programs of ``devices``."""
     graph = plan.graph
     device_of = plan.placement.device
-    ix = GraphIndex.of(graph)
+    ix = index_of(plan.placement, graph)
     outputs = set(graph.output_nodes)
     found: dict[str, list[list[Node]]] = {}
     for device in devices:

@@ -122,8 +122,8 @@ from ..ir.routing import (
 )
 from ..ir.units import fmt_bytes, fmt_seconds
 
-__all__ = ["POLICIES", "Placement", "Slot", "lower_bound", "memory_limits", "merged_order",
-           "place", "places_by_cost", "retime"]
+__all__ = ["POLICIES", "Placement", "Slot", "index_of", "lower_bound", "memory_limits",
+           "merged_order", "place", "places_by_cost", "retime"]
 
 HOST_PULL_BYTES = 1 << 20
 """The host takes no op reading a value larger than this that eager keeps on a GPU."""
@@ -159,6 +159,9 @@ class Placement:
     notes: dict[Node, str]
     predicted_s: float
     slots: dict[Any, Slot] = field(default_factory=dict)
+    #: the graph's GraphIndex, as placing built it (None: a hand-made placement); read through
+    #: :func:`index_of` by planning and simulation, so that one graph is indexed once
+    index: GraphIndex | None = field(default=None, repr=False, compare=False)
 
     def copies(self) -> list[tuple[Node, str]]:
         """Planned copies ``(value, dst device)`` in planned start order."""
@@ -700,7 +703,7 @@ class _Schedule:
             if pool(device[n]) == pool(device[n.args[0]]):
                 notes[n] = f"hands {n.args[0]!r} on, no copy; {notes[n]}"
         return Placement(self.graph, device, order, policy, notes, self.makespan(),
-                         dict(self.slots))
+                         dict(self.slots), self.index)
 
     def allowed(self, devices: Sequence[str]) -> bool:
         """Does every free op (not a view, writer or move) sit on one of ``devices`` that can
@@ -1046,8 +1049,16 @@ def _place(graph: Graph, cost: Any, policy: str, chosen: list[str],
                f"{fmt_seconds(heft.makespan())}")
         notes = {n: (why if not n.is_input else kept.notes[n]) for n in graph.nodes}
         return Placement(graph, kept.device, kept.order, "heft", notes, kept.predicted_s,
-                         kept.slots)
+                         kept.slots, kept.index)
     return heft.placement("heft")
+
+
+def index_of(placement: Placement, graph: Graph | None = None) -> GraphIndex:
+    """The GraphIndex of a placement's graph (or of ``graph``, if another): the one placing
+    built, else made now."""
+    if placement.index is None or (graph is not None and graph is not placement.graph):
+        return GraphIndex.of(placement.graph if graph is None else graph)
+    return placement.index
 
 
 def merged_order(placement: Placement) -> list[Node]:
@@ -1069,7 +1080,7 @@ def merged_order(placement: Placement) -> list[Node]:
             need[ops[0]] = 0
         for b in ops[1:]:
             need[b] = 1
-    ix = GraphIndex.of(graph)
+    ix = index_of(placement)
     ins, users = ix.ins, ix.users
     for n in graph.ops:
         need[n] += sum(1 for i in ins[n] if not i.is_input)

@@ -48,7 +48,7 @@ from ..ir.routing import (
     pool,
     route,
 )
-from .place import Placement, Slot, merged_order, retime
+from .place import Placement, Slot, index_of, merged_order, retime
 from .steps import Free, Plan, Record, Run, Send, Step, Wait
 
 __all__ = ["make_plan"]
@@ -66,7 +66,7 @@ def make_plan(placement: Placement, cost: Any | None = None) -> Plan:
     with gc_paused():
         if not placement.slots and cost is not None:
             placement = retime(placement, cost)
-        ix = GraphIndex.of(placement.graph)
+        ix = index_of(placement)
         builder = _Builder(placement, ix)
         for item in _sequence(placement, ix):
             if isinstance(item, Node):

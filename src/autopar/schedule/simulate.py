@@ -50,7 +50,7 @@ from ..ir.routing import (
     storage_of,
     value_bytes,
 )
-from .place import place
+from .place import index_of, place
 from .steps import Free, Plan, Record, Run, Send, Wait
 from .timeline import Span, Timeline
 
@@ -69,7 +69,7 @@ class _Sim:
         self.cost = cost
         self.handoff = handoff_time(cost)
         self.device_of = plan.placement.device
-        self.index = GraphIndex.of(plan.graph)
+        self.index = index_of(plan.placement, plan.graph)
         self.programs = plan.programs
         self.clock = {d: 0.0 for d in self.programs}
         self.pc = {d: 0 for d in self.programs}
@@ -194,7 +194,7 @@ def peak_memory(plan: Plan, timeline: Timeline) -> dict[str, int]:
     workers use, host scalars read by a GPU kernel).
     """
     dev = plan.placement.device
-    ix = GraphIndex.of(plan.graph)
+    ix = index_of(plan.placement, plan.graph)
     runs = {(s.node, s.lane.split("/")[0]): s for s in timeline.spans if s.kind == "op"}
     copies = {(s.node, s.dst): s for s in timeline.spans if s.kind == "copy"}
     born: dict[Any, tuple[str, float, int]] = {}  # storage key -> (pool, alloc time, bytes)
