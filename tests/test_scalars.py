@@ -14,6 +14,7 @@ import torch
 
 import autopar
 from _fakes import FakeCost, by_name, devices_of, machine, tensor
+from _torch_versions import aot_traces_bounds
 from autopar.capture.dynamo import make_backend
 from autopar.capture.fx import from_fx
 from autopar.ir.graph import Graph, ScalarMeta
@@ -28,12 +29,6 @@ from corpus import narrow_at_item, w2_scalar_made_inside
 aten = torch.ops.aten
 READ = aten._local_scalar_dense.default
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
-# aot_autograd of torch 2.11 fails on slice bounds read in the graph (GuardOnDataDependentSymNode,
-# W1's); 2.13's traces them. Where it fails, autopar.compile traces with graph breaks and the
-# registered backend runs the graph as captured (tests below and tests/test_backend.py)
-aot_traces_bounds = pytest.mark.skipif(
-    torch.__version__ < "2.13", reason="this torch's aot_autograd fails on slice bounds read "
-    "in the graph (GuardOnDataDependentSymNode): measured on 2.11, traced on 2.13")
 
 
 # -- graphs --------------------------------------------------------------------------------
