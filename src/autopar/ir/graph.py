@@ -275,26 +275,53 @@ def _op_kind(op: Any) -> str:
 
 def _schema_effects(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, tuple, tuple]:
     """(reads, writes, aliases) of an op call, from its schema's alias annotations."""
-    def nodes_in(x: Any) -> list[Node]:
-        return [leaf for leaf in tree_flatten(x)[0] if isinstance(leaf, Node)]
-
-    reads = tuple(dict.fromkeys(nodes_in((args, kwargs))))
+    reads = tuple(dict.fromkeys(_nodes_in((args, kwargs), [])))
     if op is operator.getitem:
         return reads, (), reads
     if not isinstance(op, torch._ops.OpOverload):
         return reads, (), ()
+    annotations = _ANNOTATIONS.get(op)
+    if annotations is None:
+        annotations = _ANNOTATIONS[op] = _annotations_of(op)
+    if not annotations:
+        return reads, (), ()
     writes: list[Node] = []
     aliases: list[Node] = []
-    out_sets = {
-        s for r in op._schema.returns if r.alias_info is not None for s in r.alias_info.after_set
-    }
-    for info, value in annotated_args(op, args, kwargs):
-        found = nodes_in(value)
-        if info.is_write:
+    for i, name, by_name, is_write, aliased in annotations:
+        value = kwargs.get(name) if by_name or i >= len(args) else args[i]
+        found = _nodes_in(value, [])
+        if is_write:
             writes += found
-        if out_sets & set(info.before_set):
+        if aliased:
             aliases += found
     return reads, tuple(dict.fromkeys(writes)), tuple(dict.fromkeys(aliases))
+
+
+# op -> (position, name, keyword-only, written, aliased by an output) of each annotated
+# argument: the schema read once per op, not once per node (a graph of 8,000 nodes is built
+# in the shard pass several times a step)
+_ANNOTATIONS: dict[Any, tuple[tuple[int, str, bool, bool, bool], ...]] = {}
+
+
+def _annotations_of(op: Any) -> tuple[tuple[int, str, bool, bool, bool], ...]:
+    out_sets = {s for r in op._schema.returns if r.alias_info is not None
+                for s in r.alias_info.after_set}
+    return tuple((i, a.name, a.kwarg_only, a.alias_info.is_write,
+                  bool(out_sets & set(a.alias_info.before_set)))
+                 for i, a in enumerate(op._schema.arguments) if a.alias_info is not None)
+
+
+def _nodes_in(x: Any, out: list[Node]) -> list[Node]:
+    """The Nodes in ``x`` (nested tuples, lists and dict values), in order."""
+    if isinstance(x, Node):
+        out.append(x)
+    elif isinstance(x, tuple | list):
+        for item in x:
+            _nodes_in(item, out)
+    elif isinstance(x, dict):
+        for item in x.values():
+            _nodes_in(item, out)
+    return out
 
 
 def annotated_args(op: Any, args: tuple, kwargs: dict) -> Iterator[tuple[Any, Any]]:
