@@ -40,6 +40,7 @@ On a host without CUDA the GPU rows are skipped and the workloads run on the hos
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 from collections.abc import Callable
@@ -180,16 +181,14 @@ def resnet18_variants(device: str) -> dict[str, tuple] | None:
     model = torchvision.models.resnet18().eval().to(device).requires_grad_(False)
     image = torch.rand(1, 3, 224, 224, device=device)
 
-    def copy() -> torch.nn.Module:
-        import copy as copying
-        return copying.deepcopy(model)
-
     return {
         "eager": (model, (image,)),
-        "torch.compile": (torch.compile(copy()), (image,)),
-        "reduce-overhead": (torch.compile(copy(), mode="reduce-overhead"), (image,)),
-        "autopar": (autopar.compile(copy()), (image,)),
-        "autopar arguments": (autopar.compile(copy(), guards="arguments"), (image,)),
+        "torch.compile": (torch.compile(copy.deepcopy(model)), (image,)),
+        "reduce-overhead": (torch.compile(copy.deepcopy(model), mode="reduce-overhead"),
+                            (image,)),
+        "autopar": (autopar.compile(copy.deepcopy(model)), (image,)),
+        "autopar arguments": (autopar.compile(copy.deepcopy(model), guards="arguments"),
+                              (image,)),
     }
 
 
@@ -243,6 +242,8 @@ def main() -> None:
             target = target * w.get("factor", 1.0) + w.get("slack_s", 0.0)
         met = {v: None if target is None or v not in times else times[v] <= target
                for v in w.get("for", AUTOPAR)}
+        dispatchers = {v: d for v, (fn, _) in w["variants"].items()
+                       if (d := dispatcher_of(fn)) is not None}
         rows[name] = {
             "median_s": times,
             "errors": {v: f"{type(s).__name__}: {s}" for v, s in stats.items()
@@ -252,12 +253,10 @@ def main() -> None:
             "goal_met": met,
             # what each autopar variant kept, and its trials' medians (a choice that missed
             # the fastest way shows here)
-            "explain": {v: d.explain() for v, (fn, _) in w["variants"].items()
-                        if (d := dispatcher_of(fn)) is not None},
+            "explain": {v: d.explain() for v, d in dispatchers.items()},
             # ...and the last trial's counted calls, way -> host and GPU seconds in call order
             "trials": {v: {"host": d.last_trial.host, "gpu": d.last_trial.gpu}
-                       for v, (fn, _) in w["variants"].items()
-                       if (d := dispatcher_of(fn)) is not None and d.last_trial is not None}}
+                       for v, d in dispatchers.items() if d.last_trial is not None}}
 
     print(f"{'workload':<20} {'variant':<30} {'median us':>10} {'vs eager':>9}  result")
     for name, row in rows.items():
@@ -271,8 +270,8 @@ def main() -> None:
             slack = f" + {row['slack_s'] * US:g} us" if row["slack_s"] else ""
             for variant, met in row["goal_met"].items():
                 verdict = {True: "met", False: "NOT met", None: "not measured"}[met]
-                times = f"{row['factor']:g} x " if row["factor"] != 1.0 else ""
-                print(f"{'':<20} goal: {variant} <= {times}{' and '.join(row['goal'])}{slack}: "
+                scale = f"{row['factor']:g} x " if row["factor"] != 1.0 else ""
+                print(f"{'':<20} goal: {variant} <= {scale}{' and '.join(row['goal'])}{slack}: "
                       f"{verdict}")
         for variant in AUTOPAR:
             if variant in row["explain"]:

@@ -279,3 +279,28 @@ def test_train_and_eval_are_separate_captures():
         ref.eval()
         torch.testing.assert_close(step(x), infer_of(ref)(x), **TOL)  # eval(): running stats
     assert sum(c is not None for c in step._compiled.values()) == 2
+
+
+def test_the_step_counts_torch_optim_keeps_on_the_host_are_found():
+    """State.host_step_counts: Adam's step counts (one a parameter), found among the state's
+    tensors by identity; none where the optimizer is capturable (its counts live on the
+    parameters' device)."""
+    from autopar.capture.state import find_state
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+
+    def step(x):
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+
+    state = find_state(step, (torch.randn(4, 3),))
+    counts = state.host_step_counts()
+    assert sorted(id(state.tensors[j]) for j in counts) == \
+        sorted(id(s["step"]) for s in opt.state.values())
+    assert all(state.names[j].endswith("['step']") for j in counts) and len(counts) == 2
+    opt.param_groups[0]["capturable"] = True
+    assert find_state(step, (torch.randn(4, 3),)).host_step_counts() == []

@@ -13,6 +13,7 @@ import torch.fx
 
 from .api import Options, make_runner
 from .capture.dynamo import data_dependent, make_backend
+from .ir.logs import first_line
 
 __all__ = ["autopar_backend"]
 
@@ -56,5 +57,5 @@ def autopar_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
             raise
         log.warning("autopar: a graph reads values captured in it that this torch's "
                     "aot_autograd can't trace (%s: %s); it runs as captured, op by op",
-                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                    type(e).__name__, first_line(e))
         return gm.forward

@@ -342,7 +342,11 @@ class StepPrediction:
 
     choice: Choice
     eager_s: float
-    timeline: Any
+
+    @property
+    def timeline(self) -> Any:
+        """The chosen candidate's simulated Timeline, as :func:`choose` predicted it."""
+        return self.choice.timeline
 
     @property
     def predicted_s(self) -> float:
@@ -360,12 +364,9 @@ def predict_step(fn: Callable, args: Sequence[Any], machine: Any,
     if inputs_on is not None and inputs_on.startswith("cuda"):
         state.foreach = True  # torch.optim's default for CUDA tensors
     step = capture_step(fn, args, state=state)
-    if inputs_on is not None:  # torch.optim keeps step counts on the host (but capturable
-        inputs = step.graph.inputs  # or fused optimizers)
-        on_device = {var for var, opt in state.optimizers
-                     if any(g.get("capturable") or g.get("fused") for g in opt.param_groups)}
-        counts = [inputs[step.n_args + j] for j, name in enumerate(state.names)
-                  if name.endswith("['step']") and name.split(".state[")[0] not in on_device]
+    if inputs_on is not None:  # torch.optim keeps step counts on the host
+        inputs = step.graph.inputs
+        counts = [inputs[step.n_args + j] for j in state.host_step_counts()]
         # ...and so are 0-dim tensors the trace made (torch.tensor(beta) in torch.optim)
         made = inputs[len(inputs) - len(step.constants):] if step.constants else ()
         counts += [n for n in made if n.meta is not None and not n.meta.shape]
@@ -376,5 +377,5 @@ def predict_step(fn: Callable, args: Sequence[Any], machine: Any,
     choice = choose(step, batch_inputs(step, args, batch_argnums), cost, devices,
                     shards=shards, fusing=fusing)
     eager = place(step.graph, cost, policy="single", devices=devices)
-    return StepPrediction(choice, eager.predicted_s, choice.timeline)
+    return StepPrediction(choice, eager.predicted_s)
 

@@ -134,6 +134,15 @@ class State:
             yield
             self._check_unchanged(values, keys)
 
+    def host_step_counts(self) -> list[int]:
+        """Indices in :attr:`tensors` of the step counts ``torch.optim`` keeps on the host
+        whatever the parameters' device (all but a capturable or fused optimizer's)."""
+        index = {id(t): j for j, t in enumerate(self.tensors)}
+        return [index[id(step)] for _, opt in self.optimizers
+                if not any(g.get("capturable") or g.get("fused") for g in opt.param_groups)
+                for s in opt.state.values()
+                if isinstance(step := s.get("step"), torch.Tensor) and id(step) in index]
+
     def uses_foreach(self) -> bool:
         """Does any param group take the foreach path in the trace?"""
         return any(self._traced_foreach(g) for _, opt in self.optimizers

@@ -40,6 +40,7 @@ from torch.utils.flop_counter import flop_registry
 __all__ = [
     "INPUT",
     "LOCAL_SCALAR_DENSE",
+    "Annotation",
     "Graph",
     "GraphError",
     "GraphTotals",
@@ -280,35 +281,15 @@ def _schema_effects(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, tuple, t
         return reads, (), reads
     if not isinstance(op, torch._ops.OpOverload):
         return reads, (), ()
-    annotations = _ANNOTATIONS.get(op)
-    if annotations is None:
-        annotations = _ANNOTATIONS[op] = _annotations_of(op)
-    if not annotations:
-        return reads, (), ()
     writes: list[Node] = []
     aliases: list[Node] = []
-    for i, name, by_name, is_write, aliased in annotations:
-        value = kwargs.get(name) if by_name or i >= len(args) else args[i]
+    for note, value in annotated_args(op, args, kwargs):
         found = _nodes_in(value, [])
-        if is_write:
+        if note.is_write:
             writes += found
-        if aliased:
+        if note.aliased:
             aliases += found
     return reads, tuple(dict.fromkeys(writes)), tuple(dict.fromkeys(aliases))
-
-
-# op -> (position, name, keyword-only, written, aliased by an output) of each annotated
-# argument: the schema read once per op, not once per node (a graph of 8,000 nodes is built
-# in the shard pass several times a step)
-_ANNOTATIONS: dict[Any, tuple[tuple[int, str, bool, bool, bool], ...]] = {}
-
-
-def _annotations_of(op: Any) -> tuple[tuple[int, str, bool, bool, bool], ...]:
-    out_sets = {s for r in op._schema.returns if r.alias_info is not None
-                for s in r.alias_info.after_set}
-    return tuple((i, a.name, a.kwarg_only, a.alias_info.is_write,
-                  bool(out_sets & set(a.alias_info.before_set)))
-                 for i, a in enumerate(op._schema.arguments) if a.alias_info is not None)
 
 
 def _nodes_in(x: Any, out: list[Node]) -> list[Node]:
@@ -324,13 +305,38 @@ def _nodes_in(x: Any, out: list[Node]) -> list[Node]:
     return out
 
 
-def annotated_args(op: Any, args: tuple, kwargs: dict) -> Iterator[tuple[Any, Any]]:
-    """``(alias_info, value)`` of each argument of an ATen op call that its schema annotates
+@dataclass(frozen=True, slots=True)
+class Annotation:
+    """An ATen argument its schema annotates: ``position``, ``name``, ``kwarg_only``, whether
+    the op writes it in place (``is_write``) and whether an output aliases it (``aliased``)."""
+
+    position: int
+    name: str
+    kwarg_only: bool
+    is_write: bool
+    aliased: bool
+
+
+# op -> its annotated arguments: the schema read once per op, not once per node (a graph of
+# 8,000 nodes is built in the shard pass several times a step)
+_ANNOTATIONS: dict[Any, tuple[Annotation, ...]] = {}
+
+
+def annotated_args(op: Any, args: tuple, kwargs: dict) -> Iterator[tuple[Annotation, Any]]:
+    """``(annotation, value)`` of each argument of an ATen op call that its schema annotates
     (written in place, or aliased by an output), whatever kind of node ``args`` hold."""
-    for i, arg in enumerate(op._schema.arguments):
-        if arg.alias_info is not None:
-            yield arg.alias_info, (kwargs.get(arg.name) if arg.kwarg_only or i >= len(args)
-                                   else args[i])
+    notes = _ANNOTATIONS.get(op)
+    if notes is None:
+        schema = op._schema
+        out_sets = {s for r in schema.returns if r.alias_info is not None
+                    for s in r.alias_info.after_set}
+        notes = _ANNOTATIONS[op] = tuple(
+            Annotation(i, a.name, a.kwarg_only, a.alias_info.is_write,
+                       bool(out_sets & set(a.alias_info.before_set)))
+            for i, a in enumerate(schema.arguments) if a.alias_info is not None)
+    for note in notes:
+        yield note, (kwargs.get(note.name) if note.kwarg_only or note.position >= len(args)
+                     else args[note.position])
 
 
 def _cholesky_flops(a: tuple[int, ...], b: tuple[int, ...] | None) -> float:

@@ -183,16 +183,15 @@ class FusedCost:
             for group in groups:
                 for n in group:
                     self._times[(n, device)] = self._host[(n, device)] = 0.0
-                self._times[(group[0], device)] = self._region_time(group, device)
                 extern = [n for n in group if kind_of(n.op) in _EXTERN]
-                fused_ops = [n for n in group if kind_of(n.op) not in _EXTERN]
+                fused = [n for n in group if kind_of(n.op) not in _EXTERN]
+                self._times[(group[0], device)] = self._region_time(extern, fused, device)
                 self._host[(group[0], device)] = \
                     sum(host_time(cost, n, device) for n in extern) + \
-                    max((host_time(cost, n, device) for n in fused_ops), default=0.0)
+                    max((host_time(cost, n, device) for n in fused), default=0.0)
 
-    def _region_time(self, group: list[Node], device: str) -> float:
-        extern = [n for n in group if kind_of(n.op) in _EXTERN]
-        fused = [n for n in group if kind_of(n.op) not in _EXTERN]
+    def _region_time(self, extern: list[Node], fused: list[Node], device: str) -> float:
+        """A region's time: its library calls', and one launch for its other ops."""
         time = sum(self.cost.node_time(n, device) for n in extern)
         op_cost = getattr(self.cost, "op_cost", None)
         if not fused:

@@ -158,7 +158,7 @@ class _Sim:
             heapq.heappush(self.heap, (max(self.clock[device], t), device))
 
 
-# -- memory -------------------------------------------------------------------------------
+# -- the calling thread ------------------------------------------------------------------
 def issue_s(plan: Plan, cost: Any) -> float:
     """Seconds the calling thread spends on a plan: the host's program (the first CPU
     worker's) and every GPU's run on that one thread (:mod:`autopar.runtime.interleave`), so
@@ -185,6 +185,7 @@ def host_time(cost: Any, node: Node, device: str) -> float:
     return cost.node_time(node, device) if host is None else host(node, device)
 
 
+# -- memory -------------------------------------------------------------------------------
 def peak_memory(plan: Plan, timeline: Timeline) -> dict[str, int]:
     """Peak live bytes of each memory pool while ``plan`` runs as ``timeline`` says.
 
