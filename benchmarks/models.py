@@ -85,6 +85,18 @@ def _same_step(step: Any, model: torch.nn.Module, opt: Any, args: tuple, kwargs:
     return _close([got], [want], "train")
 
 
+def _changed_state(model: torch.nn.Module, base: torch.nn.Module) -> str:
+    """Inference's parameters and buffers that differ from the model's they were copied from
+    (" (parameters and buffers as built)" where none does): a way that wrote into them would
+    pass the trial's check (eager then runs on the same tensors) and be wrong after."""
+    want = dict(base.state_dict())
+    bad = [k for k, v in model.state_dict().items()
+           if k in want and not torch.equal(v, want[k])]
+    if not bad:
+        return " (parameters and buffers as built)"
+    return f" ({len(bad)} parameters or buffers changed: {', '.join(bad[:4])})"
+
+
 def _optimizer(mode: str, model: torch.nn.Module) -> torch.optim.Optimizer:
     """A training mode's optimizer for ``model`` (see the module's docstring)."""
     if mode == "train-sgd":
@@ -177,7 +189,7 @@ def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: i
             else:
                 bad = _close(got, want, mode)
                 if bad:
-                    cell["fail"] = bad
+                    cell["fail"] = bad if training else bad + _changed_state(model, base)
                     continue
             if name == "autopar":  # until its trials are over, as compiling is before timing
                 d = dispatcher_of(fn if training else compiled)
@@ -200,6 +212,8 @@ def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: i
                 # step of it against an eager step from the same parameters and state
                 bad = _close(_outputs(call()), want, mode) if not training else \
                     _same_step(call, model, opt, args, kwargs, loss_of, clip)
+                if bad and not training:
+                    bad += _changed_state(model, base)
                 if bad:
                     cell["fail"] = f"after settling on {cell['kept']}: {bad}"
                     continue

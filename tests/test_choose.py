@@ -391,14 +391,19 @@ def _model_and_input():
     return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()).eval(), torch.randn(4, 8)
 
 
-def test_a_way_whose_results_are_not_eagers_is_left_out(monkeypatch, caplog):
-    """Inference (grad off, nothing written): a way's first call is checked against eager on
-    the same arguments; a way that is off is dropped, says why, and the call gets eager's."""
+@pytest.mark.parametrize("mode", ["no_grad", "frozen parameters"])
+def test_a_way_whose_results_are_not_eagers_is_left_out(monkeypatch, caplog, mode):
+    """Inference (grad off, or grad on with nothing requiring it; nothing written): a way's
+    first call is checked against eager on the same arguments; a way that is off is dropped,
+    says why, and the call gets eager's."""
+    import contextlib
     import logging
 
     from autopar.api import Dispatcher
 
     model, x = _model_and_input()
+    if mode == "frozen parameters":
+        model.requires_grad_(False)
     compiled = autopar.compile(model, devices="cpu:0,cpu:1", policy="round_robin",
                                candidates=["eager", "autopar"])
     wrong = Dispatcher.way
@@ -408,7 +413,8 @@ def test_a_way_whose_results_are_not_eagers_is_left_out(monkeypatch, caplog):
         return (lambda *a, **k: way(*a, **k) + 1) if name == "autopar" else way
 
     monkeypatch.setattr(Dispatcher, "way", off_by_one)
-    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="autopar"):
+    grad = torch.no_grad() if mode == "no_grad" else contextlib.nullcontext()
+    with grad, caplog.at_level(logging.WARNING, logger="autopar"):
         for _ in range(12):
             torch.testing.assert_close(compiled(x), model(x))
     assert "the autopar way is left out: its results differ from eager's" in caplog.text
@@ -418,6 +424,100 @@ def test_a_way_whose_results_are_not_eagers_is_left_out(monkeypatch, caplog):
     # explain says why the one way left runs
     assert "runs eager: eager (autopar left out (its results differ from eager's: " \
         in d.explain()
+
+
+def test_a_winner_whose_results_drift_is_left_out_when_kept(monkeypatch, caplog):
+    """A way right on its first call (the check passes) and off later is checked again when
+    the trial keeps it: dropped, the next fastest kept, every call eager's result or within
+    the tolerance but the unchecked ones the trial timed."""
+    import logging
+
+    from autopar.api import Dispatcher
+
+    model, x = _model_and_input()
+    monkeypatch.setattr(choose, "TRIAL_MIN_S", 0.0)
+    monkeypatch.setattr(choose, "_clock", _fake_clock(eager=2.0, autopar=1.0))
+    compiled = autopar.compile(model, devices="cpu:0,cpu:1", policy="round_robin",
+                               candidates=["eager", "autopar"])
+    wrong = Dispatcher.way
+    calls = {"n": 0}
+
+    def drifting(self, name):
+        way = wrong(self, name)
+        if name != "autopar":
+            return way
+
+        def call(*a, **k):
+            calls["n"] += 1
+            return way(*a, **k) + (calls["n"] > 2)  # its first call and a repeat right
+        return call
+
+    monkeypatch.setattr(Dispatcher, "way", drifting)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="autopar"):
+        for _ in range(40):
+            compiled(x)
+        d = autopar.api.dispatcher_of(compiled)
+        assert set(d.kept.values()) == {"eager"}
+        torch.testing.assert_close(compiled(x), model(x))
+    assert "the autopar way is left out at the end of its trial: its results differ from " \
+        "eager's" in caplog.text
+    assert "autopar left out (when kept, its results differ from eager's" in d.explain()
+
+
+def test_a_way_whose_results_vary_from_call_to_call_is_left_out(monkeypatch, caplog):
+    """Under autocast a way may be 5e-2 off eager (another rounding), but two of its calls on
+    the same arguments must agree to 2e-3 where the outputs are float32: a way that varies more
+    (a race in a kernel) is dropped at its first call."""
+    import logging
+
+    from autopar.api import Dispatcher
+
+    class Float(torch.nn.Module):  # a float32 output, as HF ViT's layer norm gives on a GPU
+        def forward(self, y):
+            return y.float()
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), Float()).eval()
+    x = torch.randn(4, 8)
+    compiled = autopar.compile(model, devices="cpu:0,cpu:1", policy="round_robin",
+                               candidates=["eager", "autopar"])
+    wrong = Dispatcher.way
+
+    def noisy(self, name):
+        way = wrong(self, name)
+        if name != "autopar":
+            return way
+        return lambda *a, **k: (lambda o: o + 0.01 * torch.randn_like(o))(way(*a, **k))
+
+    monkeypatch.setattr(Dispatcher, "way", noisy)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), \
+            caplog.at_level(logging.WARNING, logger="autopar"):
+        want = model(x)
+        assert want.dtype == torch.float32
+        for _ in range(12):
+            torch.testing.assert_close(compiled(x), want)
+    assert "its results vary from call to call on the same arguments" in caplog.text
+    assert set(autopar.api.dispatcher_of(compiled).kept.values()) == {"eager"}
+
+
+def test_a_call_drawing_random_numbers_is_not_repeated_to_check_it(monkeypatch, caplog):
+    """Dropout in a module left in training mode, under no_grad: each call draws other numbers,
+    eager's too, so a way is not checked against a second call (it would be dropped for
+    differing) and stays in the trial."""
+    import logging
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)).train()
+    x = torch.randn(4, 8)
+    monkeypatch.setattr(choose, "TRIAL_MIN_S", 0.0)
+    compiled = autopar.compile(model, devices="cpu:0,cpu:1", policy="round_robin",
+                               candidates=["eager", "autopar"])
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="autopar"):
+        for _ in range(30):
+            compiled(x)
+    d = autopar.api.dispatcher_of(compiled)
+    assert d.runner.random and d.kept
+    assert "left out" not in caplog.text
 
 
 def test_a_way_within_the_tolerance_is_kept_in_the_trial(monkeypatch, caplog):

@@ -37,3 +37,22 @@ def test_inductor_and_cuda_graph_forms_equal_eager_and_keep_earlier_results():
     assert d.switch.graphed == 1
     for got, want in zip(held, [want1, want2] * 3):
         torch.testing.assert_close(got, want)  # earlier results intact after later replays
+
+
+def test_a_model_without_grad_has_a_cuda_graph_form_under_grad_mode():
+    """Parameters that require no grad make aot_autograd's graph an inference one under grad
+    mode too (what ``mode="reduce-overhead"`` graphs): the CUDA-graph form is built, equals
+    eager, and its results need no grad."""
+    model = _net().requires_grad_(False)
+    compiled = autopar.compile(model, candidates="auto")
+    d = dispatcher_of(compiled)
+    x = torch.randn(1, 3, 16, 16, device="cuda")
+    want = model(x)
+    torch.testing.assert_close(compiled(x), want)
+    graphed = d.way("cudagraphs")
+    held = [graphed(x) for _ in range(3)]
+    torch.cuda.synchronize()
+    assert d.switch.graphed == 1 and d._inference()
+    for got in held:
+        torch.testing.assert_close(got, want)
+        assert not got.requires_grad

@@ -26,8 +26,9 @@ Policy (one place decides "is autopar's plan better than what the user would oth
   otherwise its calls are eager's ops plus dynamo's per-call cost. ``inductor`` is one where
   Inductor compiles for the devices involved (any GPU; the host only with a C++ compiler) and
   fusion is allowed (``fuse`` not False). A lone candidate is kept without timing.
-  ``cudagraphs`` is tried only after a trial of inference calls (grad off) on a GPU in
-  which ``inductor``'s calls measured launch-bound (:func:`launch_bound`: the host's time a
+  ``cudagraphs`` is tried only after a trial of inference calls (grad off, or no graph
+  reading a tensor that requires grad) on a GPU in which ``inductor``'s calls measured
+  launch-bound (:func:`launch_bound`: the host's time a
   call at least ``LAUNCH_BOUND`` of the GPU's, so the GPU waited on launches), in a second
   trial against that trial's winner: compiling it again costs first-call time only where it
   can pay (ResNet-18 at batch 1 on one H200: eager 1.34 ms, Inductor 1.57, reduce-overhead
@@ -49,12 +50,14 @@ Policy (one place decides "is autopar's plan better than what the user would oth
 - A way that fails where eager would not (an internal or compile error before the function
   ran) is dropped for that signature, with the reason logged once, and the call runs eagerly.
 - A way whose results are not eager's is dropped too: on a way's first call, where calling the
-  function again changes nothing (grad off, no captured graph writes in place, and the call
-  changed no tensor's version counter: its arguments', a module's parameters' and buffers'),
-  eager runs on the same arguments and the outputs are compared (:func:`results_differ`:
-  relative error in norm over ``RESULT_TOL``, ``RESULT_TOL_LOW`` under autocast or for 16-bit
-  outputs); the call returns eager's. Training steps are not checked here (a second call
-  would step again).
+  function again changes nothing (an inference call as above, no captured graph writes in
+  place, and the call changed no tensor's version counter: its arguments', a module's
+  parameters' and buffers'), eager runs on the same arguments and the outputs are compared
+  (:func:`results_differ`: relative error in norm over ``RESULT_TOL``, ``RESULT_TOL_LOW``
+  under autocast or for 16-bit outputs); the call returns eager's. The trial's winner is
+  checked so once more when kept (Inductor's form of a bf16 ViT on one H200 was right on its
+  first call and off after a trial): a winner that differs is dropped and the next fastest
+  kept. Training steps are not checked here (a second call would step again).
   Not seen: Python side effects of the function (a counter in a global object), which that
   one call then makes twice.
 

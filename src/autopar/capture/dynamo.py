@@ -118,14 +118,15 @@ def _one_gpu(example_inputs: Sequence[Any]) -> str | None:
 
 
 def _cuda_graph_form(example_inputs: Sequence[Any], theirs: Callable, label: str,
-                     switch: WaySwitch, seen: dict[str, bool]) -> Callable[[], Callable] | None:
+                     switch: WaySwitch, seen: dict[str, Any]) -> Callable[[], Callable] | None:
     """The builder of a graph's CUDA-graph form (``switch.replay`` of Inductor's function), or
-    None where it has none: only inference graphs (grad off while tracing: dynamo guards it)
-    with static shapes and every tensor input on one GPU, that neither write into an input (a
-    replay would write into its static copy) nor draw random numbers (a replay's stream is not
-    eager's), as autopar's conversion of the graph found (``seen``)."""
+    None where it has none: only aot_autograd's inference graphs (grad off while tracing, or
+    nothing read requires grad: dynamo guards both) with static shapes and every tensor input
+    on one GPU, that neither write into an input (a replay would write into its static copy)
+    nor draw random numbers (a replay's stream is not eager's), as autopar's conversion of the
+    graph found (``seen``)."""
     if switch.replay is None or seen["writes"] or seen["random"] or \
-            torch.is_grad_enabled() or is_symbolic(example_inputs):
+            seen["phase"] != "inference" or is_symbolic(example_inputs):
         return None
     device = _one_gpu(example_inputs)
     if device is None:
@@ -157,7 +158,7 @@ def make_backend(build: GraphRunner, name: str = "autopar",
     counter = {"n": 0}
     bare: list[tuple[Callable, int, tuple]] = []  # this graph's inference runner and light wrapper
     # whether the graph last converted writes its inputs, draws random numbers
-    seen = {"writes": True, "random": True}
+    seen: dict[str, Any] = {"writes": True, "random": True, "phase": None}
 
     def compiler(phase: str) -> Callable:
         def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
@@ -167,7 +168,7 @@ def make_backend(build: GraphRunner, name: str = "autopar",
             light = _light_inference() if phase == "inference" else None
             if light is not None and light[0]:
                 _copy_back_sources(gm, len(light[0]), light[1])
-            seen.update(writes=_writes_inputs(), random=True)  # random: until looked at
+            seen.update(writes=_writes_inputs(), random=True, phase=phase)  # random: until seen
             try:
                 graph, constants = from_fx(gm, label)
                 graph.writes_inputs = seen["writes"]
@@ -219,7 +220,7 @@ def make_backend(build: GraphRunner, name: str = "autopar",
         return ours
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        seen.update(writes=True, random=True)  # for a graph no compiler of ours sees
+        seen.update(writes=True, random=True, phase=None)  # for a graph no compiler of ours sees
         mine = ours(gm, example_inputs)
         from torch._inductor.compile_fx import compile_fx  # lazy: slow to import
 
