@@ -446,7 +446,7 @@ def test_a_candidate_is_predicted_as_the_executor_runs_it():
     g.set_outputs([x])
     cost = FakeCost(machine(cpus=1, gpus=1), default=1e-3)
     placed = by_hand(g, {f"m{i}": "cuda:0" for i in range(4)})
-    _, timeline, predicted = predicted_run(placed, cost, fusing=())
+    _, timeline, predicted, _ = predicted_run(placed, cost, fusing=())
     assert round(timeline.makespan * 1e3, 6) == 4 and round(predicted * 1e3, 6) == 4
-    _, timeline, predicted = predicted_run(placed, cost, fusing=["cuda:0"])
+    _, timeline, predicted, _ = predicted_run(placed, cost, fusing=["cuda:0"])
     assert round(timeline.makespan * 1e3, 6) == 1 and round(predicted * 1e3, 6) == 1

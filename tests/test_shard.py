@@ -230,6 +230,25 @@ def test_cost_model_splits_w6_over_two_h200s_and_not_a_tiny_batch():
     assert choice.sharded is None and set(choice.predicted) == {"unsplit", "cuda:0,cuda:1"}
 
 
+def test_a_split_whose_launches_alone_exceed_the_fastest_is_not_placed():
+    """On h200x8 a tiny batch's step is launch-bound: once a split over two GPUs is placed, a
+    split over more devices (more launches on the one issuing thread) whose launches alone,
+    at the pair's seconds per op, exceed the fastest candidate is not placed, and says why."""
+    cost = CostModel(preset("h200x8"))
+    devices = [d.name for d in cost.machine.devices]
+    tiny = capture_step(w6_train_step, mlp_inputs(batch=8))
+    relabel_devices(tiny.graph, "cpu", "cuda:0")
+    choice = choose(tiny, batch_of(tiny), cost, devices)
+    assert choice.sharded is None
+    assert set(choice.predicted) == {"unsplit", "cuda:0,cuda:1"}
+    assert list(choice.pruned) == ["cuda:0,cuda:1,cuda:2,cuda:3"]
+    assert "its launches alone, about" in choice.pruned["cuda:0,cuda:1,cuda:2,cuda:3"]
+    forced = choose(tiny, batch_of(tiny), cost, devices, shards=4)  # the estimate's a floor
+    issue = forced.predicted["cuda:0,cuda:1,cuda:2,cuda:3"]
+    assert issue > min(choice.predicted.values())
+    assert not forced.pruned
+
+
 def test_the_at_once_form_is_placed_only_where_the_chunked_one_is_near_the_fastest(
         monkeypatch):
     """The pair's form with every sum reduced at once is a second placement of the same

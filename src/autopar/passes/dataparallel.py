@@ -20,6 +20,7 @@ from typing import Any
 
 from ..capture.step import StepGraph
 from ..ir.graph import Node
+from ..ir.units import fmt_seconds
 from ..machine.model import GiB
 from ..schedule.place import memory_limits, place
 from ..schedule.plan import make_plan
@@ -48,17 +49,20 @@ class Choice:
     refused: dict[str, str] = field(default_factory=dict)  # candidate -> why it can't run
     timeline: Any = None  # the kept candidate's simulated Timeline, as predicted
     label: str = "unsplit"  # the kept candidate's key in ``predicted``
+    pruned: dict[str, str] = field(default_factory=dict)  # candidate -> why it wasn't placed
 
 
-def predicted_run(placed: Any, cost: Any, fusing: Sequence[str]) -> tuple[Any, Any, float]:
+def predicted_run(placed: Any, cost: Any,
+                  fusing: Sequence[str]) -> tuple[Any, Any, float, float]:
     """The plan of ``placed``, its simulated Timeline as the executor runs it (the regions of
-    the programs of ``fusing`` fused; none: priced op by op), and its predicted seconds: the
-    longer of its makespan and the calling thread's issue time (:func:`issue_s`: one thread
-    launches every GPU's work)."""
+    the programs of ``fusing`` fused; none: priced op by op), its predicted seconds (the
+    longer of its makespan and the calling thread's issue time, :func:`issue_s`: one thread
+    launches every GPU's work) and that issue time."""
     plan = make_plan(placed, cost)
     priced = FusedCost(cost, fused_regions(plan, fusing)) if fusing else cost
     timeline = simulate(plan, priced)
-    return plan, timeline, max(timeline.makespan, issue_s(plan, priced))
+    issue = issue_s(plan, priced)
+    return plan, timeline, max(timeline.makespan, issue), issue
 
 
 def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence[str], *,
@@ -72,7 +76,12 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
     ``"<devices> at once"``), the model picking, where the chunked form is predicted within
     ``AT_ONCE_SLACK`` of the fastest candidate (the two forms differ by a few percent: W6 on
     ``h200x2`` 11.81 against 11.96 ms; GPT-2 small's step on ``h200x8``, 73.0 and 72.4 ms,
-    where 4 GPUs predict 44.3)."""
+    where 4 GPUs predict 44.3). A split over more devices than the last one placed is not
+    placed (``Choice.pruned`` says why, and no larger k is tried) where its ops at the last
+    split's issue seconds per op already exceed the fastest prediction: more devices, more
+    launches on the one issuing thread (GPT-2 small's step on ``h200x8``: over 4 GPUs 24.1 ms
+    of issue for 10,138 ops; over 8, 18,638 ops, an estimate of 44.3 ms and a prediction of
+    50.4, not placed; planning 16.3 s -> 12.0 on the 2-core VM)."""
     devices, same_kind = shard_devices(batch, cost, devices, shards)
     n = len(same_kind)
     ks = sorted({k for k in (1 << i for i in range(n.bit_length())) if k <= n} | {n}) \
@@ -81,6 +90,8 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
     runs: dict[str, tuple[Any, Any]] = {}  # label -> (plan, timeline)
     placed_all: list[tuple[str, Any, Sharded | None]] = []
     at_once: tuple[str, list[str]] | None = None  # the chunked pair's label and devices
+    pruned: dict[str, str] = {}
+    per_op = 0.0  # the issuing thread's seconds per op of the last split placed
     for k in ks:
         if k == 1:
             placed, sharded = place(step.graph, cost, policy=policy, devices=devices), None
@@ -100,18 +111,27 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
                 log.info("autopar: %s not split over %d devices: %s", step.graph.name, k, e)
                 continue
             label = ",".join(same_kind[:k])
+            floor = per_op * len(chunked.graph.ops)
+            if shards is None and floor > min(predicted.values()):
+                pruned[label] = (f"not placed: its launches alone, about {fmt_seconds(floor)} "
+                                 "on the issuing thread, exceed the fastest candidate's "
+                                 f"{fmt_seconds(min(predicted.values()))}")
+                log.info("autopar: %s %s: %s", step.graph.name, label, pruned[label])
+                break  # more devices, more launches
             candidates = [(label + suffix, place(s.graph, cost, policy=policy, devices=devices,
                                                  pins=s.pins), s) for suffix, s in forms]
         for label, placed, sharded in candidates:
-            plan, timeline, predicted[label] = predicted_run(placed, cost, fusing)
+            plan, timeline, predicted[label], issue = predicted_run(placed, cost, fusing)
             runs[label] = plan, timeline
             placed_all.append((label, placed, sharded))
+            if sharded is not None:  # the issuing thread's seconds per op of a split graph
+                per_op = issue / len(sharded.graph.ops)
     if at_once is not None and \
             predicted[at_once[0]] <= (1 + AT_ONCE_SLACK) * min(predicted.values()):
         label, pair = f"{at_once[0]} at once", at_once[1]
         sharded = shard(step.graph, batch, pair, updates=step.updates, reduce_chunks=1)
         placed = place(sharded.graph, cost, policy=policy, devices=devices, pins=sharded.pins)
-        plan, timeline, predicted[label] = predicted_run(placed, cost, fusing)
+        plan, timeline, predicted[label], _ = predicted_run(placed, cost, fusing)
         runs[label] = plan, timeline
         placed_all.append((label, placed, sharded))
     ranked = sorted(placed_all, key=lambda c: predicted[c[0]])
@@ -119,11 +139,11 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
     for label, placed, sharded in ranked:  # the fastest that fits every device's memory
         why = _does_not_fit(*runs[label], cost)
         if why is None:
-            return Choice(placed, sharded, predicted, refused, runs[label][1], label)
+            return Choice(placed, sharded, predicted, refused, runs[label][1], label, pruned)
         refused[label] = why
         log.info("autopar: %s %s: %s", step.graph.name, label, why)
     label, placed, sharded = ranked[0]  # nothing fits (eager's own form neither): the fastest
-    return Choice(placed, sharded, predicted, refused, runs[label][1], label)
+    return Choice(placed, sharded, predicted, refused, runs[label][1], label, pruned)
 
 
 def _does_not_fit(plan: Any, timeline: Any, cost: Any) -> str | None:
