@@ -55,7 +55,11 @@ if len(sys.argv) > 3 and sys.argv[3] == "configs":  # Inductor's options, one at
                 ("deterministic algorithms", {}, algos_det),
                 ("split_reductions off", {"split_reductions": False}, None),
                 ("persistent_reductions off", {"triton.persistent_reductions": False}, None),
-                ("pattern_matcher off", {"pattern_matcher": False}, None)]
+                ("pattern_matcher off", {"pattern_matcher": False}, None),
+                # pytorch/pytorch#191433 (sm_120): a fused kernel's in-place buffer read back
+                # after a bf16 result was mixed in
+                ("inplace_buffers off", {"inplace_buffers": False}, None),
+                ("allow_buffer_reuse off", {"allow_buffer_reuse": False}, None)]
     for label, patch, switch in settings:
         torch._dynamo.reset()
         if switch:
