@@ -5,9 +5,9 @@
 
 Per model, mode and variant, in a process of its own with an Inductor cache directory of its
 own (``--warm``: the same call made once before in that directory, as on a user's second run),
-the wrapper's construction and first call (``torch.compile``), or its construction and calls
-until its trial is settled (``autopar.compile``), with the
-inclusive seconds spent in each phase:
+the wrapper's construction and calls until autopar's trial is settled: ``autopar.compile``
+runs first, and ``torch.compile`` then makes as many calls (the user makes them either way;
+``first_call_s`` is the first alone), with the inclusive seconds spent in each phase:
 dynamo's tracing (``convert_frame``), aot_autograd, autopar's conversion (``from_fx``),
 placement and planning, building executors, Inductor (``compile_fx``, for autopar's own
 fused regions and its ``inductor`` way alike) and the trial's calls. Phases nest (Inductor
@@ -112,7 +112,9 @@ class _Timed:
 
 
 def run_one(model_name: str, mode: str, variant: str, size: str, batch: int,
-            length: int) -> dict[str, Any]:
+            length: int, calls: int = 0) -> dict[str, Any]:
+    """One variant in this process: its construction and first call, then (``autopar``) calls
+    until its trial is settled, or (``compile``) ``calls`` more calls."""
     import autopar
     from autopar.api import dispatcher_of
     from autopar.bench.harness import SETTLE_CALLS, in_process_compiles
@@ -167,6 +169,13 @@ def run_one(model_name: str, mode: str, variant: str, size: str, batch: int,
             cell["trial_calls"] = n
             cell["kept"] = sorted(set(d.kept.values())) if d is not None else []
             cell["total_s"] = round(time.perf_counter() - made, 3)
+        elif calls:
+            for _ in range(calls):
+                call()
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            cell["calls"] = calls
+            cell["total_s"] = round(time.perf_counter() - made, 3)
     cell["phases"] = timer.take()
     return cell
 
@@ -183,20 +192,22 @@ def main() -> None:
                     help="time each variant's second run in its cache directory")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--calls", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
         model, mode, variant = a.one.split(":")
-        print(json.dumps(run_one(model, mode, variant, a.size, a.batch, a.length)))
+        print(json.dumps(run_one(model, mode, variant, a.size, a.batch, a.length, a.calls)))
         return
     rows: list[dict[str, Any]] = []
     for model in a.models:
         for mode in a.modes.split(","):
             row: dict[str, Any] = {"model": model, "mode": mode, "warm": a.warm}
-            for variant in ("compile", "autopar"):  # each with a cache directory of its own
+            for variant in ("autopar", "compile"):  # each with a cache directory of its own
                 with tempfile.TemporaryDirectory(prefix="inductor-") as cache:
                     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
                     cmd = [sys.executable, __file__, "--one", f"{model}:{mode}:{variant}",
-                           "--size", a.size, "--batch", str(a.batch), "--length", str(a.length)]
+                           "--size", a.size, "--batch", str(a.batch), "--length", str(a.length),
+                           "--calls", str(row.get("autopar", {}).get("trial_calls", 0))]
                     for _ in range(2 if a.warm else 1):  # the first of two warms the cache
                         row[variant] = _child(cmd, env, a.timeout)
             rows.append(row)
@@ -224,9 +235,10 @@ def _print(row: dict[str, Any]) -> None:
     if "error" in c or "error" in a:
         print(f"{head}: error: {(c.get('error') or a.get('error'))[-300:]}")
         return
-    print(f"{head}: compile {c['total_s']:.2f} s, autopar {a['total_s']:.2f} s (first call "
-          f"{a['first_call_s']:.2f}, trial {a['trial_s']:.2f} in {a['trial_calls']} calls, kept "
-          f"{','.join(a['kept'])}) = {a['total_s'] / c['total_s']:.2f}x")
+    print(f"{head}, {1 + a['trial_calls']} calls each: compile {c['total_s']:.2f} s (first "
+          f"{c['first_call_s']:.2f}), autopar {a['total_s']:.2f} s (first "
+          f"{a['first_call_s']:.2f}, trial {a['trial_s']:.2f}, kept {','.join(a['kept'])}) = "
+          f"{a['total_s'] / c['total_s']:.2f}x")
     for name, cell in (("compile", c), ("autopar", a)):
         parts = ", ".join(f"{k} {v['s']:.2f} s ({v['calls']})" for k, v in cell["phases"].items())
         print(f"    {name}: {parts}")
