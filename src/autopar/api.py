@@ -756,8 +756,7 @@ class Dispatcher:
             self._checked.add((key, way))
             if self._versions(args, kwargs) != before:  # it wrote a tensor: not repeatable
                 return self._verdict(key, trial, out, args, kwargs)
-            want = self.fn(*args, **kwargs)
-            why = self._wrong(way, out, want, args, kwargs)
+            why, want = self._wrong(way, out, args, kwargs)
             if why is not None:
                 trial.drop(way, why)
                 trials_log.warning("autopar: %s: the %s way is left out: %s", self.name, way,
@@ -776,24 +775,31 @@ class Dispatcher:
         an inference call whose graphs neither write in place nor draw random numbers."""
         return self._inference() and not self.runner.writes and not self.runner.random
 
-    def _wrong(self, way: str, out: Any, want: Any, args: tuple, kwargs: dict) -> str | None:
-        """Why ``way``'s result ``out`` of this call is not to be trusted, or None: it differs
-        from eager's (``want``, :func:`results_differ`), or a second call of the way on the
-        same arguments differs from the first by more than ``RESULT_TOL`` (a 16-bit output
-        ``RESULT_TOL_LOW``): a race, not rounding (one H200, torch 2.11: ``torch.compile``'s
-        code for HF's ViT under bf16 autocast gave other values on each call, 0.02-0.03 off
-        eager's and now and then 0.24, where its fp32 code and eager were bitwise steady;
-        benchmarks/NOTES.md, 2026-12-02)."""
+    def _wrong(self, way: str, out: Any, args: tuple, kwargs: dict,
+               eager: bool = True) -> tuple[str | None, Any]:
+        """Why ``way``'s result ``out`` of this call is not to be trusted, and then eager's
+        result (``eager``: else None), or (None, None): it differs from eager's
+        (:func:`results_differ`), or a second call of the way on the same arguments differs
+        from the first by more than ``RESULT_TOL`` (a 16-bit output ``RESULT_TOL_LOW``): a
+        race, not rounding (one H200, torch 2.11: ``torch.compile``'s code for HF's ViT under
+        bf16 autocast gave other values on each call, 0.02-0.03 off eager's and now and then
+        0.24, where its fp32 code and eager were bitwise steady; benchmarks/NOTES.md,
+        2026-12-02). No more than two results are alive at once (a big model's logits)."""
+        want = self.fn(*args, **kwargs)
         why = results_differ(out, want, low_precision=any_autocast_enabled())
         if why is not None:
-            return f"its results differ from eager's: {why}"
+            return f"its results differ from eager's: {why}", want
+        del want
         before = self._versions(args, kwargs)
         again = self.way(way)(*args, **kwargs)
         if self._versions(args, kwargs) != before:
-            return None
+            return None, None
         why = results_differ(again, out)
-        return None if why is None else \
-            f"its results vary from call to call on the same arguments: {why}"
+        del again
+        if why is None:
+            return None, None
+        return (f"its results vary from call to call on the same arguments: {why}",
+                self.fn(*args, **kwargs) if eager else None)
 
     def _differs_now(self, way: str, args: tuple, kwargs: dict) -> str | None:
         """Why the trial's winner is not to be trusted on this call's arguments (``_wrong``),
@@ -806,7 +812,7 @@ class Dispatcher:
         got = self.way(way)(*args, **kwargs)
         if self._versions(args, kwargs) != before:
             return None
-        return self._wrong(way, got, self.fn(*args, **kwargs), args, kwargs)
+        return self._wrong(way, got, args, kwargs, eager=False)[0]
 
     def _verdict(self, key: Any, trial: Trial, out: Any, args: tuple, kwargs: dict) -> Any:
         won = trial.verdict()
