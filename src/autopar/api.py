@@ -823,7 +823,8 @@ class Dispatcher:
                                "%s", self.name, won, why)
             trial.times.pop(won, None)
             won = min(trial.times, key=lambda w: (statistics.median(trial.times[w]),
-                                                  trial.ways.index(w)))
+                                                  trial.ways.index(w))) \
+                if trial.times else "eager"  # the function itself is right whatever was tried
         if won is not None:
             del self.trials[key]
             trials_log.info("autopar: %s: %s kept for %s (medians: %s)", self.name, won,
