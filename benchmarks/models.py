@@ -190,6 +190,10 @@ def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: i
                 bad = _close(got, want, mode)
                 if bad:
                     cell["fail"] = bad if training else bad + _changed_state(model, base)
+                    if not training:  # a race shows as calls that disagree with each other
+                        varies = results_differ(_outputs(call()), _outputs(call()))
+                        cell["fail"] += f"; two more calls differ: {varies}" if varies \
+                            else "; two more calls agree"
                     continue
             if name == "autopar":  # until its trials are over, as compiling is before timing
                 d = dispatcher_of(fn if training else compiled)
