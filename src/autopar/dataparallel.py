@@ -72,7 +72,6 @@ from .passes.shard import NotShardable, Sharded, torch_device
 from .runtime import Executor
 from .runtime.callerstate import CallerState
 from .schedule.place import place
-from .schedule.plan import make_plan
 
 __all__ = ["DataParallelStep", "StepPrediction", "batch_inputs", "predict_step"]
 
@@ -134,7 +133,7 @@ class DataParallelStep:
             choice = choose(step, batch, cost, self.options.devices,
                             policy=self.options.policy, shards=self.shards,
                             fusing=fusion_devices(self.options.devices, self.options.fuse))
-            plan = make_plan(choice.placement, cost)
+            plan = choice.plan  # the plan its prediction simulated
             run = Executor(plan, trace=bool(self.options.trace),
                            fuse=regions_to_fuse(plan, self.options.fuse))
         except (Unsupported, NotShardable):

@@ -47,6 +47,7 @@ class Choice:
     sharded: Sharded | None
     predicted: dict[str, float]
     refused: dict[str, str] = field(default_factory=dict)  # candidate -> why it can't run
+    plan: Any = None  # the kept candidate's Plan, the one its prediction simulated
     timeline: Any = None  # the kept candidate's simulated Timeline, as predicted
     label: str = "unsplit"  # the kept candidate's key in ``predicted``
     pruned: dict[str, str] = field(default_factory=dict)  # candidate -> why it wasn't placed
@@ -139,11 +140,11 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
     for label, placed, sharded in ranked:  # the fastest that fits every device's memory
         why = _does_not_fit(*runs[label], cost)
         if why is None:
-            return Choice(placed, sharded, predicted, refused, runs[label][1], label, pruned)
+            return Choice(placed, sharded, predicted, refused, *runs[label], label, pruned)
         refused[label] = why
         log.info("autopar: %s %s: %s", step.graph.name, label, why)
     label, placed, sharded = ranked[0]  # nothing fits (eager's own form neither): the fastest
-    return Choice(placed, sharded, predicted, refused, runs[label][1], label, pruned)
+    return Choice(placed, sharded, predicted, refused, *runs[label], label, pruned)
 
 
 def _does_not_fit(plan: Any, timeline: Any, cost: Any) -> str | None:
