@@ -273,7 +273,7 @@ class Runner:
             n.op is LOCAL_SCALAR_DENSE for n in graph.ops)
         self.writes = self.writes or graph.writes_inputs or any(n.writes for n in graph.ops)
         self.training = self.training or phase != "inference"
-        self.random = self.random or any(n.kind == "random" for n in graph.ops)
+        self.random = self.random or graph.draws_random
         try:
             cost = self.cost_model()
             placement = place(graph, cost, policy=options.policy, devices=options.devices)

@@ -172,7 +172,7 @@ def make_backend(build: GraphRunner, name: str = "autopar",
             try:
                 graph, constants = from_fx(gm, label)
                 graph.writes_inputs = seen["writes"]
-                seen["random"] = any(n.kind == "random" for n in graph.ops)
+                seen["random"] = graph.draws_random
             except Unsupported as e:
                 if is_symbolic(example_inputs):  # one static graph per signature, when called
                     run = PerShape(gm, label, lambda static, lbl: runner(*from_fx(static, lbl)))

@@ -461,6 +461,11 @@ class Graph:
     def output_nodes(self) -> list[Node]:
         return list(dict.fromkeys(o for o in self.outputs if isinstance(o, Node)))
 
+    @property
+    def draws_random(self) -> bool:
+        """Whether any op draws random numbers: a second call gives other values."""
+        return any(n.kind == "random" for n in self.nodes)
+
     def users(self) -> dict[Node, list[Node]]:
         """Consumers of each node, in topological order."""
         users: dict[Node, list[Node]] = {n: [] for n in self.nodes}
