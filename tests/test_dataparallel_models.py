@@ -1,5 +1,5 @@
 """``autopar.data_parallel`` on Hugging Face models' training steps as users write them, split
-over two logical CPU workers (the same shard pass and executor as GPUs): after each of 20 steps
+over two logical CPU workers (the same shard pass and executor as GPUs): after each of 10-20 steps
 the loss, parameters, buffers (batch-norm statistics) and optimizer state are eager's."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ pytest.importorskip("transformers")
 from autopar.bench.models import MODELS, inputs_for, train_step, without_dropout
 
 CPUS = "cpu:0,cpu:1"
-STEPS = 20
 # 1e-4: a key projection's bias has a gradient of rounding noise only (softmax ignores a
 # per-query constant: ~1e-11 in GPT-2 here), which AdamW scales to lr-sized steps; its value
 # after 20 steps differs from eager's by ~1e-5 with any other summation order
@@ -35,10 +34,16 @@ def _model(name: str) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize(("name", "optimizer", "batch"), [
-    ("gpt2", "adamw", 5), ("bert", "adamw", 4), ("hf-resnet", "sgd-momentum", 5),
-    ("vit", "adamw", 4)])
-def test_twenty_steps_split_over_two_workers_equal_eager(name, optimizer, batch):
+# steps per case: HF ResNet's are 10, because ReLU and max-pool turn one rounding difference
+# into a jump. On torch 2.11 its SGD momentum buffers were within 8e-6 of eager's through step
+# 17 and 6.8e-4 off at step 18; with GELU and average pooling in their place the same 20 steps
+# drift smoothly to ~1e-4 on 2.11 and 2.13 alike (benchmarks/NOTES.md, 2026-12-02 (b)). Past
+# such a flip two correct float32 runs are different trajectories, and no tolerance tells
+# them from a wrong one.
+@pytest.mark.parametrize(("name", "optimizer", "batch", "steps"), [
+    ("gpt2", "adamw", 5, 20), ("bert", "adamw", 4, 20), ("hf-resnet", "sgd-momentum", 5, 10),
+    ("vit", "adamw", 4, 20)])
+def test_steps_split_over_two_workers_equal_eager(name, optimizer, batch, steps):
     m = MODELS[name]
     model = _model(name)
     ref = copy.deepcopy(model)
@@ -48,7 +53,7 @@ def test_twenty_steps_split_over_two_workers_equal_eager(name, optimizer, batch)
     step = autopar.data_parallel(train_step(model, opt, keys), devices=CPUS, shards=2,
                                  batch_argnums=tuple(range(len(keys))))
     ref_step = train_step(ref, ref_opt, keys)
-    for i in range(STEPS):
+    for i in range(steps):
         kwargs = inputs_for(m, "tiny", batch=batch, seed=i)[1]
         torch.testing.assert_close(step(*kwargs.values()), ref_step(*kwargs.values()), **TOL)
     sharded = step.last.sharded
