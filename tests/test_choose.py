@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import shutil
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import autopar
+import autopar.api
 from autopar import choose
 from autopar.choose import TRIAL_CALLS, TURN_CALLS, Trial, candidates
 
@@ -544,3 +546,51 @@ def test_results_differ_by_dtype_and_structure():
     assert "structure" in choose.results_differ((a, a), [a, a])
     assert "shape" in choose.results_differ(a[:5], a)
     assert "differs" in choose.results_differ(torch.arange(3), torch.arange(3) + 1)
+
+
+@needs_cxx
+def test_the_eager_way_of_a_training_step_runs_the_optimizer_as_built(monkeypatch):
+    """Dynamo, tracing AdamW on GPU parameters, makes its param groups capturable for good
+    (``autopar.capture.optim``; made by hand here, as on the host dynamo leaves them alone).
+    The trial's eager turns, and every call once eager is kept, run the optimizer as built:
+    eager AdamW refuses ``capturable=True`` on CPU parameters, so a call in dynamo's form
+    raises. Every step's loss, and the parameters after, equal eager's."""
+    monkeypatch.setattr(autopar.api, "dynamo_changes_optimizers", lambda: True)
+    monkeypatch.setattr(choose, "_clock", _fake_clock(eager=1.0, inductor=2.0))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+    def step_of(model, opt):
+        def step(x):
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            return loss.detach()
+        return step
+
+    g = autopar.compile(step_of(model, opt), candidates="eager,inductor")
+    made = g._make_way
+
+    def as_dynamo_on_a_gpu(name):
+        way = made(name)
+
+        def traced(*args, **kwargs):
+            for group in opt.param_groups:
+                group["capturable"] = True
+            return way(*args, **kwargs)
+        return traced
+
+    g._make_way = as_dynamo_on_a_gpu
+    ref_step = step_of(ref, ref_opt)
+    for _ in range(2 + 4 * TRIAL_CALLS):
+        x = torch.randn(16, 8)
+        torch.testing.assert_close(g(x), ref_step(x), rtol=1e-4, atol=1e-5)
+    assert g.kept_way((x,)) == "eager"
+    assert opt.param_groups[0]["capturable"] is False
+    assert "AdamW as built" in g.explain()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)

@@ -56,3 +56,56 @@ def test_a_model_without_grad_has_a_cuda_graph_form_under_grad_mode():
     for got in held:
         torch.testing.assert_close(got, want)
         assert not got.requires_grad
+
+
+@pytest.mark.parametrize("kept", ["eager", "inductor"])
+def test_a_training_steps_eager_way_runs_adamw_as_built(kept):
+    """Dynamo's trace of an AdamW step on GPU parameters makes the groups capturable and the
+    step counts GPU tensors (``autopar.capture.optim``). The eager way runs the optimizer as
+    built: capturable off, counts on the host; a compiled way runs dynamo's form, its very
+    count tensors; the counts carry over between the two, and the steps equal eager's."""
+    import copy
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                torch.nn.Linear(32, 4)).cuda()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+    def step_of(model, opt):
+        def step(x):
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            return loss.detach()
+        return step
+
+    g = autopar.compile(step_of(model, opt), candidates="eager,inductor")
+    d = dispatcher_of(g)
+    ref_step = step_of(ref, ref_opt)
+    xs = [torch.randn(64, 16, device="cuda") for _ in range(12)]
+    torch.testing.assert_close(g(xs[0]), ref_step(xs[0]), rtol=1e-4, atol=1e-5)  # captured
+    assert d.forms is not None and opt.param_groups[0]["capturable"] is True
+    compiled_counts = [opt.state[p]["step"] for p in model.parameters()]
+    assert all(c.is_cuda for c in compiled_counts)
+    torch.testing.assert_close(g(xs[1]), ref_step(xs[1]), rtol=1e-4, atol=1e-5)  # the trial
+    d.trials.clear()
+    d._keep(d._key((xs[0],), {}), kept)
+    for x in xs[2:]:
+        torch.testing.assert_close(g(x), ref_step(x), rtol=1e-4, atol=1e-5)
+    counts = [opt.state[p]["step"] for p in model.parameters()]
+    if kept == "eager":
+        assert opt.param_groups[0]["capturable"] is False
+        assert all(c.device.type == "cpu" and c.item() == len(xs) for c in counts)
+        assert "AdamW as built" in d.explain()
+        d.way("inductor")(torch.randn(64, 16, device="cuda"))  # and back: the same objects
+        ref_step(torch.randn(64, 16, device="cuda"))
+        counts = [opt.state[p]["step"] for p in model.parameters()]
+        assert all(c is k for c, k in zip(counts, compiled_counts))
+        assert all(c.item() == len(xs) + 1 for c in counts)
+    else:
+        assert opt.param_groups[0]["capturable"] is True
+        assert all(c is k and c.item() == len(xs) for c, k in zip(counts, compiled_counts))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)

@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_flatten
 
 from .capture.direct import Direct
 from .capture.dynamo import WaySwitch, any_autocast_enabled, capturing_scalars, make_backend
+from .capture.optim import OptimizerForms, dynamo_changes_optimizers
 from .choose import (
     WAYS,
     Trial,
@@ -631,6 +632,10 @@ class Dispatcher:
         self._last_grad: bool | None = None
         self._last_refs: list[weakref.ref] = []
         self._last_metas: list[tuple] = []
+        #: the optimizers the function steps, as built and as dynamo's trace left them: the
+        #: eager way runs them as built (:mod:`autopar.capture.optim`); None: none found yet
+        self.forms: OptimizerForms | None = None
+        self._forms_looked = False
         functools.update_wrapper(self, fn)
 
     @property
@@ -649,6 +654,20 @@ class Dispatcher:
         return key
 
     def way(self, name: str) -> Callable:
+        """The callable of way ``name``; where the function steps optimizers that dynamo
+        changed, it first puts them in that way's form (eager's or the compiled code's)."""
+        way = self._way(name)
+        forms = self.forms
+        if forms is None:
+            return way
+        enter = forms.eager if name == "eager" else forms.compiled
+
+        def in_form(*args: Any, **kwargs: Any) -> Any:
+            enter()
+            return way(*args, **kwargs)
+        return in_form
+
+    def _way(self, name: str) -> Callable:
         if name == "eager":
             return self.fn
         if name == "autopar":
@@ -668,12 +687,16 @@ class Dispatcher:
         refs = self._last_refs
         if refs and not kwargs and self._last_grad == _grad_enabled() and \
                 _same_signature(args, refs, self._last_metas, 0, self._last_grad) == len(refs):
+            if self.forms is not None:
+                self.forms.eager()
             return self.fn(*args)  # the latest plain call's tensors, or new ones like them
         key = self._key(args, kwargs)
         way = self.kept.get(key)
         if way == "eager":
             if key is not None and not kwargs:
                 self._remember(args)
+            if self.forms is not None:
+                self.forms.eager()
             return self.fn(*args, **kwargs)
         if way is not None:
             return self.way(way)(*args, **kwargs)
@@ -682,6 +705,11 @@ class Dispatcher:
             return self._tried(key, trial, args, kwargs)
         runner = self.runner
         first = len(runner.executors)
+        if not self._forms_looked and _grad_enabled() and dynamo_changes_optimizers():
+            self._forms_looked = True  # the optimizers as built, before dynamo traces them
+            self.forms = OptimizerForms.of(self.fn, args)
+        if self.forms is not None:
+            self.forms.compiled()
         out = self.compiled(*args, **kwargs)  # a new signature: autopar captures it first
         # under guards="arguments" autopar's way skips dynamo (capture.direct): a way of its
         # own even where its graphs are eager's ops (W1: dynamo already folded the bounds)
@@ -865,6 +893,9 @@ class Dispatcher:
         failed = self.switch.failed if self.switch is not None else None
         if failed:
             lines.append(f"  Inductor failed on a graph: {failed}")
+        forms = self.forms.describe() if self.forms is not None else None
+        if forms:
+            lines.append(forms)
         return "\n".join(lines)
 
     def _versions(self, args: tuple, kwargs: dict) -> list[int]:
