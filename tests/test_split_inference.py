@@ -95,6 +95,20 @@ def test_no_split_with_grad_on_one_device_or_for_a_short_call(monkeypatch):
     assert d.kept_way((x,)) == "eager" and not d.split._compiled
 
 
+def test_a_frozen_model_under_grad_mode_splits_and_its_results_need_no_grad(any_size):
+    """Grad mode on, no parameter requiring grad (a frozen encoder, eval code that forgot
+    ``no_grad``): the call is an inference one, so it splits like one under ``no_grad``."""
+    model = _mlp().requires_grad_(False)
+    compiled = autopar.compile(model, devices=CPUS, candidates="split")
+    d = dispatcher_of(compiled)
+    for seed in range(3):
+        x = torch.randn(64, 64, generator=torch.Generator().manual_seed(seed))
+        got = compiled(x)
+        torch.testing.assert_close(got, model(x), rtol=1e-5, atol=1e-5)
+        assert not got.requires_grad
+    assert d.kept_way((x,)) == "split" and d.split.last is not None
+
+
 def test_a_split_whose_results_differ_is_dropped(any_size, monkeypatch, caplog):
     """The results check covers the split way like every way: made wrong on purpose, it is
     left out and the call returns eager's result."""

@@ -109,3 +109,19 @@ def test_a_training_steps_eager_way_runs_adamw_as_built(kept):
         assert all(c is k and c.item() == len(xs) for c, k in zip(counts, compiled_counts))
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_under_guards_arguments_the_cuda_graph_way_is_reduce_overhead_with_results_kept():
+    """No shared trace under ``guards="arguments"``: the cudagraphs way is
+    ``torch.compile(mode="reduce-overhead")`` of its own; its results equal eager and a later
+    replay does not overwrite one the caller still holds."""
+    model = _net()
+    d = dispatcher_of(autopar.compile(model, candidates="auto", guards="arguments"))
+    x1, x2 = (torch.randn(1, 3, 16, 16, device="cuda") for _ in range(2))
+    with torch.no_grad():
+        want1, want2 = model(x1), model(x2)
+        graphed = d.way("cudagraphs")
+        held = [graphed(x) for x in (x1, x2, x1, x2, x1)]
+    torch.cuda.synchronize()
+    for got, want in zip(held, [want1, want2] * 3):
+        torch.testing.assert_close(got, want)

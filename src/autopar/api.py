@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .capture.direct import Direct
 from .capture.dynamo import WaySwitch, any_autocast_enabled, capturing_scalars, make_backend
@@ -479,12 +479,20 @@ earn back."""
 
 
 def _inductor_alone(fn: Callable, name: str) -> Callable:
-    """The ``inductor`` way where no trace is shared (``guards="arguments"``: its own
-    ``torch.compile(fn)``)."""
-    if name != "inductor":
+    """The ``inductor`` and ``cudagraphs`` ways where no trace is shared
+    (``guards="arguments"``): ``torch.compile(fn)`` and ``torch.compile(fn,
+    mode="reduce-overhead")`` of their own, the latter's outputs cloned out of its graphs'
+    memory (a later replay overwrites them; eager's caller may still hold them)."""
+    if name not in ("inductor", "cudagraphs"):
         raise ValueError(f"the {name} way needs a shared trace (autopar.compile's)")
-    compiled = torch.compile(fn)
-    return quiet(compiled.forward if isinstance(fn, torch.nn.Module) else compiled)
+    compiled = torch.compile(fn, mode="reduce-overhead" if name == "cudagraphs" else None)
+    way = quiet(compiled.forward if isinstance(fn, torch.nn.Module) else compiled)
+    if name == "inductor":
+        return way
+
+    def cloned(*args: Any, **kwargs: Any) -> Any:
+        return tree_map_only(torch.Tensor, torch.clone, way(*args, **kwargs))
+    return cloned
 
 
 def _switched_on(switch: WaySwitch, compiled: Callable, form: str) -> Callable:
@@ -743,13 +751,14 @@ class Dispatcher:
                          executors: Sequence[Any]) -> frozenset[int] | None:
         """The GPU indices the split way touches where it is worth a trial, else None.
 
-        Tried for inference calls (grad off, no graph writing in place) whose graphs the model
+        Tried for inference calls (grad off, or no graph reading a tensor that requires grad:
+        a frozen model under grad mode; no graph writing in place) whose graphs the model
         predicts at ``SPLIT_MIN_S`` or more a call, with two or more devices of the batch's
         kind named; the split's own plan (:func:`autopar.passes.dataparallel.choose`: unsplit
         and split over k devices, the fastest predicted kept) must predict a split. Capture and
         planning cost seconds on a big model: the first call of such a signature pays them."""
         split = self.split
-        if split is None or _grad_enabled() or self.runner.writes or \
+        if split is None or not self._inference() or self.runner.writes or \
                 sum(e.plan.placement.predicted_s for e in executors) < SPLIT_MIN_S:
             return None
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
@@ -913,7 +922,7 @@ class Dispatcher:
         """Whether a decided trial calls for a second one, of its winner against CUDA graphs
         of Inductor's form (see :mod:`autopar.choose`)."""
         return "cudagraphs" not in trial.ways and "inductor" in trial.times and \
-            self.switch is not None and "cudagraphs" in self.runner.options.candidates and \
+            "cudagraphs" in self.runner.options.candidates and \
             not self.runner.writes and self._inference() and launch_bound(trial, "inductor")
 
     def _inference(self) -> bool:

@@ -9,7 +9,9 @@ Policy (one place decides "is autopar's plan better than what the user would oth
   ``autopar``   autopar's graphs: placed plans, folded constants, fused regions;
   ``cudagraphs`` Inductor's graphs replayed as CUDA graphs (what ``mode="reduce-overhead"``
                 does, without compiling again: :class:`autopar.runtime.cudagraphs.GraphedCall`
-                captures Inductor's function), outputs cloned out of the graphs' memory.
+                captures Inductor's function), outputs cloned out of the graphs' memory;
+                under ``guards="arguments"``, where no trace is shared,
+                ``torch.compile(fn, mode="reduce-overhead")`` itself, outputs cloned.
 
   ``split``     an inference call with its batch split over two or more devices of its kind,
                 replicas resident (:class:`autopar.dataparallel.DataParallelStep`).

@@ -310,7 +310,8 @@ def batch_inputs(step: StepGraph, args: Sequence[Any],
                  batch_argnums: Sequence[int] | None) -> dict[Node, int]:
     """The graph inputs split along dim 0: those of ``batch_argnums`` (positions of tensor
     arguments), else every tensor argument that doesn't require grad whose dim 0 equals the
-    first such one's (see the module docstring)."""
+    first such one's (see the module docstring); a step whose parameters are all frozen
+    modules' (state, not arguments) splits its tensor arguments likewise."""
     inputs = step.graph.inputs
     tensors = [x for x in tree_flatten(tuple(args))[0] if isinstance(x, torch.Tensor)]
     if batch_argnums is not None:
@@ -322,9 +323,9 @@ def batch_inputs(step: StepGraph, args: Sequence[Any],
             # every position of that tensor (one tensor passed twice: ids and labels)
             picked += [j for j, t in enumerate(tensors) if t is args[i]]
         return {inputs[j]: 0 for j in picked}
-    if not step.params:
-        raise TypeError("the step has no parameters (tensors that require grad): name its "
-                        "batch arguments with batch_argnums=(...)")
+    if not step.params and len(inputs) <= step.n_args:  # a frozen module's are state
+        raise TypeError("the step has no parameters (tensors that require grad, or a "
+                        "module's): name its batch arguments with batch_argnums=(...)")
     rest = [j for j, t in enumerate(tensors)
             if j < step.n_args and j not in step.params and t.dim() >= 1]
     if not rest:

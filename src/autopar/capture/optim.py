@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from .state import find_state
+
 __all__ = ["OptimizerForms", "dynamo_changes_optimizers"]
 
 
@@ -66,7 +68,6 @@ class OptimizerForms:
     def of(cls, fn: Callable, args: Sequence[Any]) -> OptimizerForms | None:
         """The forms of the optimizers ``fn(*args)`` reaches that have step counts or a
         ``capturable`` flag, as they are now (before the first capture), or None."""
-        from .state import find_state
         try:
             found = find_state(fn, args).optimizers
         except Exception:  # a GradScaler, an odd object: nothing to keep
