@@ -64,3 +64,34 @@ def test_an_optimizer_dynamo_left_alone_switches_as_a_no_op():
     forms.compiled()
     assert not forms.changed and forms.describe() is None
     assert [opt.state[p]["step"] for p in model.parameters()] == steps
+
+
+def test_switching_forms_keeps_the_compiled_codes_guards():
+    """The compiled form is the very flags and objects dynamo saw: after any number of
+    switches to the eager form and back, the compiled step is not traced again."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    forms = OptimizerForms.of(lambda x: _step(model, opt, x), (torch.randn(2, 4),))
+    opt.param_groups[0]["capturable"] = True  # as dynamo sets it before tracing on a GPU
+    compiled = torch.compile(lambda x: _step(model, opt, x), backend="aot_eager")
+    xs = [torch.randn(3, 8) for _ in range(8)]
+    compiled(xs[0])
+    compiled(xs[1])
+    graphs = counters["stats"]["unique_graphs"]
+    for i in range(2, 8, 2):
+        forms.eager()
+        _step(model, opt, xs[i])
+        forms.compiled()
+        compiled(xs[i + 1])
+    assert counters["stats"]["unique_graphs"] == graphs
+    for x in xs:
+        _step(ref, ref_opt, x)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert opt.state[p]["step"].item() == 8
