@@ -6,6 +6,8 @@ with that fill read uninitialized memory. No autopar code runs here but the mode
     PYTHONPATH=src python benchmarks/probes/bf16_garbage.py [cuda:0] [vit|timm-vit-tiny] [sdpa]
 
 ``sdpa``: instead, each attention kernel alone (eager and compiled), ten compiled calls each.
+``configs``: Inductor's and cuDNN's switches one at a time, ``PROBE_CALLS`` compiled calls
+each (default 8), only the settings named in ``PROBE_ONLY`` (comma-separated labels) if set.
 """
 import os
 import sys
@@ -60,14 +62,18 @@ if len(sys.argv) > 3 and sys.argv[3] == "configs":  # Inductor's options, one at
                 # after a bf16 result was mixed in
                 ("inplace_buffers off", {"inplace_buffers": False}, None),
                 ("allow_buffer_reuse off", {"allow_buffer_reuse": False}, None)]
+    only = os.environ.get("PROBE_ONLY")  # e.g. "as is,cudnn deterministic"
+    calls = int(os.environ.get("PROBE_CALLS", "8"))
     for label, patch, switch in settings:
+        if only and label not in only.split(","):
+            continue
         torch._dynamo.reset()
         if switch:
             switch(True)
         with icfg.patch(patch), torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
             want = outs(model(*args, **kwargs))
             c = torch.compile(model)
-            errs = [err(outs(c(*args, **kwargs)), want) for _ in range(8)]
+            errs = [err(outs(c(*args, **kwargs)), want) for _ in range(calls)]
             print(f"{label}: max per output", [max(float(e[i]) for e in errs) for i in (0, 1)],
                   "least of output 0", min(float(e[0]) for e in errs), flush=True)
         if switch:
