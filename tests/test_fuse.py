@@ -450,3 +450,44 @@ def test_a_candidate_is_predicted_as_the_executor_runs_it():
     assert round(timeline.makespan * 1e3, 6) == 4 and round(predicted * 1e3, 6) == 4
     _, timeline, predicted, _ = predicted_run(placed, cost, fusing=["cuda:0"])
     assert round(timeline.makespan * 1e3, 6) == 1 and round(predicted * 1e3, 6) == 1
+
+
+def test_a_normalization_fuses_with_its_pointwise_neighbours_and_is_priced_as_one_kernel():
+    """conv -> eval batch norm -> relu on a GPU: Inductor decomposes the batch norm into
+    pointwise ops, so it and the relu form a region (two paying ops; the conv stays a library
+    call before it) priced as one kernel (the longer of the two), not as a library call and
+    a kernel."""
+    from autopar.passes.fusion import FusedCost
+    g = Graph("conv_bn_relu")
+    x = g.input(TensorMeta.make((64, 64, 56, 56)), "x")
+    w = g.input(TensorMeta.make((64, 64, 3, 3)), "w")
+    stats = [g.input(TensorMeta.make((64,)), s) for s in ("gamma", "beta", "mean", "var")]
+    y = g.call(aten.convolution.default, (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1),
+               name="conv")
+    bn = g.call(aten._native_batch_norm_legit_no_training.default, (y, *stats, 0.1, 1e-5),
+                name="bn")
+    z = g.call(__import__("operator").getitem, (bn, 0), name="z")
+    r = g.call(aten.relu.default, (z,), name="relu")
+    g.set_outputs([r])
+    cost = CostModel(preset("h200x2"))
+    placement = by_hand(g, {n.name: "cuda:0" for n in g.nodes})
+    plan = make_plan(placement, cost)
+    regions_found = fused_regions(plan, ["cuda:0"])["cuda:0"]
+    assert names(regions_found) == [["bn", "z", "relu"]]
+    fused = FusedCost(cost, {"cuda:0": regions_found})
+    bn_node, relu = (next(n for n in g.nodes if n.name == k) for k in ("bn", "relu"))
+    each = {n.name: cost.op_cost(n, "cuda:0").device_s for n in (bn_node, relu)}
+    region = fused.node_time(bn_node, "cuda:0")
+    assert region == pytest.approx(max(each.values()), rel=1e-6)
+    assert region < cost.node_time(bn_node, "cuda:0") + cost.node_time(relu, "cuda:0")
+    assert fused.node_time(relu, "cuda:0") == 0.0
+
+
+def test_every_normalization_priced_as_fused_is_one_inductor_decomposes():
+    """The list behind that pricing is checked against Inductor's own decomposition table."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    from autopar.passes.fusion import NORMALIZATIONS
+    table = {op._schema.name.partition("::")[2] for op in select_decomp_table()
+             if isinstance(op, torch._ops.OpOverload)}
+    assert not NORMALIZATIONS - table, NORMALIZATIONS - table

@@ -16,7 +16,8 @@ Policy
 ``FusedCost`` prices a region at its first node: one launch for its pointwise, reduction and
 view ops together (the host time of a launch or their longest device time, whichever is longer:
 one kernel reads the inputs once), plus each matmul or other library call on its own; the
-region's other ops cost nothing.
+region's other ops cost nothing. Normalizations (batch, layer and group norm and their
+backward ops, :data:`NORMALIZATIONS`) are not library calls there: Inductor decomposes them.
 """
 
 from __future__ import annotations
@@ -37,18 +38,44 @@ from ..schedule.plan import make_plan
 from ..schedule.simulate import host_time, simulate
 from ..schedule.steps import Free, Plan, Run, Step
 
-__all__ = ["MIN_FUSED_OPS", "FusedCost", "fused_regions", "fusible", "fusion_devices",
+__all__ = ["MIN_FUSED_OPS", "NORMALIZATIONS", "FusedCost", "fused_regions", "fusible",
            "prefer_fused", "regions", "regions_to_fuse"]
 
 log = logging.getLogger("autopar.placement")
 
 _EXTERN = ("matmul", "other")  # Inductor calls these as library kernels, one launch each
 
+NORMALIZATIONS = frozenset({
+    "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+    "_native_batch_norm_legit_functional", "_batch_norm_with_update_functional",
+    "native_batch_norm_backward", "batch_norm_backward", "native_layer_norm",
+    "native_layer_norm_backward", "native_group_norm", "native_group_norm_backward"})
+"""Ops of kind ``other`` that Inductor decomposes into pointwise ops and reductions (each is in
+``torch._inductor.decomposition.select_decomp_table()``, torch 2.11 and 2.13): in a region
+they fuse like its own ops, so they are priced with its one kernel, not as library calls, and
+they count towards a region's paying ops."""
+
 MIN_FUSED_OPS = 2
 """A region is compiled when it has at least this many pointwise or reduction ops."""
 
 _PAYING_KINDS = ("pointwise", "reduction")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _library_call(node: Node) -> bool:
+    """Whether Inductor calls ``node`` as a library kernel of its own in a region."""
+    return kind_of(node.op) in _EXTERN and not _normalization(node)
+
+
+def _fuses(node: Node) -> bool:
+    """Whether ``node`` is an op Inductor fuses into a region's kernel (a paying op)."""
+    return kind_of(node.op) in _PAYING_KINDS or _normalization(node)
+
+
+def _normalization(node: Node) -> bool:
+    op = node.op
+    return isinstance(op, torch._ops.OpOverload) and \
+        op._schema.name.partition("::")[2] in NORMALIZATIONS
 
 
 def fusion_devices(devices: Sequence[str], fuse: bool | str) -> list[str]:
@@ -108,7 +135,7 @@ def regions(steps: Sequence[Step], can_fuse: Callable[[Node], bool],
             break
         left_out |= misfits
     return [g for g in groups
-            if sum(kind_of(n.op) in _PAYING_KINDS for n in g) >= min_ops
+            if sum(_fuses(n) for n in g) >= min_ops
             and outputs_of(g, users, graph_outputs)]
 
 
@@ -183,8 +210,8 @@ class FusedCost:
             for group in groups:
                 for n in group:
                     self._times[(n, device)] = self._host[(n, device)] = 0.0
-                extern = [n for n in group if kind_of(n.op) in _EXTERN]
-                fused = [n for n in group if kind_of(n.op) not in _EXTERN]
+                extern = [n for n in group if _library_call(n)]
+                fused = [n for n in group if not _library_call(n)]
                 self._times[(group[0], device)] = self._region_time(extern, fused, device)
                 self._host[(group[0], device)] = \
                     sum(host_time(cost, n, device) for n in extern) + \
