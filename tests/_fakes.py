@@ -232,3 +232,22 @@ def check_plan(plan: Any) -> None:
             freed_there = any(isinstance(s, Free) and s.value is o and pool(s.device) == pool(d)
                               for _, s in plan.steps())
             assert not freed_there, f"output {o!r} freed where it is read"
+
+
+def adamw_pair(model: torch.nn.Module) -> tuple:
+    """``model``, a copy of it, and an AdamW (lr 1e-2) for each: the way under test and eager's."""
+    import copy
+    ref = copy.deepcopy(model)
+    return (model, ref, torch.optim.AdamW(model.parameters(), lr=1e-2),
+            torch.optim.AdamW(ref.parameters(), lr=1e-2))
+
+
+def adamw_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Any:
+    """A training step as users write it: zero_grad, a squared-mean loss, backward, step."""
+    def step(x: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    return step

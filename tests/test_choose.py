@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 import shutil
 
@@ -11,6 +10,7 @@ import torch
 
 import autopar
 import autopar.api
+from _fakes import adamw_pair, adamw_step
 from autopar import choose
 from autopar.choose import TRIAL_CALLS, TURN_CALLS, Trial, candidates
 
@@ -558,21 +558,8 @@ def test_the_eager_way_of_a_training_step_runs_the_optimizer_as_built(monkeypatc
     monkeypatch.setattr(autopar.api, "dynamo_changes_optimizers", lambda: True)
     monkeypatch.setattr(choose, "_clock", _fake_clock(eager=1.0, inductor=2.0))
     torch.manual_seed(0)
-    model = torch.nn.Linear(8, 4)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-
-    def step_of(model, opt):
-        def step(x):
-            opt.zero_grad()
-            loss = model(x).square().mean()
-            loss.backward()
-            opt.step()
-            return loss.detach()
-        return step
-
-    g = autopar.compile(step_of(model, opt), candidates="eager,inductor")
+    model, ref, opt, ref_opt = adamw_pair(torch.nn.Linear(8, 4))
+    g = autopar.compile(adamw_step(model, opt), candidates="eager,inductor")
     made = g._make_way
 
     def as_dynamo_on_a_gpu(name):
@@ -585,7 +572,7 @@ def test_the_eager_way_of_a_training_step_runs_the_optimizer_as_built(monkeypatc
         return traced
 
     g._make_way = as_dynamo_on_a_gpu
-    ref_step = step_of(ref, ref_opt)
+    ref_step = adamw_step(ref, ref_opt)
     for _ in range(2 + 4 * TRIAL_CALLS):
         x = torch.randn(16, 8)
         torch.testing.assert_close(g(x), ref_step(x), rtol=1e-4, atol=1e-5)

@@ -6,10 +6,9 @@ parameters, so a switch that failed to undo the flag fails the eager step."""
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
+from _fakes import adamw_pair
 from autopar.capture.optim import OptimizerForms
 
 
@@ -23,10 +22,7 @@ def test_the_eager_form_has_the_flags_as_built_the_compiled_one_dynamos():
     """Switching back and forth, each form sees its own flag, and the steps taken in both
     forms add up to eager's (the moving of step counts between devices: test_ways_gpu)."""
     torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model, ref, opt, ref_opt = adamw_pair(torch.nn.Linear(4, 3))
     forms = OptimizerForms.of(lambda x: _step(model, opt, x), (torch.randn(2, 4),))
     assert forms is not None and forms.optimizers == [opt]
     xs = [torch.randn(2, 4) for _ in range(4)]
@@ -73,10 +69,7 @@ def test_switching_forms_keeps_the_compiled_codes_guards():
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    model = torch.nn.Linear(8, 4)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model, ref, opt, ref_opt = adamw_pair(torch.nn.Linear(8, 4))
     forms = OptimizerForms.of(lambda x: _step(model, opt, x), (torch.randn(2, 4),))
     opt.param_groups[0]["capturable"] = True  # as dynamo sets it before tracing on a GPU
     compiled = torch.compile(lambda x: _step(model, opt, x), backend="aot_eager")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import autopar
+from _fakes import adamw_pair, adamw_step
 from autopar.api import dispatcher_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -64,26 +65,12 @@ def test_a_training_steps_eager_way_runs_adamw_as_built(kept):
     step counts GPU tensors (``autopar.capture.optim``). The eager way runs the optimizer as
     built: capturable off, counts on the host; a compiled way runs dynamo's form, its very
     count tensors; the counts carry over between the two, and the steps equal eager's."""
-    import copy
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
-                                torch.nn.Linear(32, 4)).cuda()
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-
-    def step_of(model, opt):
-        def step(x):
-            opt.zero_grad()
-            loss = model(x).square().mean()
-            loss.backward()
-            opt.step()
-            return loss.detach()
-        return step
-
-    g = autopar.compile(step_of(model, opt), candidates="eager,inductor")
+    model, ref, opt, ref_opt = adamw_pair(torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).cuda())
+    g = autopar.compile(adamw_step(model, opt), candidates="eager,inductor")
     d = dispatcher_of(g)
-    ref_step = step_of(ref, ref_opt)
+    ref_step = adamw_step(ref, ref_opt)
     xs = [torch.randn(64, 16, device="cuda") for _ in range(12)]
     torch.testing.assert_close(g(xs[0]), ref_step(xs[0]), rtol=1e-4, atol=1e-5)  # captured
     assert d.forms is not None and opt.param_groups[0]["capturable"] is True
