@@ -6,6 +6,7 @@ corpus runs with fusion only under AUTOPAR_SLOW=1 (tests/test_corpus.py).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 
@@ -491,3 +492,23 @@ def test_every_normalization_priced_as_fused_is_one_inductor_decomposes():
     table = {op._schema.name.partition("::")[2] for op in select_decomp_table()
              if isinstance(op, torch._ops.OpOverload)}
     assert not NORMALIZATIONS - table, NORMALIZATIONS - table
+
+
+@needs_cxx
+def test_fused_regions_in_a_backward_graph_give_eagers_gradients():
+    """A small model's training graphs with their regions compiled by Inductor on the host
+    (the forward's and the backward's: layer norm, GELU and their gradients)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32),
+                                torch.nn.GELU(), torch.nn.Linear(32, 4))
+    ref = copy.deepcopy(model)
+    compiled = autopar.compile(model, devices="cpu:0", fuse=True, candidates="autopar")
+    x = torch.randn(8, 16)
+    compiled(x).square().mean().backward()
+    ref(x).square().mean().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    from autopar.api import dispatcher_of
+    runner = dispatcher_of(compiled).runner
+    fused = {e.plan.graph.name.split("_")[1] for e in runner.executors if e.fused}
+    assert fused == {"forward", "backward"}, fused

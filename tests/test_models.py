@@ -182,16 +182,13 @@ def test_defaults_with_inductor_among_the_candidates_equal_eager(name):
 @pytest.mark.skipif(shutil.which("g++") is None, reason="Inductor's CPU code needs a C++ compiler")
 def test_fused_regions_hand_on_eagers_strides_t5():
     """T5 with every program's regions compiled by Inductor (``fuse=True``): a region's output
-    that Inductor laid out otherwise reaches the ``view`` after it with eager's strides (it
-    failed with "view size is not compatible with input tensor's size and stride")."""
+    that Inductor laid out otherwise reaches the ``view`` after it with eager's strides (its
+    forward failed with "view size is not compatible with input tensor's size and stride").
+    Inference only: with the backward's regions too, this one test took 66-90 s of CI on the
+    2-core VM (2026-12-02); fused regions in backward graphs are checked on smaller ones."""
     m = MODELS["t5"]
     model, ref = m.make("tiny"), m.make("tiny")
     args, kwargs = inputs_for(m, "tiny")
     compiled = autopar.compile(model, fuse=True, candidates="autopar")
-    out = compiled(*args, **kwargs)
-    want = ref(*args, **kwargs)
-    _same(flat_tensors(out), flat_tensors(want))
-    loss_of(out).backward()
-    loss_of(want).backward()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        _same(flat_tensors(compiled(*args, **kwargs)), flat_tensors(ref(*args, **kwargs)))
