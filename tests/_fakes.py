@@ -6,6 +6,7 @@ table, so that every planned time in a test can be checked by hand.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -236,7 +237,6 @@ def check_plan(plan: Any) -> None:
 
 def adamw_pair(model: torch.nn.Module) -> tuple:
     """``model``, a copy of it, and an AdamW (lr 1e-2) for each: the way under test and eager's."""
-    import copy
     ref = copy.deepcopy(model)
     return (model, ref, torch.optim.AdamW(model.parameters(), lr=1e-2),
             torch.optim.AdamW(ref.parameters(), lr=1e-2))

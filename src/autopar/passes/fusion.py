@@ -73,9 +73,17 @@ def _fuses(node: Node) -> bool:
 
 
 def _normalization(node: Node) -> bool:
+    """Whether ``node``'s op is one of :data:`NORMALIZATIONS` (remembered per op: regions and
+    ``FusedCost`` ask it of every node of every candidate plan)."""
     op = node.op
-    return isinstance(op, torch._ops.OpOverload) and \
-        op._schema.name.partition("::")[2] in NORMALIZATIONS
+    known = _IS_NORMALIZATION.get(op)
+    if known is None:
+        known = _IS_NORMALIZATION[op] = isinstance(op, torch._ops.OpOverload) and \
+            op._schema.name.partition("::")[2] in NORMALIZATIONS
+    return known
+
+
+_IS_NORMALIZATION: dict[Any, bool] = {}
 
 
 def fusion_devices(devices: Sequence[str], fuse: bool | str) -> list[str]:
@@ -210,8 +218,10 @@ class FusedCost:
             for group in groups:
                 for n in group:
                     self._times[(n, device)] = self._host[(n, device)] = 0.0
-                extern = [n for n in group if _library_call(n)]
-                fused = [n for n in group if not _library_call(n)]
+                extern: list[Node] = []
+                fused: list[Node] = []
+                for n in group:
+                    (extern if _library_call(n) else fused).append(n)
                 self._times[(group[0], device)] = self._region_time(extern, fused, device)
                 self._host[(group[0], device)] = \
                     sum(host_time(cost, n, device) for n in extern) + \
