@@ -86,8 +86,9 @@ def test_a_training_steps_eager_way_runs_adamw_as_built(kept):
         assert opt.param_groups[0]["capturable"] is False
         assert all(c.device.type == "cpu" and c.item() == len(xs) for c in counts)
         assert "AdamW as built" in d.explain()
-        d.way("inductor")(torch.randn(64, 16, device="cuda"))  # and back: the same objects
-        ref_step(torch.randn(64, 16, device="cuda"))
+        x = torch.randn(64, 16, device="cuda")
+        d.way("inductor")(x)  # and back: the same objects
+        ref_step(x)
         counts = [opt.state[p]["step"] for p in model.parameters()]
         assert all(c is k for c, k in zip(counts, compiled_counts))
         assert all(c.item() == len(xs) + 1 for c in counts)
