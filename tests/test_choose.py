@@ -581,3 +581,55 @@ def test_the_eager_way_of_a_training_step_runs_the_optimizer_as_built(monkeypatc
     assert "AdamW as built" in g.explain()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+@needs_cxx
+def test_a_launch_bound_training_step_is_timed_against_cuda_graph_trees(monkeypatch):
+    """After a training step's trial in which Inductor's calls were launch-bound, a second
+    trial times the winner against the cudagraphs way, which for a training call is a
+    ``torch.compile(mode="reduce-overhead")`` of its own (``_make_alone``; here a stand-in
+    taking 0.5 s a call, as the host has no CUDA graphs), not the shared trace's replay
+    (``_make_way``), which replays inference graphs only. Kept where faster; every step's
+    loss, and the parameters after, equal eager's."""
+    clock, cost = [0.0], {"now": 2.0}  # eager's calls take 2 s
+    monkeypatch.setattr(choose, "_clock", lambda: clock[0])
+    monkeypatch.setattr(autopar.api, "launch_bound", lambda trial, way: way == "inductor")
+    torch.manual_seed(0)
+    model, ref, opt, ref_opt = adamw_pair(torch.nn.Linear(8, 4))
+    inner = adamw_step(model, opt)
+
+    def step(x):
+        if not torch.compiler.is_compiling():
+            clock[0] += cost["now"]
+        return inner(x)
+
+    g = autopar.compile(step, candidates="eager,inductor,cudagraphs")
+    made = []
+
+    def stand_in(maker: str, seconds: float):
+        def make(name):
+            made.append((maker, name))
+
+            def way(*args):
+                cost["now"] = seconds
+                try:
+                    return step(*args)
+                finally:
+                    cost["now"] = 2.0
+            return way
+        return make
+
+    g._make_way, g._make_alone = stand_in("shared trace", 1.0), stand_in("its own", 0.5)
+    ref_step = adamw_step(ref, ref_opt)
+    for _ in range(1 + 6 * (TRIAL_CALLS + TURN_CALLS)):
+        x = torch.randn(16, 8)
+        torch.testing.assert_close(g(x), ref_step(x), rtol=1e-4, atol=1e-5)
+    assert g.kept_way((x,)) == "cudagraphs"
+    assert made == [("shared trace", "inductor"), ("its own", "cudagraphs")]
+    assert g.explain() == ("step, shapes (16, 8): runs cudagraphs: inductor (eager 2 s, "
+                           "inductor 1 s); then cudagraphs (inductor 1 s, cudagraphs 500 ms)")
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():  # an inference call's CUDA graphs are the shared trace's replay
+        g._way("cudagraphs")
+    assert made[-1] == ("shared trace", "cudagraphs")

@@ -113,3 +113,30 @@ def test_under_guards_arguments_the_cuda_graph_way_is_reduce_overhead_with_resul
     torch.cuda.synchronize()
     for got, want in zip(held, [want1, want2] * 3):
         torch.testing.assert_close(got, want)
+
+
+def test_a_training_steps_cuda_graph_way_is_cudagraph_trees_and_steps_as_eager():
+    """A training call's cudagraphs way is ``torch.compile(mode="reduce-overhead")`` of its
+    own (forward, backward and the AdamW step as cudagraph trees): ten steps of it equal
+    eager's, losses and parameters, and a loss the caller kept from an early step keeps its
+    value after later replays (outputs are cloned out of the graphs' memory)."""
+    torch.manual_seed(0)
+    model, ref, opt, ref_opt = adamw_pair(torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).cuda())
+    g = autopar.compile(adamw_step(model, opt), candidates="eager,inductor,cudagraphs")
+    d = dispatcher_of(g)
+    ref_step = adamw_step(ref, ref_opt)
+    x = torch.randn(64, 16, device="cuda")
+    torch.testing.assert_close(g(x), ref_step(x), rtol=1e-4, atol=1e-5)  # captured
+    graphed = d.way("cudagraphs")
+    assert "cudagraphs (training)" in d._built
+    losses, want = [], []
+    for _ in range(10):
+        x = torch.randn(64, 16, device="cuda")
+        losses.append(graphed(x))
+        want.append(ref_step(x))
+    torch.testing.assert_close(torch.stack(losses), torch.stack(want), rtol=1e-4, atol=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    counts = {opt.state[p]["step"].item() for p in model.parameters()}
+    assert counts == {11.0}  # one optimizer: every step counted, whichever way took it

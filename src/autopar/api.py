@@ -417,8 +417,8 @@ def compile(fn: Callable, **options: Any) -> Callable:
     ours = compiled.forward if module is not None else compiled
     if direct is not None:
         direct.compiled, ours = ours, direct
-    make_way = functools.partial(_switched_on, switch, ours) if switch is not None else \
-        functools.partial(_inductor_alone, module if module is not None else fn)
+    alone = functools.partial(_inductor_alone, module if module is not None else fn)
+    make_way = functools.partial(_switched_on, switch, ours) if switch is not None else alone
     eager = module.__call__ if module is not None else fn
     split = DataParallelStep(eager, opts, None, unsplit=eager, cost_model=runner.cost_model,
                              measured=False, name=_name(eager)) \
@@ -427,11 +427,12 @@ def compile(fn: Callable, **options: Any) -> Callable:
     if module is not None:
         compiled.forward = ours if opts.trace else Dispatcher(  # type: ignore[method-assign]
             eager, ours, runner, make_way=make_way, switch=switch,
-            key_extra=lambda: module.training, split=split)
+            key_extra=lambda: module.training, split=split, make_alone=alone)
         return compiled
     if opts.trace:  # timelines are of autopar's plans: every call is autopar's
         return ours
-    return Dispatcher(fn, ours, runner, make_way=make_way, switch=switch, split=split)
+    return Dispatcher(fn, ours, runner, make_way=make_way, switch=switch, split=split,
+                      make_alone=alone)
 
 
 def _of_kind(devices: Sequence[str], kind: str | None) -> int:
@@ -618,11 +619,14 @@ class Dispatcher:
                  make_way: Callable[[str], Callable],
                  key_extra: Callable[[], Any] | None = None,
                  switch: WaySwitch | None = None,
-                 split: DataParallelStep | None = None) -> None:
+                 split: DataParallelStep | None = None,
+                 make_alone: Callable[[str], Callable] | None = None) -> None:
         self.fn = fn  #: the eager way: the function (or the module's ``__call__``) itself
         self.compiled = compiled  #: the autopar way
         self.runner = runner
         self._make_way = make_way  # builds a compiled way (inductor, cudagraphs) at first use
+        # ...and a torch.compile of its own (_inductor_alone): a training call's cudagraphs way
+        self._make_alone = make_alone or make_way
         self.switch = switch  # the shared trace's switch: inductor and cudagraphs are its forms
         self.split = split  # the split way: the call with its batch split (None: never)
         self.name = _name(fn)  # for the log and the profiler's ranges
@@ -682,9 +686,16 @@ class Dispatcher:
             return self.compiled
         if name == "split" and self.split is not None:
             return self.split
+        if name == "cudagraphs" and not self._inference():
+            # the shared trace replays inference graphs only (GraphedCall): a training call's
+            # CUDA graphs are cudagraph trees', torch.compile(mode="reduce-overhead") of its own
+            name, build = "cudagraphs (training)", functools.partial(self._make_alone,
+                                                                    "cudagraphs")
+        else:
+            build = functools.partial(self._make_way, name)
         way = self._built.get(name)
         if way is None:
-            way = self._built[name] = self._make_way(name)
+            way = self._built[name] = build()
         return way
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -920,10 +931,14 @@ class Dispatcher:
 
     def _graphs_may_pay(self, trial: Trial) -> bool:
         """Whether a decided trial calls for a second one, of its winner against CUDA graphs
-        of Inductor's form (see :mod:`autopar.choose`)."""
+        of Inductor's code (see :mod:`autopar.choose`): Inductor's calls were launch-bound,
+        and the call is an inference one whose graphs write nothing in place (the shared
+        trace's replay) or a training one (cudagraph trees, which keep parameters, buffers and
+        optimizer state as static inputs written in place)."""
         return "cudagraphs" not in trial.ways and "inductor" in trial.times and \
             "cudagraphs" in self.runner.options.candidates and \
-            not self.runner.writes and self._inference() and launch_bound(trial, "inductor")
+            (not self._inference() or not self.runner.writes) and \
+            launch_bound(trial, "inductor")
 
     def _inference(self) -> bool:
         """Whether this call is an inference one: grad off, or every graph captured so far an

@@ -10,8 +10,11 @@ Policy (one place decides "is autopar's plan better than what the user would oth
   ``cudagraphs`` Inductor's graphs replayed as CUDA graphs (what ``mode="reduce-overhead"``
                 does, without compiling again: :class:`autopar.runtime.cudagraphs.GraphedCall`
                 captures Inductor's function), outputs cloned out of the graphs' memory;
-                under ``guards="arguments"``, where no trace is shared,
-                ``torch.compile(fn, mode="reduce-overhead")`` itself, outputs cloned.
+                under ``guards="arguments"``, where no trace is shared, and for a training
+                call (the replay takes inference graphs only),
+                ``torch.compile(fn, mode="reduce-overhead")`` itself (cudagraph trees:
+                forward, backward and optimizer graphs, parameters, buffers and optimizer
+                state as static inputs written in place), outputs cloned.
 
   ``split``     an inference call with its batch split over two or more devices of its kind,
                 replicas resident (:class:`autopar.dataparallel.DataParallelStep`).
@@ -28,13 +31,16 @@ Policy (one place decides "is autopar's plan better than what the user would oth
   otherwise its calls are eager's ops plus dynamo's per-call cost. ``inductor`` is one where
   Inductor compiles for the devices involved (any GPU; the host only with a C++ compiler) and
   fusion is allowed (``fuse`` not False). A lone candidate is kept without timing.
-  ``cudagraphs`` is tried only after a trial of inference calls (grad off, or no graph
-  reading a tensor that requires grad) on a GPU in which ``inductor``'s calls measured
+  ``cudagraphs`` is tried only after a trial on a GPU in which ``inductor``'s calls measured
   launch-bound (:func:`launch_bound`: the host's time a
-  call at least ``LAUNCH_BOUND`` of the GPU's, so the GPU waited on launches), in a second
-  trial against that trial's winner: compiling it again costs first-call time only where it
-  can pay (ResNet-18 at batch 1 on one H200: eager 1.34 ms, Inductor 1.57, reduce-overhead
-  1.14). ``split`` joins the first trial of an inference call where two or more devices of
+  call at least ``LAUNCH_BOUND`` of the GPU's, so the GPU waited on launches), of inference
+  calls (grad off, or no graph reading a tensor that requires grad) whose graphs write
+  nothing in place, or of training calls, in a second trial against that trial's winner:
+  compiling it again costs first-call time only where it can pay (ResNet-18 at batch 1 on
+  one H200: eager 1.34 ms, Inductor 1.57, reduce-overhead 1.14; AdamW steps of BERT, GPT-2
+  and HF's ResNet, small configs, batch 8: reduce-overhead 2.12, 2.58 and 2.04 ms against
+  the better of eager and Inductor's 6.15, 5.64 and 5.11, 2026-12-02).
+  ``split`` joins the first trial of an inference call where two or more devices of
   the batch's kind are named and the model predicts the split faster than not splitting
   (:meth:`autopar.api.Dispatcher._split_candidate`): kept only if measured faster.
 - A trial (:class:`Trial`): the next calls of a new signature go round the candidates; each
