@@ -110,10 +110,15 @@ def _clips(mode: str) -> bool:
 
 
 def _variant(name: str, fn: Any) -> Any:
+    """Variant ``name`` of ``fn``; a training step's compiled variants each compile a copy of
+    its code (dynamo keeps entries per code object: the variants of one step would otherwise
+    check each other's guards and share one recompile limit; a model's frames stay shared)."""
     import autopar
+    from autopar.capture.dynamo import with_own_code
 
     if name == "eager":
         return fn
+    fn = with_own_code(fn)
     if name == "compile":
         return torch.compile(fn)
     if name == "compile-ro":

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from autopar.capture.dynamo import make_backend
+from autopar.capture.dynamo import make_backend, with_own_code
 from autopar.runtime import SequentialRunner
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -166,3 +166,63 @@ def test_cuda_graph_forms_only_for_graphs_that_neither_draw_random_numbers_nor_w
             if fn is not draws:
                 torch.testing.assert_close(got, want)
     assert made == ["t (Inductor's form)"] and switch.graphed == 1
+
+
+def _scaled(x, *, k=2.0):
+    return torch.sin(x) * k
+
+
+class _Scaler:
+    def __init__(self, k: float) -> None:
+        self.k = k
+
+    def __call__(self, x):
+        return torch.cos(x) * self.k
+
+    def scale(self, x):
+        return torch.cos(x) * self.k
+
+
+def test_a_function_with_its_own_code_keeps_its_own_dynamo_entries():
+    """Two torch.compile of one function with other backends share the code object's cache
+    entries; a copy made by with_own_code has entries of its own, computes the same, and is
+    the same function otherwise (globals, defaults, keyword defaults, name)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch._dynamo.reset()
+    copy = with_own_code(_scaled)
+    assert copy.__code__ is not _scaled.__code__ and copy.__globals__ is _scaled.__globals__
+    assert copy.__kwdefaults__ == {"k": 2.0} and copy.__name__ == "_scaled"
+    x = torch.randn(5)
+    torch.compile(_scaled, backend="eager")(x)
+    torch.compile(copy, backend="aot_eager")(x)
+    assert len(_debug_get_cache_entry_list(_scaled.__code__)) == 1
+    assert len(_debug_get_cache_entry_list(copy.__code__)) == 1
+    torch.compile(_scaled, backend="aot_eager")(x)  # ...where one code object gets both
+    assert len(_debug_get_cache_entry_list(_scaled.__code__)) == 2
+    assert torch.equal(copy(x, k=3.0), _scaled(x, k=3.0))
+    s = _Scaler(4.0)
+    method = with_own_code(s.scale)
+    assert method.__self__ is s and method.__func__.__code__ is not _Scaler.scale.__code__
+    assert torch.equal(method(x), s.scale(x))
+    assert with_own_code(s) is s  # a callable object: as it is
+
+
+def test_the_ways_compiled_alone_leave_the_functions_own_entries_alone():
+    """The inductor and cudagraphs ways made by torch.compile of their own (guards="arguments",
+    a training call's CUDA graphs) compile a copy of the function's code: the function's
+    own code object holds only the shared trace's entries (on one H200, HF's OPT step lost its
+    CUDA graphs to recompiles counted against both; benchmarks/NOTES.md, 2026-12-03)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from autopar.api import _inductor_alone
+
+    torch._dynamo.reset()
+
+    def f(x):
+        return torch.relu(x) + 1
+
+    x = torch.randn(8)
+    way = _inductor_alone(f, "inductor")
+    assert torch.equal(way(x), f(x))
+    assert _debug_get_cache_entry_list(f.__code__) == []

@@ -1,16 +1,17 @@
 """Probe: where a training step's time goes under ``torch.compile`` and under
 ``autopar.compile`` (benchmarks/NOTES.md, 2026-12-02 (c): BERT's AdamW step 0.94× of the
 better, unexplained). Per variant: wall time per step (median of 20), GPU kernel time per step,
-kernels launched per step, the kernels whose time differs most between the two variants of
+kernels launched per step, graphs dynamo made and the reasons cudagraph trees gave for
+skipping any (``counters``), the kernels whose time differs most between the two variants of
 ``--pair``, and any parameter or optimizer-state tensor whose shape, strides, dtype or device
 differs between those two variants' models.
 
     PYTHONPATH=src python benchmarks/probes/train_profile.py [MODEL ...] [--json out.json]
         [--variants compile,autopar] [--pair compile,autopar]
 
-Variants: ``eager``, ``compile``, ``autopar``, ``autopar-eager`` (``candidates="eager"``:
-autopar's eager way after its capture, as a trial that keeps eager leaves it) and
-``autopar-eager-asis`` (the same without the optimizers' eager form,
+Variants: ``eager``, ``compile``, ``compile-ro`` (``mode="reduce-overhead"``), ``autopar``,
+``autopar-eager`` (``candidates="eager"``: autopar's eager way after its capture, as a trial
+that keeps eager leaves it) and ``autopar-eager-asis`` (the same without the optimizers' eager form,
 :mod:`autopar.capture.optim`).
 
 The step is benchmarks/models.py's ``train`` mode: AdamW, zero_grad, loss, backward, step,
@@ -30,6 +31,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
 
 import autopar
@@ -77,6 +79,8 @@ def _build(v: str, step):
         return step
     if v == "compile":
         return torch.compile(step)
+    if v == "compile-ro":
+        return torch.compile(step, mode="reduce-overhead")
     if v == "autopar":
         return autopar.compile(step)
     fn = autopar.compile(step, candidates="eager")
@@ -120,8 +124,9 @@ def probe(name: str, variants: list[str], pair: list[str], cprofiled: str | None
     m = MODELS[name]
     args, kwargs = inputs_for(m, "small", batch=8, length=128, device=DEV)
     base = without_dropout(m.make("small").to(DEV).train())
-    fns, owned = {}, {}
+    fns, owned, made = {}, {}, {}
     for v in variants:
+        counters.clear()
         model = copy.deepcopy(base)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         owned[v] = (model, opt)
@@ -129,7 +134,13 @@ def probe(name: str, variants: list[str], pair: list[str], cprofiled: str | None
         for _ in range(30):  # compiled and past autopar's trials
             fns[v]()
         _sync()
-    row: dict = {"model": name}
+        made[v] = {"graphs": counters["stats"]["unique_graphs"],
+                   "graph breaks": sum(counters["graph_break"].values()),
+                   "cudagraph skips": dict(counters["inductor"].get("cudagraph_skips", {}))
+                   if isinstance(counters["inductor"].get("cudagraph_skips"), dict)
+                   else counters["inductor"].get("cudagraph_skips", 0),
+                   "break reasons": [k[:160] for k in counters["graph_break"]][:5]}
+    row: dict = {"model": name, "made": made}
     d = dispatcher_of(fns["autopar"]) if "autopar" in fns else None
     row["kept"] = sorted(set(d.kept.values())) if d is not None else []
     row["explain"] = d.explain() if d is not None else ""
@@ -191,6 +202,8 @@ def main() -> None:
             x = r[v]
             print(f"  {v:20s} wall {x['wall_ms']:.2f} ms  gpu {x['gpu_ms']:.2f} ms  "
                   f"kernels {x['kernels']:.0f}")
+        for v, m in r["made"].items():
+            print(f"  {v:20s} made {m}")
         print(f"  kernels that differ most, {pair[0]} vs {pair[1]} (µs per step, launches):")
         for k in r["differ"]:
             print(f"    {k['a_us']:8.1f} {k['b_us']:8.1f}  "

@@ -44,7 +44,13 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .capture.direct import Direct
-from .capture.dynamo import WaySwitch, any_autocast_enabled, capturing_scalars, make_backend
+from .capture.dynamo import (
+    WaySwitch,
+    any_autocast_enabled,
+    capturing_scalars,
+    make_backend,
+    with_own_code,
+)
 from .capture.optim import OptimizerForms, dynamo_changes_optimizers
 from .choose import (
     WAYS,
@@ -482,11 +488,13 @@ earn back."""
 def _inductor_alone(fn: Callable, name: str) -> Callable:
     """The ``inductor`` and ``cudagraphs`` ways where no trace is shared
     (``guards="arguments"``): ``torch.compile(fn)`` and ``torch.compile(fn,
-    mode="reduce-overhead")`` of their own, the latter's outputs cloned out of its graphs'
-    memory (a later replay overwrites them; eager's caller may still hold them)."""
+    mode="reduce-overhead")`` of their own (of a copy of a function's code:
+    :func:`~autopar.capture.dynamo.with_own_code`), the latter's outputs cloned out of its
+    graphs' memory (a later replay overwrites them; eager's caller may still hold them)."""
     if name not in ("inductor", "cudagraphs"):
         raise ValueError(f"the {name} way needs a shared trace (autopar.compile's)")
-    compiled = torch.compile(fn, mode="reduce-overhead" if name == "cudagraphs" else None)
+    compiled = torch.compile(with_own_code(fn),
+                             mode="reduce-overhead" if name == "cudagraphs" else None)
     way = quiet(compiled.forward if isinstance(fn, torch.nn.Module) else compiled)
     if name == "inductor":
         return way

@@ -29,6 +29,7 @@ import functools
 import logging
 import os
 import sys
+import types
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -42,7 +43,7 @@ from .fx import Unsupported, from_fx, source_of
 from .shapes import PerShape, is_symbolic
 
 __all__ = ["GraphRunner", "LightWrapper", "WaySwitch", "capturing_scalars", "data_dependent",
-           "make_backend"]
+           "make_backend", "with_own_code"]
 
 log = logging.getLogger("autopar.capture")
 
@@ -67,6 +68,25 @@ def _user_line(gm: torch.fx.GraphModule, error: BaseException) -> str | None:
     if isinstance(node, torch.fx.Node) and source_of(node):
         return source_of(node)
     return next((source_of(n) for n in gm.graph.nodes if source_of(n)), None)
+
+
+def with_own_code(fn: Callable) -> Callable:
+    """``fn`` with a code object of its own, for a second ``torch.compile`` of it: dynamo keeps
+    its compiled entries on the code object, so two ``torch.compile`` of one function with
+    other backends or modes (autopar's shared trace and a ``mode="reduce-overhead"`` way) look
+    up one list of entries, check each other's guards on every call and share one recompile
+    limit. A plain function is copied (globals, closure, defaults and attributes are the
+    very objects); a bound method is its function so copied, bound to the same object.
+    Anything else (a module, a callable object) is returned as it is: the frames dynamo
+    traces in it are shared, as the functions it calls are in every case."""
+    if isinstance(fn, types.MethodType):
+        return types.MethodType(with_own_code(fn.__func__), fn.__self__)
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                              fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return functools.update_wrapper(copy, fn)
 
 
 def _eager(gm: torch.fx.GraphModule) -> Callable[[list], Any]:
