@@ -118,7 +118,7 @@ def run_one(model_name: str, mode: str, variant: str, size: str, batch: int,
     import autopar
     from autopar.api import dispatcher_of
     from autopar.bench.harness import SETTLE_CALLS, in_process_compiles
-    from autopar.bench.models import MODELS, inputs_for, loss_of
+    from autopar.bench.models import MODELS, fixed_step, inputs_for
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -132,14 +132,7 @@ def run_one(model_name: str, mode: str, variant: str, size: str, batch: int,
     if mode == "train":
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-        def step():
-            opt.zero_grad(set_to_none=True)
-            loss = loss_of(model(*args, **kwargs))
-            loss.backward()
-            opt.step()
-            return loss.detach()
-        fn = compile_(step)
+        fn = compile_(fixed_step(model, opt, args, kwargs))
         call = fn
     else:
         fn = compile_(model)

@@ -63,20 +63,17 @@ def _close(got: list[torch.Tensor], want: list[torch.Tensor], mode: str) -> str 
 
 
 def _same_step(step: Any, model: torch.nn.Module, opt: Any, args: tuple, kwargs: dict,
-               loss_of: Any, clip: bool = False) -> str | None:
+               clip: float | None = None) -> str | None:
     """Why one call of ``step`` differs from an eager step taken from the same parameters and
     optimizer state (on a copy), or None: the loss and every parameter after it."""
+    from autopar.bench.models import fixed_step
+
     twin = copy.deepcopy(model)
     twin_opt = type(opt)(twin.parameters())
     # its hyperparameters and state too, copied (load_state_dict keeps the very tensors)
     twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
-    twin_opt.zero_grad(set_to_none=True)
-    loss = loss_of(twin(*args, **kwargs))
-    loss.backward()
-    if clip:
-        torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
-    twin_opt.step()
-    bad = _close([step().float()], [loss.detach().float()], "train")
+    loss = fixed_step(twin, twin_opt, args, kwargs, clip)()
+    bad = _close([step().float()], [loss.float()], "train")
     if bad:
         return f"loss: {bad}"
     # all parameters as one vector: Adam turns a gradient that is zero but for rounding (a
@@ -131,7 +128,13 @@ def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: i
     """One (model, mode): accuracy of each variant against eager, then their times."""
     from autopar.api import dispatcher_of
     from autopar.bench.harness import SETTLE_CALLS, in_process_compiles, measure_side_by_side
-    from autopar.bench.models import MODELS, available, inputs_for, loss_of, without_dropout
+    from autopar.bench.models import (
+        MODELS,
+        available,
+        fixed_step,
+        inputs_for,
+        without_dropout,
+    )
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -163,14 +166,7 @@ def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: i
                 opt = _optimizer(mode, model)
                 clip = _clips(mode)
 
-                def step(model=model, opt=opt, clip=clip):
-                    opt.zero_grad(set_to_none=True)
-                    loss = loss_of(model(*args, **kwargs))
-                    loss.backward()
-                    if clip:
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                    opt.step()
-                    return loss.detach()
+                step = fixed_step(model, opt, args, kwargs, 1.0 if clip else None)
                 fn = _variant(name, step)
                 call = fn
             else:
@@ -229,7 +225,7 @@ def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: i
                 # the way kept is checked too, not only the first call's: in training, one
                 # step of it against an eager step from the same parameters and state
                 bad = _close(_outputs(call()), want, mode) if not training else \
-                    _same_step(call, model, opt, args, kwargs, loss_of, clip)
+                    _same_step(call, model, opt, args, kwargs, 1.0 if clip else None)
                 if bad and not training:
                     bad += _changed_state(model, base)
                 if bad:

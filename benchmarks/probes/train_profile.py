@@ -37,19 +37,9 @@ from torch.profiler import ProfilerActivity, profile
 import autopar
 import autopar.api as api
 from autopar.api import dispatcher_of
-from autopar.bench.models import MODELS, inputs_for, loss_of, without_dropout
+from autopar.bench.models import MODELS, fixed_step, inputs_for, without_dropout
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: a dry run, no kernels
-
-
-def _step(model, opt, args, kwargs):
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss = loss_of(model(*args, **kwargs))
-        loss.backward()
-        opt.step()
-        return loss.detach()
-    return step
 
 
 def _sync() -> None:
@@ -130,7 +120,7 @@ def probe(name: str, variants: list[str], pair: list[str], cprofiled: str | None
         model = copy.deepcopy(base)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         owned[v] = (model, opt)
-        fns[v] = _build(v, _step(model, opt, args, kwargs))
+        fns[v] = _build(v, fixed_step(model, opt, args, kwargs))
         for _ in range(30):  # compiled and past autopar's trials
             fns[v]()
         _sync()

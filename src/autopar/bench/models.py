@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["MODELS", "RealModel", "available", "flat_tensors", "inputs_for", "loss_of",
-           "without_dropout"]
+__all__ = ["MODELS", "RealModel", "available", "fixed_step", "flat_tensors", "inputs_for",
+           "loss_of", "without_dropout"]
 
 SIZES = {
     "tiny": dict(hidden=64, layers=2, heads=4, ffn=128, vocab=256, image=32, patch=8),
@@ -195,17 +195,33 @@ def loss_of(out: Any) -> torch.Tensor:
                for t in flat_tensors(out) if t.is_floating_point())
 
 
+def _stepped(model: torch.nn.Module, opt: torch.optim.Optimizer, clip: float | None,
+             args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Tensor:
+    """One step: ``zero_grad``, the loss of ``model(*args, **kwargs)``, ``backward``,
+    ``clip_grad_norm_`` (unless ``clip`` is None), ``opt.step()``; the loss, detached."""
+    opt.zero_grad(set_to_none=True)
+    loss = loss_of(model(*args, **kwargs))
+    loss.backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    return loss.detach()
+
+
+def fixed_step(model: torch.nn.Module, opt: torch.optim.Optimizer, args: Sequence[Any],
+               kwargs: dict[str, Any], clip: float | None = None) -> Callable[[], torch.Tensor]:
+    """A training step over fixed inputs, as the benchmarks time it: ``step()`` is
+    :func:`_stepped` on ``model(*args, **kwargs)``."""
+    def step() -> torch.Tensor:
+        return _stepped(model, opt, clip, args, kwargs)
+    return step
+
+
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, keys: Sequence[str],
                clip: float | None = 1.0) -> Callable[..., torch.Tensor]:
     """A training step as users write it: ``step(*batch)`` calls ``model(**dict(zip(keys,
     batch)))``, then ``zero_grad``, :func:`loss_of`, ``backward``, ``clip_grad_norm_`` (unless
     ``clip`` is None) and ``opt.step()``; returns the loss, detached."""
     def step(*batch: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad()
-        loss = loss_of(model(**dict(zip(keys, batch))))
-        loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        return loss.detach()
+        return _stepped(model, opt, clip, (), dict(zip(keys, batch)))
     return step
