@@ -55,6 +55,7 @@ from autopar.api import dispatcher_of
 from autopar.bench.harness import settle
 from autopar.bench.measure import Stats, in_process_compiles, measure_side_by_side
 from autopar.bench.workloads import w1_bounds_inside, w1_slice, w3_via_gpu
+from autopar.capture.dynamo import with_own_code
 
 US = 1e6
 
@@ -99,27 +100,22 @@ def skipping_guards(fn: Callable, warmup: int = 3) -> Callable:
 def compiled_variants(fn: Callable, args: tuple, devices: str | None) -> dict[str, tuple]:
     """eager, dynamo only, torch.compile default and reduce-overhead, autopar: (callable, args).
 
-    Each compiled variant compiles its own copy of ``fn``'s code: dynamo caches per code
-    object, and five backends on one would count as recompiles."""
-    def copy_of(f: Callable) -> Callable:
-        g = type(f)(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__,
-                    f.__closure__)
-        return g
-
+    Each compiled variant compiles its own copy of ``fn``'s code (``with_own_code``): dynamo
+    caches per code object, and five backends on one would count as recompiles."""
     options = {"devices": devices} if devices else {}
     return {
         "eager": (fn, args),
-        "dynamo only": (torch.compile(copy_of(fn), backend="eager"), args),
-        "torch.compile": (torch.compile(copy_of(fn)), args),
-        "reduce-overhead": (torch.compile(copy_of(fn), mode="reduce-overhead"), args),
+        "dynamo only": (torch.compile(with_own_code(fn), backend="eager"), args),
+        "torch.compile": (torch.compile(with_own_code(fn)), args),
+        "reduce-overhead": (torch.compile(with_own_code(fn), mode="reduce-overhead"), args),
         "reduce-overhead skip guards": (
-            skipping_guards(torch.compile(copy_of(fn), mode="reduce-overhead")), args),
-        "autopar": (autopar.compile(copy_of(fn), **options), args),
-        "autopar way": (autopar.compile(copy_of(fn), candidates="autopar", **options), args),
-        "autopar arguments": (autopar.compile(copy_of(fn), guards="arguments", **options),
+            skipping_guards(torch.compile(with_own_code(fn), mode="reduce-overhead")), args),
+        "autopar": (autopar.compile(with_own_code(fn), **options), args),
+        "autopar way": (autopar.compile(with_own_code(fn), candidates="autopar", **options), args),
+        "autopar arguments": (autopar.compile(with_own_code(fn), guards="arguments", **options),
                               args),
         "autopar arguments, autopar way": (
-            autopar.compile(copy_of(fn), guards="arguments", candidates="autopar", **options),
+            autopar.compile(with_own_code(fn), guards="arguments", candidates="autopar", **options),
             args),
     }
 

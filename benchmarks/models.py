@@ -102,8 +102,9 @@ def _optimizer(mode: str, model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=mode == "train-fused" or None)
 
 
-def _clips(mode: str) -> bool:
-    return mode == "train-sgd"
+def _clip(mode: str) -> float | None:
+    """The gradient norm a training mode clips to (None: no clipping)."""
+    return 1.0 if mode == "train-sgd" else None
 
 
 def _variant(name: str, fn: Any) -> Any:
@@ -164,9 +165,9 @@ def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: i
             model = copy.deepcopy(base)
             if training:
                 opt = _optimizer(mode, model)
-                clip = _clips(mode)
+                clip = _clip(mode)
 
-                step = fixed_step(model, opt, args, kwargs, 1.0 if clip else None)
+                step = fixed_step(model, opt, args, kwargs, clip)
                 fn = _variant(name, step)
                 call = fn
             else:
@@ -225,7 +226,7 @@ def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: i
                 # the way kept is checked too, not only the first call's: in training, one
                 # step of it against an eager step from the same parameters and state
                 bad = _close(_outputs(call()), want, mode) if not training else \
-                    _same_step(call, model, opt, args, kwargs, 1.0 if clip else None)
+                    _same_step(call, model, opt, args, kwargs, clip)
                 if bad and not training:
                     bad += _changed_state(model, base)
                 if bad:

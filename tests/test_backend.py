@@ -189,7 +189,6 @@ def test_a_function_with_its_own_code_keeps_its_own_dynamo_entries():
     the same function otherwise (globals, defaults, keyword defaults, name)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    torch._dynamo.reset()
     copy = with_own_code(_scaled)
     assert copy.__code__ is not _scaled.__code__ and copy.__globals__ is _scaled.__globals__
     assert copy.__kwdefaults__ == {"k": 2.0} and copy.__name__ == "_scaled"
@@ -216,8 +215,6 @@ def test_the_ways_compiled_alone_leave_the_functions_own_entries_alone():
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     from autopar.api import _inductor_alone
-
-    torch._dynamo.reset()
 
     def f(x):
         return torch.relu(x) + 1

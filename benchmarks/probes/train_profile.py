@@ -1,10 +1,11 @@
 """Probe: where a training step's time goes under ``torch.compile`` and under
 ``autopar.compile`` (benchmarks/NOTES.md, 2026-12-02 (c): BERT's AdamW step 0.94× of the
 better, unexplained). Per variant: wall time per step (median of 20), GPU kernel time per step,
-kernels launched per step, graphs dynamo made and the reasons cudagraph trees gave for
-skipping any (``counters``), the kernels whose time differs most between the two variants of
-``--pair``, and any parameter or optimizer-state tensor whose shape, strides, dtype or device
-differs between those two variants' models.
+kernels launched per step, dynamo's graphs, graph breaks (the first reasons) and the graphs
+cudagraph trees skipped (``counters``; ``TORCH_LOGS=perf_hints`` says why), the kernels
+whose time differs most between the two variants of ``--pair``, and any parameter or
+optimizer-state tensor whose shape, strides, dtype or device differs between those two
+variants' models.
 
     PYTHONPATH=src python benchmarks/probes/train_profile.py [MODEL ...] [--json out.json]
         [--variants compile,autopar] [--pair compile,autopar]
@@ -126,9 +127,7 @@ def probe(name: str, variants: list[str], pair: list[str], cprofiled: str | None
         _sync()
         made[v] = {"graphs": counters["stats"]["unique_graphs"],
                    "graph breaks": sum(counters["graph_break"].values()),
-                   "cudagraph skips": dict(counters["inductor"].get("cudagraph_skips", {}))
-                   if isinstance(counters["inductor"].get("cudagraph_skips"), dict)
-                   else counters["inductor"].get("cudagraph_skips", 0),
+                   "cudagraph skips": counters["inductor"]["cudagraph_skips"],
                    "break reasons": [k[:160] for k in counters["graph_break"]][:5]}
     row: dict = {"model": name, "made": made}
     d = dispatcher_of(fns["autopar"]) if "autopar" in fns else None
