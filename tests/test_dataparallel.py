@@ -193,3 +193,36 @@ def test_a_modules_own_parameters_updated_by_hand_are_traced():
         assert step.last is not None
     assert_same(list(lin.parameters()), list(ref.parameters()))
     assert all(p.grad is None for p in lin.parameters())
+
+
+def test_the_step_that_makes_an_optimizers_state_runs_as_written(caplog):
+    """AdamW's first step makes its moments: that call runs the step itself (not a compile of
+    it: dynamo's trace of a real model's whole step costs seconds and is never used again), no
+    warning; the second is traced and split."""
+    w = torch.randn(3, 2, requires_grad=True)
+    ref_w = w.detach().clone().requires_grad_()
+    opt, ref_opt = torch.optim.AdamW([w], lr=0.1), torch.optim.AdamW([ref_w], lr=0.1)
+
+    def step_of(o):
+        def adamw_step(w, x):
+            loss = (x @ w).square().sum()
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            return loss.detach()
+        return adamw_step
+
+    step = autopar.data_parallel(step_of(opt), devices=CPUS, batch_argnums=(1,), shards=2)
+    with caplog.at_level(logging.INFO, logger="autopar"):
+        x = torch.randn(4, 3)
+        torch.testing.assert_close(step(w, x), step_of(ref_opt)(ref_w, x))
+    assert step.last is None and step._unsplit.compiled is None
+    assert "makes its state in this call" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    for _ in range(2):
+        x = torch.randn(4, 3)
+        torch.testing.assert_close(step(w, x), step_of(ref_opt)(ref_w, x))
+        assert step.last is not None
+    assert step._unsplit.compiled is None
+    torch.testing.assert_close(w.detach(), ref_w.detach())
+    torch.testing.assert_close(opt.state[w]["exp_avg"], ref_opt.state[ref_w]["exp_avg"])

@@ -224,8 +224,10 @@ class DataParallelStep:
         # the trace bakes the caller's grad mode and autocast in: they are part of the key
         key = (_signature(leaves, spec), state.signature, CallerState.capture())
         if key not in self._compiled:
-            try:  # StateNotReady (this call makes the optimizer's state) goes to the caller
+            try:
                 self._compiled[key] = self._compile(fn, args, state)
+            except StateNotReady:  # this call makes the optimizer's state: the caller's
+                raise
             except (Unsupported, NotShardable) as e:
                 log.warning("autopar: running %s unsplit: %s", self.name, e)
                 self._compiled[key] = None
