@@ -29,9 +29,9 @@ OPTIMIZERS = {
 
 def _model(name: str) -> torch.nn.Module:
     """The model in training mode without dropout: random draws differ between the ways (as
-    under torch.compile), so equality is checked where the step is deterministic."""
-    model = without_dropout(MODELS[name].make("tiny").train())
-    return model
+    under torch.compile), so equality is checked where the step is deterministic. T5 with one
+    encoder and one decoder block (its step's graph is twice a decoder-only model's)."""
+    return without_dropout(MODELS[name].make("tiny", layers=1 if name == "t5" else None).train())
 
 
 # steps per case: HF ResNet's are 10, because ReLU and max-pool turn one rounding difference
@@ -40,9 +40,11 @@ def _model(name: str) -> torch.nn.Module:
 # drift smoothly to ~1e-4 on 2.11 and 2.13 alike (benchmarks/NOTES.md, 2026-12-02 (b)). Past
 # such a flip two correct float32 runs are different trajectories, and no tolerance tells
 # them from a wrong one.
-@pytest.mark.parametrize(("name", "optimizer", "batch", "steps"), [
-    ("gpt2", "adamw", 5, 20), ("bert", "adamw", 4, 20), ("hf-resnet", "sgd-momentum", 5, 10),
-    ("vit", "adamw", 4, 20)])
+STEPPED = [("gpt2", "adamw", 5, 20), ("bert", "adamw", 4, 20),
+           ("hf-resnet", "sgd-momentum", 5, 10), ("vit", "adamw", 4, 20)]
+
+
+@pytest.mark.parametrize(("name", "optimizer", "batch", "steps"), STEPPED)
 def test_steps_split_over_two_workers_equal_eager(name, optimizer, batch, steps):
     m = MODELS[name]
     model = _model(name)
@@ -73,14 +75,16 @@ def test_steps_split_over_two_workers_equal_eager(name, optimizer, batch, steps)
     assert "split over cpu:0, cpu:1" in text and "runs autopar's plan" in text
 
 
-HF = [n for n, m in MODELS.items() if m.library == "transformers"]
+# the models the test above steps 10-20 times are left out here
+HF = [n for n, m in MODELS.items()
+      if m.library == "transformers" and n not in {s[0] for s in STEPPED}]
 
 
 @pytest.mark.parametrize("name", HF)
 def test_every_hf_models_adamw_step_splits_and_equals_eager(name):
-    """Every Hugging Face model of the suite: its AdamW step splits over two workers (only HF's
-    mask building, position ids' cumsum and a few ops of its own left unsplit) and three steps
-    equal eager's."""
+    """Every other Hugging Face model of the suite: its AdamW step splits over two workers
+    (only HF's mask building, position ids' cumsum and a few ops of its own left unsplit) and
+    three steps equal eager's."""
     m = MODELS[name]
     model = _model(name)
     ref = copy.deepcopy(model)

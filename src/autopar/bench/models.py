@@ -38,9 +38,11 @@ class RealModel:
     library: str  # transformers, torchvision, timm
     build: Callable[[dict], torch.nn.Module]  # SIZES entry -> the model, in eval mode
 
-    def make(self, size: str = "tiny", seed: int = 0) -> torch.nn.Module:
+    def make(self, size: str = "tiny", seed: int = 0, layers: int | None = None) -> torch.nn.Module:
+        """The model at ``size`` (``layers``: that many blocks in place of the size's, for
+        tests whose point one block makes), its weights drawn from ``seed``, in eval mode."""
         torch.manual_seed(seed)
-        return self.build(SIZES[size]).eval()
+        return self.build(SIZES[size] | ({} if layers is None else {"layers": layers})).eval()
 
 
 def available(m: RealModel) -> str | None:
