@@ -29,6 +29,17 @@ def assert_same(got, want) -> None:
         torch.testing.assert_close(g.detach(), w.detach(), rtol=1e-5, atol=1e-6)
 
 
+def optimizer_step(o: torch.optim.Optimizer):
+    """A step of ``o`` on its argument ``w``: loss, backward, ``o.step()``, ``o.zero_grad()``."""
+    def step(w, x):
+        loss = (x @ w).square().sum()
+        loss.backward()
+        o.step()
+        o.zero_grad()
+        return loss.detach()
+    return step
+
+
 def test_twenty_w6_steps_on_a_batch_of_seven_equal_eager():
     ref = mlp_inputs(batch=7)
     mine = twin(ref)
@@ -123,19 +134,10 @@ def test_an_optimizer_that_steps_an_argument_is_traced_with_it():
     ref_w = w.detach().clone().requires_grad_()
     opt, ref_opt = torch.optim.SGD([w], lr=0.1), torch.optim.SGD([ref_w], lr=0.1)
 
-    def step_of(o):
-        def with_optimizer(w, x):
-            loss = (x @ w).sum()
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            return loss.detach()
-        return with_optimizer
-
-    step = autopar.data_parallel(step_of(opt), devices=CPUS, batch_argnums=(1,), shards=2)
+    step = autopar.data_parallel(optimizer_step(opt), devices=CPUS, batch_argnums=(1,), shards=2)
     for _ in range(3):
         x = torch.randn(4, 3)
-        torch.testing.assert_close(step(w, x), step_of(ref_opt)(ref_w, x))
+        torch.testing.assert_close(step(w, x), optimizer_step(ref_opt)(ref_w, x))
         assert step.last is not None and w.grad is None
     torch.testing.assert_close(w.detach(), ref_w.detach())
 
@@ -175,7 +177,7 @@ def test_a_modules_own_parameters_updated_by_hand_are_traced():
     lin, ref = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
     ref.load_state_dict(lin.state_dict())
 
-    def step_of(model):
+    def optimizer_step(model):
         def step(x):
             loss = model(x).sum()
             loss.backward()
@@ -186,10 +188,10 @@ def test_a_modules_own_parameters_updated_by_hand_are_traced():
             return loss.detach()
         return step
 
-    step = autopar.data_parallel(step_of(lin), devices=CPUS, batch_argnums=(0,), shards=2)
+    step = autopar.data_parallel(optimizer_step(lin), devices=CPUS, batch_argnums=(0,), shards=2)
     for _ in range(3):
         x = torch.randn(4, 3)
-        torch.testing.assert_close(step(x), step_of(ref)(x))
+        torch.testing.assert_close(step(x), optimizer_step(ref)(x))
         assert step.last is not None
     assert_same(list(lin.parameters()), list(ref.parameters()))
     assert all(p.grad is None for p in lin.parameters())
@@ -203,25 +205,16 @@ def test_the_step_that_makes_an_optimizers_state_runs_as_written(caplog):
     ref_w = w.detach().clone().requires_grad_()
     opt, ref_opt = torch.optim.AdamW([w], lr=0.1), torch.optim.AdamW([ref_w], lr=0.1)
 
-    def step_of(o):
-        def adamw_step(w, x):
-            loss = (x @ w).square().sum()
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            return loss.detach()
-        return adamw_step
-
-    step = autopar.data_parallel(step_of(opt), devices=CPUS, batch_argnums=(1,), shards=2)
+    step = autopar.data_parallel(optimizer_step(opt), devices=CPUS, batch_argnums=(1,), shards=2)
     with caplog.at_level(logging.INFO, logger="autopar"):
         x = torch.randn(4, 3)
-        torch.testing.assert_close(step(w, x), step_of(ref_opt)(ref_w, x))
+        torch.testing.assert_close(step(w, x), optimizer_step(ref_opt)(ref_w, x))
     assert step.last is None and step._unsplit.compiled is None
     assert "makes its state in this call" in caplog.text
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     for _ in range(2):
         x = torch.randn(4, 3)
-        torch.testing.assert_close(step(w, x), step_of(ref_opt)(ref_w, x))
+        torch.testing.assert_close(step(w, x), optimizer_step(ref_opt)(ref_w, x))
         assert step.last is not None
     assert step._unsplit.compiled is None
     torch.testing.assert_close(w.detach(), ref_w.detach())
