@@ -40,7 +40,8 @@ class RealModel:
 
     def make(self, size: str = "tiny", seed: int = 0, layers: int | None = None) -> torch.nn.Module:
         """The model at ``size`` (``layers``: that many blocks in place of the size's, for
-        tests whose point one block makes), its weights drawn from ``seed``, in eval mode."""
+        tests whose point one block makes; Hugging Face models only, the others have theirs),
+        its weights drawn from ``seed``, in eval mode."""
         torch.manual_seed(seed)
         return self.build(SIZES[size] | ({} if layers is None else {"layers": layers})).eval()
 
