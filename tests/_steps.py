@@ -1,4 +1,5 @@
-"""Small training steps written as a user writes them for one device, and their inputs."""
+"""Small training steps written as a user writes them for one device, and their inputs; how many
+blocks the real models of the model tests have where it is fewer than the tiny size's."""
 
 from __future__ import annotations
 
@@ -34,3 +35,10 @@ def bn_inputs(batch: int = 7) -> tuple:
     return (torch.randn(4, 3, generator=g).requires_grad_(),
             torch.rand(4, generator=g).add(0.5).requires_grad_(),
             torch.randn(4, generator=g).requires_grad_(), torch.randn(batch, 3, generator=g))
+
+
+BLOCKS = {"t5": 1}
+"""Blocks a stack of the real models whose tests build fewer than the tiny size's two
+(``MODELS[name].make("tiny", layers=BLOCKS.get(name))``): T5's training step is twice a
+decoder-only model's graph, and one encoder and one decoder block make the tests' point at
+about half their CI time (28 and 43 s with two on 2026-12-03's VM)."""

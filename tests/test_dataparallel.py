@@ -177,7 +177,7 @@ def test_a_modules_own_parameters_updated_by_hand_are_traced():
     lin, ref = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
     ref.load_state_dict(lin.state_dict())
 
-    def optimizer_step(model):
+    def step_of(model):
         def step(x):
             loss = model(x).sum()
             loss.backward()
@@ -188,10 +188,10 @@ def test_a_modules_own_parameters_updated_by_hand_are_traced():
             return loss.detach()
         return step
 
-    step = autopar.data_parallel(optimizer_step(lin), devices=CPUS, batch_argnums=(0,), shards=2)
+    step = autopar.data_parallel(step_of(lin), devices=CPUS, batch_argnums=(0,), shards=2)
     for _ in range(3):
         x = torch.randn(4, 3)
-        torch.testing.assert_close(step(x), optimizer_step(ref)(x))
+        torch.testing.assert_close(step(x), step_of(ref)(x))
         assert step.last is not None
     assert_same(list(lin.parameters()), list(ref.parameters()))
     assert all(p.grad is None for p in lin.parameters())

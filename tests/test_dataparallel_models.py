@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import autopar
+from _steps import BLOCKS
 
 pytest.importorskip("transformers")
 
@@ -29,9 +30,9 @@ OPTIMIZERS = {
 
 def _model(name: str) -> torch.nn.Module:
     """The model in training mode without dropout: random draws differ between the ways (as
-    under torch.compile), so equality is checked where the step is deterministic. T5 with one
-    encoder and one decoder block (its step's graph is twice a decoder-only model's)."""
-    return without_dropout(MODELS[name].make("tiny", layers=1 if name == "t5" else None).train())
+    under torch.compile), so equality is checked where the step is deterministic; with the
+    test-wide block counts (``BLOCKS``)."""
+    return without_dropout(MODELS[name].make("tiny", layers=BLOCKS.get(name)).train())
 
 
 # steps per case: HF ResNet's are 10, because ReLU and max-pool turn one rounding difference

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import autopar
+from _steps import BLOCKS
 
 transformers = pytest.importorskip("transformers")
 
@@ -128,12 +129,6 @@ OPTIMIZERS = {
 }
 
 
-# T5 with one encoder and one decoder block: the step's graph is twice a decoder-only model's,
-# and one block of each makes these tests' point at half their CI time (28 and 43 s with two,
-# on 2026-12-03's VM)
-BLOCKS = {"t5": 1}
-
-
 @pytest.mark.parametrize(("name", "optimizer", "clip"),
                          [("gpt2", "adamw", 1.0), ("bert", "adamw-fused", None),
                           ("hf-resnet", "sgd-momentum", 1.0), ("llama", "sgd-momentum", None),
@@ -193,7 +188,7 @@ def test_fused_regions_hand_on_eagers_strides_t5():
     Inference only: with the backward's regions too, this one test took 66-90 s of CI on the
     2-core VM (2026-12-02); fused regions in backward graphs are checked on smaller ones."""
     m = MODELS["t5"]
-    model, ref = m.make("tiny", layers=BLOCKS["t5"]), m.make("tiny", layers=BLOCKS["t5"])
+    model, ref = m.make("tiny", layers=BLOCKS.get("t5")), m.make("tiny", layers=BLOCKS.get("t5"))
     args, kwargs = inputs_for(m, "tiny")
     compiled = autopar.compile(model, fuse=True, candidates="autopar")
     with torch.no_grad():
