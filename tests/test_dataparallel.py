@@ -219,3 +219,23 @@ def test_the_step_that_makes_an_optimizers_state_runs_as_written(caplog):
     assert step._unsplit.compiled is None
     torch.testing.assert_close(w.detach(), ref_w.detach())
     torch.testing.assert_close(opt.state[w]["exp_avg"], ref_opt.state[ref_w]["exp_avg"])
+
+
+def test_a_step_whose_code_tests_for_fake_tensors_is_traced_twice_and_split():
+    """Code that skips a data-dependent check for ``FakeTensor``s (Hugging Face's mask code on
+    some versions) fails the functional trace, which wraps them: the step is traced plain,
+    then functionalized, and split as before."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def checked_step(w1, b1, w2, b2, x, y):
+        if not isinstance(x, FakeTensor) and bool((x > -1e9).all()):
+            x = x + 0  # what a real tensor takes: a data-dependent branch
+        return w6_train_step(w1, b1, w2, b2, x, y)
+
+    ref = mlp_inputs(batch=8)
+    mine = twin(ref)
+    step = autopar.data_parallel(checked_step, devices=CPUS, shards=2)
+    for _ in range(3):
+        torch.testing.assert_close(step(*mine), checked_step(*ref), rtol=1e-5, atol=1e-6)
+    assert step.last is not None and step.last.sharded.sizes == (4, 4)
+    assert_same(mine, ref)

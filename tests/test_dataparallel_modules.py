@@ -83,8 +83,9 @@ def test_twenty_module_steps_with_torch_optim_split_over_two_workers_equal_eager
 
 
 def test_fused_adamw_runs_eagerly_and_says_why(caplog):
-    """torch.func.functionalize fails on ``_fused_adamw_`` (PyTorch's internal assert): the step
-    runs as written, every call, with the reason logged once."""
+    """Functionalization fails on ``_fused_adamw_`` (PyTorch's internal assert): the step
+    runs as written, every call, with the reason logged once (the first call, whose trace
+    fails after the optimizer made its state, is the state's call, not a refusal)."""
     model, ref = _net(), _net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)

@@ -183,10 +183,11 @@ def test_batch_norm_is_split_with_the_whole_batchs_statistics():
     assert all(n.args[5] is False or n.args[9] == [False, True, True] for n in norms)
     assert not any(op_name(n.op) == "aten.cat" and n.meta.shape[:1] == (7,)
                    for n in s.graph.ops)  # no gather of the batch
-    stats = [n for n in s.graph.ops if n.name.startswith("native_batch_norm_vm")]
+    bn = next(n for n in step.graph.ops if "batch_norm" in op_name(n.op))  # the forward's
+    stats = [n for n in s.graph.ops if n.name.startswith(f"{bn.name}_vm")]
     assert [s.pins[n] for n in stats] == ["cpu:0", "cpu:1"]
     assert [n.args[0].meta.shape for n in stats] == [(4, 4), (3, 4)]  # each shard's rows
-    mean = next(n for n in s.graph.ops if n.name == "native_batch_norm_mean64_s0")
+    mean = next(n for n in s.graph.ops if n.name == f"{bn.name}_mean64_s0")
     assert op_name(mean.op) == "aten.div.Tensor" and mean.args[1] == 7  # the whole batch
     assert mean.meta.dtype == torch.float64  # the shards' statistics combined in float64
 

@@ -131,7 +131,12 @@ class State:
                 fakes[p].grad = fakes[g]
             if compiling:
                 stack.enter_context(_compiling())
-            yield
+            try:
+                yield
+            except Exception as e:  # a trace that failed once the state was made: not ready
+                if not isinstance(e, Unsupported):
+                    self._check_ready(keys, e)
+                raise
             self._check_unchanged(values, keys)
 
     def host_step_counts(self) -> list[int]:
@@ -161,7 +166,7 @@ class State:
                                                  use_fused=False)[1])
 
     def _check_unchanged(self, values: list, keys: list) -> None:
-        for (name, opt), was, had in zip(self.optimizers, values, keys, strict=True):
+        for (name, opt), was in zip(self.optimizers, values, strict=True):
             now = _group_values(opt)
             if now != was:
                 i = next(i for i, (a, b) in enumerate(zip(now, was)) if a != b)
@@ -169,9 +174,16 @@ class State:
                 raise Unsupported(
                     f"the step changes {', '.join(changed)} of {name}'s param group {i} (a "
                     "learning-rate scheduler stepped inside the step?): step it outside")
+        self._check_ready(keys)
+
+    def _check_ready(self, keys: list, error: BaseException | None = None) -> None:
+        """Raise :class:`StateNotReady` where an optimizer made its state in the trace (from
+        ``error``, the trace's own failure, if any: the next call's trace may succeed)."""
+        for (name, opt), had in zip(self.optimizers, keys, strict=True):
             if dict(self._state_keys(opt)) != had:
                 raise StateNotReady(f"{name} makes its state in this call ({type(opt).__name__}"
-                                    "'s first step): it runs eagerly, the next call is traced")
+                                    "'s first step): it runs eagerly, the next call is "
+                                    "traced") from error
 
     @staticmethod
     def _state_keys(opt: Optimizer) -> Iterator[tuple[int, set]]:

@@ -3,22 +3,28 @@ into one functional graph (see :mod:`autopar.dataparallel` for why not ``torch.c
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..ir.graph import Graph, Node
+from ..ir.logs import first_line
 from .direct import free_values
 from .fx import Unsupported, from_fx, kept_unused
 from .state import State
 
 __all__ = ["StepGraph", "capture_step"]
+
+log = logging.getLogger(__name__)
 
 _COPY_ = torch.ops.aten.copy_.default
 
@@ -65,6 +71,12 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
 
     Nothing is computed and nothing of ``args`` or ``state`` changes: the trace runs on fake
     tensors. Raises :class:`Unsupported` (:class:`StateNotReady`: try the next call).
+
+    One trace, functional as it runs: the fake tensors wrapped as functional ones
+    (``FunctionalTensorMode``), what the step wrote into its inputs appended as ``copy_``.
+    Where that trace fails (code that asks whether a tensor is a ``FakeTensor`` before a
+    data-dependent test, as Hugging Face's mask code does on some versions, sees a
+    ``FunctionalTensor``), two: a plain trace, then ``torch.func.functionalize`` over it.
     """
     state = state if state is not None else State()
     leaves, spec = tree_flatten(tuple(args))
@@ -82,23 +94,41 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
     found: dict[str, Any] = {"compiling": not state.uses_foreach()}
 
     def flat(*ts: torch.Tensor) -> list[torch.Tensor]:
+        functional = found["functional"]
+        mode: Any = FunctionalTensorMode() if functional else contextlib.nullcontext()
+        fs = list(ts)
+        if functional:
+            with mode:
+                fs = [FunctionalTensor.to_functional(t) for t in ts]
+            for j in params:
+                fs[j].requires_grad_()
         full = list(leaves)
-        for i, t in zip(tensor_at, ts):
+        for i, t in zip(tensor_at, fs):
             full[i] = t
-        with state.swapped(ts[n_args:], {id(r): f for r, f in zip(tensors, ts[:n_args])},
-                           compiling=found.get("compiling", True)):
+        with mode, state.swapped(fs[n_args:], {id(r): f for r, f in zip(tensors, fs[:n_args])},
+                                 compiling=found.get("compiling", True)):
             out = fn(*tree_unflatten(full, spec))
-            after = {j: ts[j].grad for j in params}
+            after = {j: fs[j].grad for j in params}
         outs, out_spec = tree_flatten(out)
         bad = [o for o in outs if not isinstance(o, torch.Tensor)]
         if bad:
             raise Unsupported(f"the step returns a {type(bad[0]).__name__}; only tensors are "
                               "captured")
         grads = [j for j in params if after[j] is not None
-                 and (j not in holds or after[j] is not ts[holds[j]])]
+                 and (j not in holds or after[j] is not fs[holds[j]])]
         cleared = [j for j in holds if after[j] is None]
         found.update(n=len(outs), spec=out_spec, grads=grads, cleared=cleared)
-        return [o.detach() for o in outs] + [after[j] for j in grads]
+        if not functional:
+            return [o.detach() for o in outs] + [after[j] for j in grads]
+        results = [_unwrapped(o).detach() for o in outs] + [_unwrapped(after[j]) for j in grads]
+        with torch.no_grad():  # what the step wrote into its inputs, written back last
+            for j, (t, f) in enumerate(zip(ts, fs)):
+                if torch._functionalize_has_metadata_mutation(f.elem):
+                    raise Unsupported(f"the step changes the shape, strides or storage of "
+                                      f"{_tensor_name(j, n_args)} in place")
+                if torch._functionalize_has_data_mutation(f.elem):
+                    t.copy_(_unwrapped(f))
+        return results
 
     stepped = {id(opt) for _, opt in state.optimizers}
 
@@ -109,10 +139,13 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
                           "doesn't name (not an argument, global or closure variable of the "
                           "step): pass it as an argument")
 
-    hook = register_optimizer_step_pre_hook(refuse_optimizer)
-    try:
+    plain = [t.detach() for t in tensors]  # the functional trace makes its own leaves
+
+    def trace(functional: bool) -> torch.fx.GraphModule:
+        found.update(functional=functional, compiling=not state.uses_foreach())
+        inputs = plain if functional else tensors
         try:
-            gm = make_fx(flat, tracing_mode="fake", record_stack_traces=True)(*tensors)
+            gm = make_fx(flat, tracing_mode="fake", record_stack_traces=True)(*inputs)
         except Unsupported:
             raise
         except Exception:
@@ -120,13 +153,25 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
                 raise
             # the compile-friendly path failed for another optimizer option: the eager path
             found["compiling"] = False
-            gm = make_fx(flat, tracing_mode="fake", record_stack_traces=True)(*tensors)
+            gm = make_fx(flat, tracing_mode="fake", record_stack_traces=True)(*inputs)
         _drop_profiler_ranges(gm)
-        plain = [t.detach() for t in tensors]
-        with torch.fx.traceback.preserve_node_meta():  # user lines carried, for messages
-            gm = make_fx(torch.func.functionalize(torch.fx.Interpreter(gm).run,
-                                                  remove="mutations"),
-                         tracing_mode="fake")(*plain)
+        if not functional:  # the plain trace made functional by a second one
+            with torch.fx.traceback.preserve_node_meta():  # user lines carried, for messages
+                gm = make_fx(torch.func.functionalize(torch.fx.Interpreter(gm).run,
+                                                      remove="mutations"),
+                             tracing_mode="fake")(*plain)
+        return gm
+
+    hook = register_optimizer_step_pre_hook(refuse_optimizer)
+    try:
+        try:
+            gm = trace(functional=True)
+        except Unsupported:
+            raise
+        except Exception as e:  # code that tests for fake tensors sees functional ones
+            log.info("autopar: the step's functional trace failed (%s: %s): traced plain, "
+                     "then functionalized", type(e).__name__, first_line(e))
+            gm = trace(functional=False)
         gm.graph.eliminate_dead_code(is_impure_node=kept_unused)
     except Unsupported:
         raise
@@ -150,6 +195,17 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
     mutated = _take_input_copies(graph)
     return StepGraph(graph, found["n"], found["spec"], found["grads"], mutated, params, n_args,
                      found["cleared"], constants)
+
+
+def _unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """The traced tensor a functional one stands for, its pending updates applied."""
+    torch._sync(t)
+    return torch._from_functional_tensor(t.elem)
+
+
+def _tensor_name(j: int, n_args: int) -> str:
+    return f"argument tensor {j}" if j < n_args else f"state tensor {j - n_args} (a parameter, " \
+        "buffer or optimizer state)"
 
 
 def _held_outside(fn: Callable, constants: Sequence[torch.Tensor]) -> list[torch.Tensor]:

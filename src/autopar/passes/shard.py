@@ -1056,10 +1056,14 @@ def _batch_norm(b: _Builder, node: Node) -> Layout | None:
     kernel). The running statistics (which the kernel updates in place) are updated once, on
     home, from the same statistics, as eager does (unbiased variance). Eval form (a module's
     ``eval()``: the running statistics read, not updated): per row, each shard normalizes its
-    rows with the whole running statistics."""
-    x, w, bias, rm, rv, training, momentum, eps = node.args[:8]
+    rows with the whole running statistics.
+    The functionalized forms a whole-step trace makes (:func:`_bn_args`) are split alike:
+    ``_native_batch_norm_legit_functional`` returns the new running statistics (made on home)
+    instead of writing them."""
+    x, w, bias, rm, rv, training, momentum, eps = _bn_args(node)
+    functional = node.op is aten._native_batch_norm_legit_functional.default
     if not training:
-        return _batched((0,), ("split", "own", "own"))(b, node)
+        return None if functional else _batched((0,), ("split", "own", "own"))(b, node)
     s = _split_of(b, x)
     if (s is None or s.dim != 0 or not training or _ndim(x) < 2
             or any(_split_of(b, a) is not None for a in (w, bias, rm, rv))):
@@ -1101,6 +1105,7 @@ def _batch_norm(b: _Builder, node: Node) -> Layout | None:
                         (p, *here, b.local_value(mean, i), b.local_value(var, i), False, 0.0,
                          eps), shard=i, like=node, part="_norm")
         outs.append(b.item(normed, 0, i))
+    running: list[Split | Whole] = []
     for stat, new in ((rm, mean), (rv, b.call(aten.mul.Tensor, (var, count / max(count - 1, 1)),
                                                shard=home, like=node, part="_unbiased"))):
         if isinstance(stat, Node):  # running = (1 - momentum) * running + momentum * new
@@ -1109,8 +1114,29 @@ def _batch_norm(b: _Builder, node: Node) -> Layout | None:
                           part="_keep")
             moved = b.call(aten.add.Tensor, (kept, new), {"alpha": momentum}, shard=home,
                            like=node, part="_run")
-            b.call(aten.copy_.default, (old, moved), shard=home, like=node, part="_update")
-    return Items((Split(0, tuple(outs)), Whole(mean), Whole(invstd)))
+            if functional:
+                running.append(Whole(moved))
+            else:
+                b.call(aten.copy_.default, (old, moved), shard=home, like=node, part="_update")
+    if functional and len(running) != 2:
+        return None
+    return Items((Split(0, tuple(outs)), Whole(mean), Whole(invstd), *running))
+
+
+def _bn_args(node: Node) -> tuple:
+    """``native_batch_norm``'s arguments (input, weight, bias, running mean, running variance,
+    training, momentum, eps) of a node of it or of its functionalized forms:
+    ``_native_batch_norm_legit.no_stats`` (no running statistics: ``F.batch_norm(x, None,
+    None, ...)``), ``_native_batch_norm_legit_functional`` (training) and
+    ``_native_batch_norm_legit_no_training`` (a module in ``eval()``)."""
+    a = node.args
+    if node.op is aten._native_batch_norm_legit.no_stats:
+        return (a[0], a[1], a[2], None, None, a[3], a[4], a[5])
+    if node.op is aten._native_batch_norm_legit_functional.default:
+        return (a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7])
+    if node.op is aten._native_batch_norm_legit_no_training.default:
+        return (a[0], a[1], a[2], a[3], a[4], False, a[5], a[6])
+    return tuple(a[:8])
 
 
 def _batch_norm_backward(b: _Builder, node: Node) -> Layout | None:
@@ -1202,6 +1228,9 @@ def _table() -> dict[Any, Rule]:
         aten.select_backward.default: _backward_of_view,
         aten.cat.default: _cat,
         aten.native_batch_norm.default: _batch_norm,
+        aten._native_batch_norm_legit.no_stats: _batch_norm,
+        aten._native_batch_norm_legit_functional.default: _batch_norm,
+        aten._native_batch_norm_legit_no_training.default: _batch_norm,
         aten.native_batch_norm_backward.default: _batch_norm_backward,
         aten.mean.dim: _mean_dims,
         aten.mean.default: _mean_dims,
