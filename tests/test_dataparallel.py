@@ -239,3 +239,24 @@ def test_a_step_whose_code_tests_for_fake_tensors_is_traced_twice_and_split():
         torch.testing.assert_close(step(*mine), checked_step(*ref), rtol=1e-5, atol=1e-6)
     assert step.last is not None and step.last.sharded.sizes == (4, 4)
     assert_same(mine, ref)
+
+
+def test_a_step_that_changes_an_arguments_shape_in_place_is_refused_by_name():
+    """A functional graph can't replay ``x.unsqueeze_(0)`` (a metadata write into an input):
+    the capture refuses it, naming the tensor."""
+    from autopar.capture.fx import Unsupported
+    from autopar.capture.step import capture_step
+
+    def reshaping_step(w, x):
+        x.unsqueeze_(0)
+        loss = (x[0] @ w).sum()
+        loss.backward()
+        with torch.no_grad():
+            w -= 0.1 * w.grad
+        w.grad = None
+        return loss.detach()
+
+    w = torch.randn(3, 2, requires_grad=True)
+    with pytest.raises(Unsupported, match="changes the shape, strides or storage of argument "
+                                          "tensor 1 in place"):
+        capture_step(reshaping_step, (w, torch.randn(4, 3)))

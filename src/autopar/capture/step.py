@@ -89,9 +89,7 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
         raise Unsupported(f"argument tensor {held[0]} has a .grad already: the step would add "
                           "into it; set it to None (optimizer.zero_grad()) before the step")
     holds = {n_args + p: n_args + g for g, p in state.grad_of.items()}  # param -> its grad
-    # foreach updates fail on torch.optim's compile-friendly path under fake tensors (its
-    # stacked step sizes): those take the eager path, whose .item() reads stay graph values
-    found: dict[str, Any] = {"compiling": not state.uses_foreach()}
+    found: dict[str, Any] = {}  # what a trace found, and how it traces (set by trace())
 
     def flat(*ts: torch.Tensor) -> list[torch.Tensor]:
         functional = found["functional"]
@@ -106,7 +104,7 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
         for i, t in zip(tensor_at, fs):
             full[i] = t
         with mode, state.swapped(fs[n_args:], {id(r): f for r, f in zip(tensors, fs[:n_args])},
-                                 compiling=found.get("compiling", True)):
+                                 compiling=found["compiling"]):
             out = fn(*tree_unflatten(full, spec))
             after = {j: fs[j].grad for j in params}
         outs, out_spec = tree_flatten(out)
@@ -124,8 +122,9 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
         with torch.no_grad():  # what the step wrote into its inputs, written back last
             for j, (t, f) in enumerate(zip(ts, fs)):
                 if torch._functionalize_has_metadata_mutation(f.elem):
+                    what = f"argument tensor {j}" if j < n_args else state.names[j - n_args]
                     raise Unsupported(f"the step changes the shape, strides or storage of "
-                                      f"{_tensor_name(j, n_args)} in place")
+                                      f"{what} in place")
                 if torch._functionalize_has_data_mutation(f.elem):
                     t.copy_(_unwrapped(f))
         return results
@@ -142,6 +141,8 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
     plain = [t.detach() for t in tensors]  # the functional trace makes its own leaves
 
     def trace(functional: bool) -> torch.fx.GraphModule:
+        # foreach updates fail on torch.optim's compile-friendly path under fake tensors (its
+        # stacked step sizes): those take the eager path, whose .item() reads stay graph values
         found.update(functional=functional, compiling=not state.uses_foreach())
         inputs = plain if functional else tensors
         try:
@@ -201,11 +202,6 @@ def _unwrapped(t: torch.Tensor) -> torch.Tensor:
     """The traced tensor a functional one stands for, its pending updates applied."""
     torch._sync(t)
     return torch._from_functional_tensor(t.elem)
-
-
-def _tensor_name(j: int, n_args: int) -> str:
-    return f"argument tensor {j}" if j < n_args else f"state tensor {j - n_args} (a parameter, " \
-        "buffer or optimizer state)"
 
 
 def _held_outside(fn: Callable, constants: Sequence[torch.Tensor]) -> list[torch.Tensor]:
