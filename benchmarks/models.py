@@ -8,7 +8,12 @@ Modes: ``infer`` (fp32 under ``no_grad``), ``bf16`` (``no_grad`` under
 ``torch.autocast(<device>, torch.bfloat16)``), ``train`` (a step with ``torch.optim.AdamW``:
 zero_grad, loss, backward, step, compiled whole), ``train-fused`` (the same with
 ``AdamW(fused=True)``) and ``train-sgd`` (SGD with momentum 0.9 and
-``clip_grad_norm_(1.0)`` before the step). Each (model, mode) runs in a process of its
+``clip_grad_norm_(1.0)`` before the step); ``infer-varlen`` and ``train-varlen`` (text
+models: ``infer`` and ``train`` over a sequence of ``VARLEN_CALLS`` calls, each of a length
+drawn from ``[length // 2, length]``, as an eval loop or dynamic padding brings them: every
+call's outputs, or loss, checked against eager's; ``median_s`` the median call of the
+sequence's second half, each call synchronized, ``first_s`` the whole sequence, compiles and
+trials in it). Each (model, mode) runs in a process of its
 own (a crash or a hang costs one row): it checks every variant against eager (pass or fail,
 and why; in inference on its first three calls, as a racing kernel can be right once), then
 times those that passed in interleaved rounds (``measure_side_by_side``), after autopar's
@@ -42,7 +47,9 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from autopar.choose import results_differ
 
-MODES = ("infer", "bf16", "train", "train-fused", "train-sgd")
+MODES = ("infer", "bf16", "train", "train-fused", "train-sgd", "infer-varlen", "train-varlen")
+VARLEN_CALLS = 240  # calls of a varying-length row, each of a length drawn anew (a
+# trial of ~1 ms calls counts up to TRIAL_MAX_CALLS of each way: the second half is after it)
 SIM_TOL = 0.2  # the simulator's goal: each kept plan predicted within 20% of its measured time
 VARIANTS = ("eager", "compile", "compile-ro", "autopar")
 
@@ -124,9 +131,97 @@ def _variant(name: str, fn: Any) -> Any:
     return autopar.compile(fn)
 
 
+def run_varlen(model_name: str, mode: str, size: str, variants: list[str], batch: int | None,
+               length: int) -> dict[str, Any]:
+    """One (model, ``*-varlen`` mode): each variant runs the same sequence of lengths from the
+    same parameters (and optimizer state), every call checked against eager's and timed."""
+    import random
+
+    from autopar.api import dispatcher_of
+    from autopar.bench.harness import in_process_compiles
+    from autopar.bench.models import MODELS, available, inputs_for, train_step, without_dropout
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    in_process_compiles()
+    m = MODELS[model_name]
+    row: dict[str, Any] = {"model": model_name, "mode": mode, "variants": {}}
+    why = available(m) or ("no sequence length to vary" if m.family == "vision" else None)
+    if why:
+        row["skipped"] = why
+        return row
+    dev = _device()
+    b = batch or (8 if size == "small" else 3)
+    draw = random.Random(0)
+    lengths = [draw.randint(max(2, length // 2), length) for _ in range(VARLEN_CALLS)]
+    row["lengths"] = lengths
+    batches = [inputs_for(m, size, batch=b, length=n, device=dev, seed=i)[1]
+               for i, n in enumerate(lengths)]
+    training = mode == "train-varlen"
+    base = m.make(size).to(dev)
+    if training:
+        without_dropout(base.train())
+    want: list[Any] = []
+    for name in ["eager", *[v for v in variants if v != "eager"]]:
+        cell: dict[str, Any] = {}
+        row["variants"][name] = cell
+        try:
+            model = copy.deepcopy(base)
+            if training:
+                opt = _optimizer("train", model)
+                keys = list(batches[0])
+                fn = _variant(name, train_step(model, opt, keys, clip=None))
+
+                def call(kw: dict, fn=fn, keys=keys) -> Any:
+                    return fn(*(kw[k] for k in keys))
+            else:
+                compiled = _variant(name, model)
+
+                def call(kw: dict, compiled=compiled) -> Any:
+                    with torch.no_grad():
+                        return compiled(**kw)
+            times, start = [], time.perf_counter()
+            for i, kw in enumerate(batches):
+                t = time.perf_counter()
+                out = call(kw)
+                if dev == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t)
+                got = [out.float()] if training else [o.cpu() for o in _outputs(out)]
+                if name == "eager":
+                    want.append(got)
+                elif (bad := _close(got, want[i], "train" if training else mode)):
+                    cell["fail"] = f"call {i} (length {lengths[i]}): {bad}"
+                    break
+            if "fail" in cell:
+                continue
+            cell["first_s"] = time.perf_counter() - start
+            cell["median_s"] = sorted(times[len(times) // 2:])[len(times) // 4]
+            cell["calls_ms"] = [round(t * 1e3, 2) for t in times]
+            if training:  # the parameters after the sequence, against eager's
+                got = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+                if name == "eager":
+                    want_params = got
+                elif (bad := _close([got], [want_params], "train")):
+                    cell["fail"] = f"parameters after {len(lengths)} steps: {bad}"
+                    continue
+            if name == "autopar":
+                d = dispatcher_of(fn if training else compiled)
+                if d is not None:
+                    cell["kept"] = sorted(set(d.kept.values()))
+                    cell["explain"] = d.explain()
+            cell["pass"] = True
+        except Exception as e:  # one variant's failure is its cell's, not the row's
+            cell["fail"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}" \
+                if str(e).strip() else type(e).__name__
+    return row
+
+
 def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: int | None,
             length: int, warm: bool = False) -> dict[str, Any]:
     """One (model, mode): accuracy of each variant against eager, then their times."""
+    if mode.endswith("-varlen"):
+        return run_varlen(model_name, mode, size, variants, batch, length)
     from autopar.api import dispatcher_of
     from autopar.bench.harness import SETTLE_CALLS, in_process_compiles, measure_side_by_side
     from autopar.bench.models import (

@@ -12,7 +12,7 @@ import autopar
 import autopar.api
 from _fakes import adamw_pair, adamw_step
 from autopar import choose
-from autopar.choose import TRIAL_CALLS, TURN_CALLS, Trial, candidates
+from autopar.choose import OWN_SIGNATURES, TRIAL_CALLS, TURN_CALLS, Trial, candidates
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 needs_cxx = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
@@ -332,6 +332,53 @@ def test_autopar_and_inductor_ways_share_one_trace(monkeypatch):
     assert len(ran) == before  # autopar's own form
     torch.testing.assert_close(g(x), chain(x))
     assert len(ran) == before + 1  # the kept way: Inductor's form
+
+
+@needs_cxx
+def test_sizes_that_vary_share_one_trial_and_are_not_captured_each(monkeypatch):
+    """A new length each call. The first ``OWN_SIGNATURES`` lengths are captured (a graph and
+    a plan each, here on two workers) and open trials of their own. Every later length is of
+    their family (equal but for sizes): none is captured or planned; they go round eager and
+    inductor (the trace dynamo made dynamic at the second length, compiled once by Inductor
+    for every size), and the verdict runs each new length after. Every call equals eager."""
+    def chain(x):
+        for _ in range(4):
+            x = torch.tanh(x) * 0.5 + x
+        return x
+
+    monkeypatch.setattr(choose, "_clock", _fake_clock(eager=2.0, inductor=1.0))
+    g = autopar.compile(chain, devices="cpu:0,cpu:1", policy="round_robin", candidates="auto")
+    xs = [torch.randn(3, n) for n in range(5, 5 + OWN_SIGNATURES + 2 * CALLS + 3)]
+    for x in xs[:OWN_SIGNATURES]:
+        torch.testing.assert_close(g(x), chain(x))
+    planned = len(g.runner.executors)
+    assert planned == OWN_SIGNATURES  # one static graph, placed, per length
+    for x in xs[OWN_SIGNATURES:]:
+        torch.testing.assert_close(g(x), chain(x))
+    assert len(g.runner.executors) == planned
+    family = choose.family_of(g._key((xs[-1],), {}))
+    assert g.kept[family] == "inductor" and g.kept_way((xs[-1],)) == "inductor"
+    assert g.kept_way((xs[0],)) is None  # the first lengths' own trials wait for their calls
+    last = 5 + len(xs) - 1
+    assert (f"chain, shapes (3, 5..{last}) that vary (3 new signatures ran its verdict): runs "
+            "inductor: inductor (eager 2 s, inductor 1 s)") in g.explain()
+
+
+def test_sizes_that_vary_run_eager_at_once_where_no_other_way_serves_any_size():
+    """With Inductor not a candidate, the family's one way for any size is eager: a third
+    length runs it without a trial (nothing captured), and so does every later one."""
+    def f(x):
+        return (x * 2).sum(-1)
+
+    g = autopar.compile(f, devices="cpu:0,cpu:1", policy="round_robin",
+                        candidates="eager,autopar")
+    for n in range(4, 9):
+        x = torch.randn(2, n)
+        torch.testing.assert_close(g(x), f(x))
+    assert len(g.runner.executors) == OWN_SIGNATURES
+    assert g.kept_way((torch.randn(2, 8),)) == "eager"
+    assert "shapes (2, 4..8) that vary (3 new signatures ran its verdict): runs eager: eager " \
+        "(the only way for any size)" in g.explain()
 
 
 @pytest.mark.parametrize("writes", ["an input", "a buffer"])

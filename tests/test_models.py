@@ -159,6 +159,39 @@ def test_training_steps_with_torch_optim_equal_eager(name, optimizer, clip):
                                        msg=key)
 
 
+def test_a_training_step_over_lengths_that_vary_equals_eager_and_is_not_planned_per_length():
+    """Dynamic padding: each step a batch of another length, some again. The first
+    ``OWN_SIGNATURES`` lengths are captured and planned (autopar's way on two workers, tried
+    against eager); later new lengths are not captured or planned again, and run their
+    family's way for any size (eager, with the suite's candidates). After every step the
+    loss, the parameters and AdamW's state equal eager's, across the switches between
+    autopar's way (the optimizer in dynamo's form) and eager's."""
+    from autopar.choose import OWN_SIGNATURES
+
+    m = MODELS["gpt2"]
+    model = without_dropout(m.make("tiny", layers=1).train())
+    ref = copy.deepcopy(model)
+    opt, ref_opt = OPTIMIZERS["adamw"](model.parameters()), OPTIMIZERS["adamw"](ref.parameters())
+    keys = list(inputs_for(m, "tiny")[1])
+    step = autopar.compile(train_step(model, opt, keys), **TWO_WORKERS["heft"])
+    ref_step = train_step(ref, ref_opt, keys)
+    lengths = [9, 12, 9, 12, 15, 7, 9, 11, 15, 13]
+    for i, length in enumerate(lengths):
+        batch = list(inputs_for(m, "tiny", length=length, seed=i)[1].values())
+        torch.testing.assert_close(step(*batch), ref_step(*batch), rtol=1e-4, atol=1e-5)
+        if i == 3:
+            planned = len(step.runner.executors)
+    assert len(step.runner.executors) == planned
+    assert len(set(lengths[:4])) == OWN_SIGNATURES
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=n)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        for key, value in ref_opt.state[q].items():
+            torch.testing.assert_close(opt.state[p][key], value, rtol=1e-4, atol=1e-5,
+                                       msg=key)
+    assert "that vary (4 new signatures ran its verdict): runs eager" in step.explain()
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="Inductor's CPU code needs a C++ compiler")
 @pytest.mark.parametrize("name", ["gpt2", "bert"])
 def test_defaults_with_inductor_among_the_candidates_equal_eager(name):

@@ -53,9 +53,13 @@ from .capture.dynamo import (
 )
 from .capture.optim import OptimizerForms, dynamo_changes_optimizers
 from .choose import (
+    OWN_SIGNATURES,
     WAYS,
+    Family,
     Trial,
     candidates,
+    family_of,
+    family_ways,
     inductor_compiles_for,
     launch_bound,
     results_differ,
@@ -611,6 +615,9 @@ class Dispatcher:
     its next calls are a :class:`~autopar.choose.Trial`; the verdict is kept and logged.
     Once one compiled way serves every signature seen and no trial is open, calls go straight
     to it without a key (``only``): a new shape then runs that way, correctly, unchosen.
+    Shapes that vary: past ``OWN_SIGNATURES`` signatures of one :class:`~autopar.choose.Family`
+    (equal but for their tensors' sizes), a new signature is not captured: it runs the
+    family's verdict, or its trial of :func:`~autopar.choose.family_ways` while undecided.
 
     A call with the very tensors of the latest plain (``eager``) call, held by weak
     references (in lists and tuples too: no other arguments, the same grad mode), is plain
@@ -644,6 +651,10 @@ class Dispatcher:
         self.key_extra = key_extra  # what else decides a call's graphs (a module's .training)
         self.kept: dict[Any, str] = {}  #: signature -> the way that runs it
         self.trials: dict[Any, Trial] = {}  #: signature -> its open trial
+        #: family -> its signatures seen; the family's trial and verdict are keyed by the
+        #: Family itself, in ``trials`` and ``kept``
+        self.families: dict[Family, dict[Any, None]] = {}
+        self._by_family: set[Any] = set()  # signatures kept as their family's verdict
         self._checked: set[tuple[Any, str]] = set()  # (signature, way) whose results were checked
         self.only: Callable | None = None  #: the one way every call takes, once settled
         self._direct: Direct | None = None  # ...where that is a Direct: called by its head
@@ -730,6 +741,9 @@ class Dispatcher:
         trial = self.trials.get(key)
         if trial is not None:
             return self._tried(key, trial, args, kwargs)
+        family = self._varying(key)
+        if family is not None:
+            return self._in_family(key, family, args, kwargs)
         runner = self.runner
         first = len(runner.executors)
         if not self._forms_looked and _grad_enabled() and dynamo_changes_optimizers():
@@ -765,6 +779,52 @@ class Dispatcher:
             trials_log.info("autopar: %s: timing calls %s for %s", self.name,
                             ", ".join(ways), _describe(key))
         return out
+
+    def _varying(self, key: Any) -> Family | None:
+        """The family of a new signature ``key`` where that family's sizes vary (it has had
+        ``OWN_SIGNATURES`` signatures before this one) and a way of its own can serve it
+        (:func:`~autopar.choose.family_ways` among the candidates), else None: ``key`` is
+        captured and tried on its own."""
+        if key is None:
+            return None
+        family = family_of(key)
+        seen = self.families.setdefault(family, {})
+        seen[key] = None
+        if len(seen) <= OWN_SIGNATURES or not self._family_ways():
+            return None
+        return family
+
+    def _family_ways(self) -> tuple[str, ...]:
+        inductor = self.runner.inductor_can and (self.switch is None or
+                                                 self.switch.failed is None)
+        return tuple(w for w in family_ways(inductor) if w in self.runner.options.candidates)
+
+    def _in_family(self, key: Any, family: Family, args: tuple, kwargs: dict) -> Any:
+        """A new signature of a family whose sizes vary: its verdict, else its trial."""
+        way = self.kept.get(family)
+        if way is None and family not in self.trials:
+            ways = self._family_ways()
+            trials_log.info("autopar: %s: %s: the sizes vary; new ones run %s", self.name,
+                            self._describe_family(family), " or ".join(ways))
+            if len(ways) == 1:
+                way = ways[0]
+                self.verdicts[family] = [f"{way} (the only way for any size)"]
+                self._keep(family, way)
+            else:
+                touched = self.runner.gpus_touched()
+                gpus = touched[0] if touched is not None else self.runner.gpus
+                self.trials[family] = Trial({w: gpus for w in ways}, name=self.name)
+        if way is None:
+            return self._tried(family, self.trials[family], args, kwargs)
+        self._by_family.add(key)
+        self._keep(key, way)  # its next calls are a kept signature's
+        if way == "eager":
+            if not kwargs:
+                self._remember(args)
+            if self.forms is not None:
+                self.forms.eager()
+            return self.fn(*args, **kwargs)
+        return self.way(way)(*args, **kwargs)
 
     def _split_candidate(self, args: tuple, kwargs: dict,
                          executors: Sequence[Any]) -> frozenset[int] | None:
@@ -884,10 +944,10 @@ class Dispatcher:
         if won is not None:
             del self.trials[key]
             trials_log.info("autopar: %s: %s kept for %s (medians: %s)", self.name, won,
-                            _describe(key), trial.summary())
+                            self._describe(key), trial.summary())
             self.verdicts.setdefault(key, []).append(f"{won} ({trial.summary()})")
             self.last_trial = trial
-            if self._graphs_may_pay(trial):
+            if not isinstance(key, Family) and self._graphs_may_pay(trial):
                 host, gpu = (fmt_seconds(statistics.median(t["inductor"]))
                              for t in (trial.host, trial.gpu))
                 trials_log.info("autopar: %s: Inductor's calls are launch-bound (host %s, GPU "
@@ -910,11 +970,13 @@ class Dispatcher:
             return f"{self.name}: not called yet"
         lines = []
         for key, way in self.kept.items():
+            if key in self._by_family:
+                continue  # said once, on its family's line
             why = "; then ".join(self.verdicts.get(key, [])) or "the only candidate"
-            lines.append(f"{self.name}, {_describe(key)}: runs {way}: {why}")
+            lines.append(f"{self.name}, {self._describe(key)}: runs {way}: {why}")
         for key, trial in self.trials.items():
             done = "; ".join(self.verdicts.get(key, []))
-            lines.append(f"{self.name}, {_describe(key)}: timing {', '.join(trial.ways)}"
+            lines.append(f"{self.name}, {self._describe(key)}: timing {', '.join(trial.ways)}"
                          + (f" (after {done})" if done else ""))
         if "split" in self.kept.values() and self.split is not None:
             lines.append(self.split.explain())
@@ -925,6 +987,23 @@ class Dispatcher:
         if forms:
             lines.append(forms)
         return "\n".join(lines)
+
+    def _describe(self, key: Any) -> str:
+        return self._describe_family(key) if isinstance(key, Family) else _describe(key)
+
+    def _describe_family(self, family: Family) -> str:
+        """A family for the log: each tensor's sizes over the signatures seen (``(2, 8..38)``),
+        and how many of them ran the family's verdict."""
+        seen = [[k for k in key if isinstance(k, torch.Size)]
+                for key in self.families.get(family, ())]
+        shapes = []
+        for sizes in zip(*seen):
+            dims = [sorted({s[d] for s in sizes}) for d in range(len(sizes[0]))]
+            shapes.append("(" + ", ".join(str(v[0]) if len(v) == 1 else f"{v[0]}..{v[-1]}"
+                                          for v in dims) + ")")
+        served = sum(k in self._by_family for k in self.families.get(family, ()))
+        return (f"shapes {', '.join(shapes)} that vary" if shapes else "these arguments") + \
+            (f" ({served} new signatures ran its verdict)" if served else "")
 
     def _versions(self, args: tuple, kwargs: dict) -> list[int]:
         """The version counters of every tensor a call could write in place: its arguments

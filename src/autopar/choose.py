@@ -43,6 +43,19 @@ Policy (one place decides "is autopar's plan better than what the user would oth
   ``split`` joins the first trial of an inference call where two or more devices of
   the batch's kind are named and the model predicts the split faster than not splitting
   (:meth:`autopar.api.Dispatcher._split_candidate`): kept only if measured faster.
+- Shapes that vary. A *family* is the signatures that are equal but for their tensors'
+  sizes (:func:`family_of`: ranks, dtypes, devices, plain values and grad mode kept). The
+  first ``OWN_SIGNATURES`` of a family are each captured and tried as above (a training
+  batch and the smaller last one; a fixed eval batch). A later new one says the sizes vary
+  (variable-length batches, an eval loop over any length): capturing and trying each would
+  cost a capture a call (GPT-2, tiny config, 2-core VM: ~200 ms a new length in inference,
+  ~500 ms in training, against eager's 1-10 ms and ``torch.compile``'s 1-10 ms once its graph
+  is dynamic; benchmarks/NOTES.md, 2026-12-04). So the family gets one trial of the ways that
+  serve any size with no new work (:func:`family_ways`): eager, and inductor (the shared
+  trace, which dynamo made dynamic at the family's second signature, compiled once by
+  Inductor for every size), calls of any new size going round them; its verdict runs every
+  new signature of the family from then on. Not in it: autopar's way (a plan is made per
+  size) and CUDA graphs (one is recorded per size).
 - A trial (:class:`Trial`): the next calls of a new signature go round the candidates; each
   turn is a call of a way neither timed nor counted (after a switch, caches, memory and
   first-use kernels are the last way's; a way's first turn also compiles), then
@@ -87,8 +100,9 @@ from .ir.compare import outputs_differ
 from .ir.units import fmt_seconds
 from .machine.host import cpu_fusion_unavailable
 
-__all__ = ["LAUNCH_BOUND", "RESULT_TOL", "RESULT_TOL_LOW", "TRIAL_CALLS", "TURN_CALLS", "WAYS",
-           "Trial", "candidates", "launch_bound", "results_differ"]
+__all__ = ["LAUNCH_BOUND", "OWN_SIGNATURES", "RESULT_TOL", "RESULT_TOL_LOW", "TRIAL_CALLS",
+           "TURN_CALLS", "WAYS", "Family", "Trial", "candidates", "family_of", "family_ways",
+           "launch_bound", "results_differ"]
 
 log = logging.getLogger("autopar.trials")
 
@@ -151,6 +165,31 @@ def candidates(autopar_differs: bool, inductor_can: bool) -> tuple[str, ...]:
     if autopar_differs:
         ways.append("autopar")
     return tuple(ways)
+
+
+OWN_SIGNATURES = 2
+"""Signatures of a family captured and tried each on its own; the family's later new ones
+share one trial and its verdict (see the module docstring)."""
+
+
+class Family(tuple):
+    """The key of a family of signatures (:func:`family_of`): a signature key with each
+    tensor's shape replaced by its rank. A type of its own, so that it never equals a
+    signature's key and the Dispatcher can tell its trials and verdicts apart."""
+
+    __slots__ = ()
+
+
+def family_of(key: tuple) -> Family:
+    """The family of a signature ``key`` (``autopar.api``'s flat tuple, in which each tensor
+    is its ``torch.Size``, dtype and device): the same with each size replaced by its rank."""
+    return Family(len(k) if type(k) is torch.Size else k for k in key)
+
+
+def family_ways(inductor_can: bool) -> tuple[str, ...]:
+    """The ways a family of varying shapes is tried with, in trial order (see the module
+    docstring): those that serve a new size with no new capture, plan or recording."""
+    return ("eager", "inductor") if inductor_can else ("eager",)
 
 
 def launch_bound(trial: Trial, way: str) -> bool:
