@@ -40,7 +40,7 @@ def test_candidates_option_is_checked():
 def _timed(trial: Trial, seconds: list[float]) -> None:
     """Fill ``trial`` with calls of the given host seconds, in the order it asks for them."""
     for t in seconds:
-        trial.calls.append((trial.next_way(), t, []))
+        trial.calls.append((trial.next_way(), t, [], None))
 
 
 def test_a_trial_goes_round_the_ways_and_keeps_the_fastest_median():
@@ -52,7 +52,7 @@ def test_a_trial_goes_round_the_ways_and_keeps_the_fastest_median():
     order = [w for i in range(TRIAL_CALLS) for w in per_way]
     for i, way in enumerate(order):
         assert trial.next_way() == way
-        trial.calls.append((way, per_way[way][i // 3], []))
+        trial.calls.append((way, per_way[way][i // 3], [], None))
     assert trial.next_way() is None
     assert trial.verdict() == "inductor"  # medians: eager 3, inductor 2, autopar 9
     assert trial.summary() == "eager 3 s, inductor 2 s, autopar 9 s"
@@ -94,6 +94,69 @@ def test_a_tie_keeps_the_earlier_way():
     trial = Trial({"eager": (), "autopar": ()})
     _timed(trial, [1.0] * (2 * TRIAL_CALLS))
     assert trial.verdict() == "eager"
+
+
+class _Costly(torch.autograd.Function):
+    """Identity whose backward moves a fake clock by ``seconds``."""
+
+    @staticmethod
+    def forward(ctx, x, clock, seconds):
+        ctx.clock, ctx.seconds = clock, seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.clock[0] += ctx.seconds
+        return grad, None, None
+
+
+def _training_ways(clock: list[float], w: torch.Tensor, forward: dict, backward: dict):
+    """Ways of ``x -> x * w`` whose forward moves ``clock`` by ``forward[way]`` seconds and
+    whose backward by ``backward[way]``."""
+    def way_of(name):
+        def call(x):
+            clock[0] += forward[name]
+            return _Costly.apply(x * w, clock, backward[name])
+        return call
+    return way_of
+
+
+def test_a_call_whose_outputs_autograd_records_is_timed_with_its_backward(monkeypatch):
+    """A module's forward in a training loop commits to its backward, run later by the
+    caller's ``backward()``: eager's forward takes 1 s and its backward 5, inductor's 2 and 1.
+    Timed by their forwards, eager would win; each counted call is its forward plus its
+    backward (from its outputs' gradients to the end of the pass), and inductor wins."""
+    clock = [0.0]
+    monkeypatch.setattr(choose, "_clock", lambda: clock[0])
+    w = torch.ones(3, requires_grad=True)
+    way_of = _training_ways(clock, w, {"eager": 1.0, "inductor": 2.0},
+                            {"eager": 5.0, "inductor": 1.0})
+    trial = Trial({"eager": (), "inductor": ()})
+    while trial.verdict() is None:
+        out = trial.run(way_of, (torch.randn(3),), {})
+        clock[0] += 100.0  # the caller's own work between the call and backward: not counted
+        out.sum().backward()
+    assert trial.verdict() == "inductor"
+    assert trial.times == {"eager": [6.0] * COUNTED, "inductor": [3.0] * COUNTED}
+    assert all(back is not None and back.host is not None for *_, back in trial.calls)
+
+
+def test_a_call_whose_outputs_are_never_differentiated_counts_its_forward(monkeypatch):
+    """Outputs that autograd records but no ``backward()`` reaches: a counted call's backward
+    is waited for until ``BACKWARD_WAIT_CALLS`` more calls have begun, then its forward
+    counts alone (the untimed calls made while waiting go to the way called last)."""
+    clock = [0.0]
+    monkeypatch.setattr(choose, "_clock", lambda: clock[0])
+    w = torch.ones(3, requires_grad=True)
+    way_of = _training_ways(clock, w, {"eager": 1.0, "inductor": 2.0},
+                            {"eager": 5.0, "inductor": 1.0})
+    trial = Trial({"eager": (), "inductor": ()})
+    calls = 0
+    while trial.verdict() is None:
+        trial.run(way_of, (torch.randn(3),), {})
+        calls += 1
+    assert trial.verdict() == "eager" and trial.times["eager"] == [1.0] * COUNTED
+    assert calls == 2 * CALLS + choose.BACKWARD_WAIT_CALLS
 
 
 class _FakeEvent:

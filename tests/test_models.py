@@ -107,6 +107,35 @@ def test_forward_and_backward_with_grad_equal_eager(name):
                 torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=n)
 
 
+def test_a_compiled_module_in_a_training_loop_is_timed_with_its_backward():
+    """The commonest form: ``model = autopar.compile(model)``, then a loop of ``zero_grad``,
+    forward, ``backward``, ``AdamW.step`` outside. The trial's counted calls are timed with
+    their backward passes (``autopar.choose.Backward``) and it ends; every step's loss and
+    the parameters after equal eager's."""
+    m = MODELS["gpt2"]
+    model = without_dropout(m.make("tiny", layers=1).train())
+    ref = copy.deepcopy(model)
+    opt, ref_opt = OPTIMIZERS["adamw"](model.parameters()), OPTIMIZERS["adamw"](ref.parameters())
+    _, kwargs = inputs_for(m, "tiny")
+    compiled = autopar.compile(model, **TWO_WORKERS["heft"])
+    d = autopar.api.dispatcher_of(compiled)
+    for _ in range(200):
+        for mod, o in ((compiled, opt), (ref, ref_opt)):
+            o.zero_grad()
+            loss = loss_of(mod(**kwargs))
+            loss.backward()
+            o.step()
+            losses = [loss.detach()] if mod is compiled else [*losses, loss.detach()]
+        torch.testing.assert_close(*losses, rtol=1e-4, atol=1e-5)
+        if d.kept and not d.trials:
+            break
+    assert d.kept and not d.trials
+    counted = d.last_trial.calls
+    assert counted and all(back is not None and back.host > 0 for *_, back in counted)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=n)
+
+
 def test_no_grad_outputs_keep_no_autograd_graph():
     """Under ``no_grad`` on two workers, an output computed on the worker thread has no
     ``grad_fn`` (eager's doesn't), and under ``inference_mode`` it is an inference tensor."""

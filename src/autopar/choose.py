@@ -67,7 +67,18 @@ Policy (one place decides "is autopar's plan better than what the user would oth
   signature. Every way is a correct one (eager, or dynamo-guarded compiled code), so a trial
   changes speed, never results beyond the tolerance between eager and a fused kernel.
 - What a call does is what is timed: a training step written as one function (forward,
-  backward, optimizer step) is timed whole; a module's forward, called alone, is its forward.
+  backward, optimizer step) is timed whole. A call whose outputs autograd records (a
+  module's forward in a training loop: ``model = autopar.compile(model)``, the optimizer
+  outside) commits to its backward too, which runs later, in the caller's ``backward()``:
+  a counted call of it is timed from the moment the gradients of its outputs arrive to the
+  end of that backward pass (:class:`Backward`: a pre-hook on the outputs' autograd nodes,
+  a callback at the end of the pass), and its time is its forward's plus that. A forward
+  alone is a share of the step that differs from way to way (tiny configs on the 2-core VM,
+  eager against ``torch.compile``: BERT's forward 7.28 against 2.15 ms, its training step
+  16.88 against 13.68; Llama's 4.00 against 1.92, 8.94 against 5.07; benchmarks/NOTES.md,
+  2026-12-04), so forwards rank ways by the wrong margins. A call whose backward has not
+  begun by the time two more calls of the function have begun (an output never
+  differentiated) counts its forward alone.
 - A way that fails where eager would not (an internal or compile error before the function
   ran) is dropped for that signature, with the reason logged once, and the call runs eagerly.
 - A way whose results are not eager's is dropped too: on a way's first call, where calling the
@@ -83,7 +94,8 @@ Policy (one place decides "is autopar's plan better than what the user would oth
   one call then makes twice.
 
 Glossary: a *way* is a name above; ``Trial.calls`` the counted calls ``(way, host_s,
-[(begin, end) CUDA events])``; ``Trial.times`` each way's counted seconds once decided.
+[(begin, end) CUDA events], Backward or None)``; ``Trial.times`` each way's counted seconds
+once decided.
 """
 
 from __future__ import annotations
@@ -95,14 +107,15 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from .ir.compare import outputs_differ
 from .ir.units import fmt_seconds
 from .machine.host import cpu_fusion_unavailable
 
-__all__ = ["LAUNCH_BOUND", "OWN_SIGNATURES", "RESULT_TOL", "RESULT_TOL_LOW", "TRIAL_CALLS",
-           "TURN_CALLS", "WAYS", "Family", "Trial", "candidates", "family_of", "family_ways",
-           "launch_bound", "results_differ"]
+__all__ = ["BACKWARD_WAIT_CALLS", "LAUNCH_BOUND", "OWN_SIGNATURES", "RESULT_TOL",
+           "RESULT_TOL_LOW", "TRIAL_CALLS", "TURN_CALLS", "WAYS", "Backward", "Family", "Trial",
+           "candidates", "family_of", "family_ways", "launch_bound", "results_differ"]
 
 log = logging.getLogger("autopar.trials")
 
@@ -155,6 +168,69 @@ TRIAL_MAX_CALLS = 50
 _clock = time.perf_counter  # the trial's host clock (tests replace it)
 _profiler = torch.autograd.profiler  # ``_profiler._is_profiler_enabled``: a global's read
 _range = torch.autograd.profiler.record_function
+
+
+BACKWARD_WAIT_CALLS = 2
+"""Calls of the function begun after a counted call whose backward has not begun, after which
+that call counts its forward alone (two: ``loss = f(a) + f(b)`` differentiates a call after
+the next one began)."""
+
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+
+class Backward:
+    """The backward pass of one counted call whose outputs autograd records (see the module
+    docstring): host seconds and, on each GPU of ``gpus``, CUDA events from the moment the
+    gradients of the call's outputs arrive (a pre-hook on their autograd nodes, the first to
+    run) to the end of that backward pass (the engine's final callback)."""
+
+    __slots__ = ("gpus", "host", "later", "marks", "start")
+
+    def __init__(self, gpus: Sequence[int]) -> None:
+        self.gpus = tuple(gpus)
+        self.start: float | None = None  #: the host clock when its gradients arrived
+        self.host: float | None = None  #: host seconds to the end of the pass, once over
+        self.marks: list[tuple[Any, Any]] = []  #: (begin, end) CUDA events per GPU
+        self.later = 0  #: calls of the function begun since, while it had not begun
+
+    @classmethod
+    def of(cls, out: Any, gpus: Sequence[int]) -> Backward | None:
+        """The backward of a call that returned ``out``, hooked, or None where autograd records
+        none of its outputs (inference, or a whole training step returning a detached loss)."""
+        nodes = {id(t.grad_fn): t.grad_fn for t in tree_leaves(out)
+                 if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        if not nodes:
+            return None
+        back = cls(gpus)
+        for node in nodes.values():
+            node.register_prehook(back._begin)
+        return back
+
+    def _begin(self, grads: Any) -> None:
+        if self.start is not None:
+            return  # another output's node, in the same pass
+        self.start = _clock()
+        self.marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in self.gpus]
+        for (begin, _), i in zip(self.marks, self.gpus):
+            begin.record(torch.cuda.current_stream(i))
+        _queue_callback(self._end)
+
+    def _end(self) -> None:
+        self.host = _clock() - self.start  # type: ignore[operator]
+        for (_, end), i in zip(self.marks, self.gpus):
+            end.record(torch.cuda.current_stream(i))
+
+    def waited(self) -> bool:
+        """Whether it is over, or will never begin (``BACKWARD_WAIT_CALLS`` calls later)."""
+        return self.host is not None or (self.start is None and
+                                          self.later >= BACKWARD_WAIT_CALLS)
+
+    def seconds(self) -> tuple[float, float]:
+        """Its host seconds and the longest GPU seconds (0, 0 where it never began)."""
+        if self.host is None:
+            return 0.0, 0.0
+        return self.host, max((b.elapsed_time(e) / 1e3 for b, e in self.marks), default=0.0)
 
 
 def candidates(autopar_differs: bool, inductor_can: bool) -> tuple[str, ...]:
@@ -216,9 +292,11 @@ class Trial:
     measure only the host's pace).
 
     ``run`` calls the next way: a call that follows another way's (or is a way's first) is
-    untimed, the next one of that way timed and counted (``calls``). ``verdict`` is None
-    until every way's counted calls are in and their GPU work has completed, then the fastest
-    way. Calls made while the verdict waits for GPU work go to the way called last, untimed,
+    untimed, the next one of that way timed and counted (``calls``), with its backward where
+    autograd records its outputs (:class:`Backward`). ``verdict`` is None until every way's
+    counted calls are in, their backward passes over (or never to come) and their GPU work
+    completed, then the fastest way. Calls made while the verdict waits go to the way called
+    last, untimed,
     so that the events waited for are a fixed set. Under ``torch.profiler`` each call is a
     range ``autopar:trial <name> <way>`` (``name``: the function's, for the trace)."""
 
@@ -226,7 +304,8 @@ class Trial:
         self.name = name
         self.ways = tuple(gpus)
         self.gpus = {w: tuple(g) for w, g in gpus.items()}
-        self.calls: list[tuple[str, float, list[tuple[Any, Any]]]] = []  # the counted ones
+        # the counted ones: (way, host seconds, (begin, end) CUDA events, Backward or None)
+        self.calls: list[tuple[str, float, list[tuple[Any, Any]], Backward | None]] = []
         self.times: dict[str, list[float]] = {}  # counted seconds by way, once decided
         self.host: dict[str, list[float]] = {}  # ...of them, the host's
         self.gpu: dict[str, list[float]] = {}  # ...and the GPUs' (the longest; 0 for none)
@@ -240,7 +319,7 @@ class Trial:
         still timed), or None once all are timed: each way has ``TRIAL_CALLS`` counted calls,
         adding up to ``TRIAL_MIN_S`` of host time, or ``TRIAL_MAX_CALLS`` of them."""
         host: dict[str, list[float]] = {w: [] for w in self.ways if w not in self.dropped}
-        for way, seconds, _ in self.calls:
+        for way, seconds, *_ in self.calls:
             if way in host:
                 host[way].append(seconds)
         live = [w for w, t in host.items() if len(t) < TRIAL_CALLS or (
@@ -252,6 +331,9 @@ class Trial:
     def run(self, way_of: Callable[[str], Callable], args: Sequence[Any],
             kwargs: Mapping[str, Any]) -> Any:
         """Call the way whose turn it is (``way_of(name)`` gives its callable)."""
+        for *_, back in self.calls:
+            if back is not None and back.start is None:
+                back.later += 1
         way = self.next_way()
         if way is None:  # waiting for the timed calls' GPU work
             return self._call(way_of(self._last or self.ways[0]), self._last, args, kwargs)
@@ -271,7 +353,8 @@ class Trial:
         host = _clock() - start
         for _, end, stream in marks:
             end.record(stream)
-        self.calls.append((way, host, [(b, e) for b, e, _ in marks]))
+        self.calls.append((way, host, [(b, e) for b, e, _ in marks],
+                           Backward.of(out, self.gpus[way])))
         return out
 
     def _call(self, fn: Callable, way: str, args: Sequence[Any],
@@ -293,14 +376,18 @@ class Trial:
         fastest median of its counted calls."""
         if self.next_way() is not None:
             return None
-        if not all(end.query() for _, _, marks in reversed(self.calls) for _, end in marks):
+        if not all(back is None or back.waited() for *_, back in self.calls):
+            return None  # a backward still to come
+        if not all(end.query() for _, _, marks, back in reversed(self.calls)
+                   for _, end in [*marks, *(back.marks if back is not None else ())]):
             return None
         times: dict[str, list[float]] = {}
-        for way, host, marks in self.calls:
+        for way, host, marks, back in self.calls:
             gpu = max((b.elapsed_time(e) / 1e3 for b, e in marks), default=0.0)
-            times.setdefault(way, []).append(max(host, gpu))
-            self.host.setdefault(way, []).append(host)
-            self.gpu.setdefault(way, []).append(gpu)
+            back_host, back_gpu = back.seconds() if back is not None else (0.0, 0.0)
+            times.setdefault(way, []).append(max(host, gpu) + max(back_host, back_gpu))
+            self.host.setdefault(way, []).append(host + back_host)
+            self.gpu.setdefault(way, []).append(gpu + back_gpu)
         self.times = times
         return min(times, key=lambda w: (statistics.median(times[w]), self.ways.index(w)))
 
