@@ -8,7 +8,9 @@ Modes: ``infer`` (fp32 under ``no_grad``), ``bf16`` (``no_grad`` under
 ``torch.autocast(<device>, torch.bfloat16)``), ``train`` (a step with ``torch.optim.AdamW``:
 zero_grad, loss, backward, step, compiled whole), ``train-fused`` (the same with
 ``AdamW(fused=True)``) and ``train-sgd`` (SGD with momentum 0.9 and
-``clip_grad_norm_(1.0)`` before the step); ``infer-varlen`` and ``train-varlen`` (text
+``clip_grad_norm_(1.0)`` before the step), ``train-module`` (the AdamW step with the model
+compiled and the step around it eager: ``model = torch.compile(model)``, the commonest
+form); ``infer-varlen`` and ``train-varlen`` (text
 models: ``infer`` and ``train`` over a sequence of ``VARLEN_CALLS`` calls, each of a length
 drawn from ``[length // 2, length]``, as an eval loop or dynamic padding brings them: every
 call's outputs, or loss, checked against eager's; ``median_s`` the median call of the
@@ -47,7 +49,8 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from autopar.choose import results_differ
 
-MODES = ("infer", "bf16", "train", "train-fused", "train-sgd", "infer-varlen", "train-varlen")
+MODES = ("infer", "bf16", "train", "train-fused", "train-sgd", "train-module", "infer-varlen",
+         "train-varlen")
 VARLEN_CALLS = 240  # calls of a varying-length row, each of a length drawn anew (a
 # trial of ~1 ms calls counts up to TRIAL_MAX_CALLS of each way: the second half is after it)
 SIM_TOL = 0.2  # the simulator's goal: each kept plan predicted within 20% of its measured time
@@ -261,10 +264,11 @@ def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: i
             if training:
                 opt = _optimizer(mode, model)
                 clip = _clip(mode)
-
-                step = fixed_step(model, opt, args, kwargs, clip)
-                fn = _variant(name, step)
-                call = fn
+                if mode == "train-module":  # the model compiled, the loop around it eager
+                    compiled = _variant(name, model)
+                    fn = call = fixed_step(compiled, opt, args, kwargs, clip)
+                else:
+                    fn = call = _variant(name, fixed_step(model, opt, args, kwargs, clip))
             else:
                 compiled = _variant(name, model)
                 ctx = (lambda: torch.autocast(dev, dtype=torch.bfloat16)) if mode == "bf16" \
@@ -302,7 +306,7 @@ def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: i
                     if bad:
                         continue
             if name == "autopar":  # until its trials are over, as compiling is before timing
-                d = dispatcher_of(fn if training else compiled)
+                d = dispatcher_of(fn if training and mode != "train-module" else compiled)
                 start = time.perf_counter()
                 for _ in range(SETTLE_CALLS):
                     if d is None or not d.trials:
