@@ -576,3 +576,40 @@ def test_torch_compile_options_convention_reaches_autopar():
     with pytest.raises(Exception, match=r"unknown autopar option\(s\) 'devics'"):
         torch.compile(lambda a: a + 1, backend="autopar", options={"devics": "cpu:0"})(x)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_compiled_module_is_copied_and_pickled_as_compiled_again(how):
+    """``copy.deepcopy`` (an EMA copy) and ``torch.save`` of ``autopar.compile(model)`` give
+    the module's copy compiled again with the same options: a measured choice of its own (not
+    the original's runner and trials), eager's outputs; the original runs on as before."""
+    import copy
+    import io
+
+    from autopar.api import CompiledModule, dispatcher_of
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    compiled = autopar.compile(model, devices="cpu:0,cpu:1", policy="round_robin")
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x), model(x))
+    if how == "deepcopy":
+        again = copy.deepcopy(compiled)
+    else:
+        buffer = io.BytesIO()
+        torch.save(compiled, buffer)
+        buffer.seek(0)
+        again = torch.load(buffer, weights_only=False)
+    assert type(again) is CompiledModule
+    assert again.autopar_options == {"devices": "cpu:0,cpu:1", "policy": "round_robin"}
+    mine, theirs = dispatcher_of(again), dispatcher_of(compiled)
+    assert mine is not None and mine is not theirs and mine.runner is not theirs.runner
+    assert not mine.kept and not mine.trials  # nothing chosen yet
+    assert again._orig_mod is not model
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(again(x), model(x))
+            torch.testing.assert_close(compiled(x), model(x))
+    assert mine.kept or mine.trials

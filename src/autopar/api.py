@@ -82,8 +82,8 @@ from .schedule.plan import make_plan
 from .schedule.simulate import runs_as_eager
 from .schedule.steps import Send
 
-__all__ = ["SPLIT_MIN_S", "Dispatcher", "Options", "compile", "data_parallel", "dispatcher_of",
-           "parse_devices"]
+__all__ = ["SPLIT_MIN_S", "CompiledModule", "Dispatcher", "Options", "compile", "data_parallel",
+           "dispatcher_of", "parse_devices"]
 
 log = logging.getLogger("autopar.placement")
 trials_log = logging.getLogger("autopar.trials")
@@ -438,11 +438,33 @@ def compile(fn: Callable, **options: Any) -> Callable:
         compiled.forward = ours if opts.trace else Dispatcher(  # type: ignore[method-assign]
             eager, ours, runner, make_way=make_way, switch=switch,
             key_extra=lambda: module.training, split=split, make_alone=alone)
+        compiled.__class__ = CompiledModule
+        compiled.autopar_options = dict(options)
         return compiled
     if opts.trace:  # timelines are of autopar's plans: every call is autopar's
         return ours
     return Dispatcher(fn, ours, runner, make_way=make_way, switch=switch, split=split,
                       make_alone=alone)
+
+
+class CompiledModule(torch._dynamo.eval_frame.OptimizedModule):
+    """What :func:`compile` returns for a module: ``torch.compile``'s wrapper (the module is
+    ``_orig_mod``, its ``state_dict`` keys are prefixed as ``torch.compile``'s), its
+    ``forward`` autopar's :class:`Dispatcher`. Pickled (``torch.save``) and deep-copied (an EMA
+    copy) as :func:`compile` of the module with the same options: the trials, plans and
+    compiled code are this process's, and the copy chooses anew (as the wrapper alone, it
+    would keep autopar's backend, shared with the original, and skip the measured choice)."""
+
+    # a class attribute, so that the wrapper's __setattr__ sets it on the instance (not the module)
+    autopar_options: dict[str, Any] | None = None
+
+    def __reduce__(self) -> tuple[Callable, tuple[torch.nn.Module, dict[str, Any]]]:
+        return _compiled_again, (self._orig_mod, self.autopar_options or {})
+
+
+def _compiled_again(module: torch.nn.Module, options: dict[str, Any]) -> CompiledModule:
+    """A :class:`CompiledModule` unpickled or copied: ``module`` compiled with ``options``."""
+    return compile(module, **options)  # type: ignore[return-value]
 
 
 def _of_kind(devices: Sequence[str], kind: str | None) -> int:
