@@ -10,7 +10,9 @@ zero_grad, loss, backward, step, compiled whole), ``train-fused`` (the same with
 ``AdamW(fused=True)``) and ``train-sgd`` (SGD with momentum 0.9 and
 ``clip_grad_norm_(1.0)`` before the step), ``train-module`` (the AdamW step with the model
 compiled and the step around it eager: ``model = torch.compile(model)``, the commonest
-form); ``infer-varlen`` and ``train-varlen`` (text
+form); ``generate`` (causal LMs: ``model.generate`` of ``GENERATE_TOKENS`` greedy tokens
+with the model's ``forward`` compiled, as Hugging Face's docs show; pass where every token is
+eager's); ``infer-varlen`` and ``train-varlen`` (text
 models: ``infer`` and ``train`` over a sequence of ``VARLEN_CALLS`` calls, each of a length
 drawn from ``[length // 2, length]``, as an eval loop or dynamic padding brings them: every
 call's outputs, or loss, checked against eager's; ``median_s`` the median call of the
@@ -49,8 +51,9 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from autopar.choose import results_differ
 
-MODES = ("infer", "bf16", "train", "train-fused", "train-sgd", "train-module", "infer-varlen",
-         "train-varlen")
+MODES = ("infer", "bf16", "train", "train-fused", "train-sgd", "train-module", "generate",
+         "infer-varlen", "train-varlen")
+GENERATE_TOKENS = 32
 VARLEN_CALLS = 240  # calls of a varying-length row, each of a length drawn anew (a
 # trial of ~1 ms calls counts up to TRIAL_MAX_CALLS of each way: the second half is after it)
 SIM_TOL = 0.2  # the simulator's goal: each kept plan predicted within 20% of its measured time
@@ -220,11 +223,86 @@ def run_varlen(model_name: str, mode: str, size: str, variants: list[str], batch
     return row
 
 
+def run_generate(model_name: str, size: str, variants: list[str], batch: int | None,
+                 length: int) -> dict[str, Any]:
+    """One (causal LM, ``generate``): each variant's tokens against eager's, then the medians of
+    whole generations, side by side, after autopar's trials are over."""
+    from autopar.api import dispatcher_of
+    from autopar.bench.harness import SETTLE_CALLS, in_process_compiles, measure_side_by_side
+    from autopar.bench.models import MODELS, available, inputs_for
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    in_process_compiles()
+    m = MODELS[model_name]
+    row: dict[str, Any] = {"model": model_name, "mode": "generate", "variants": {}}
+    why = available(m) or (None if m.family == "causal" else "not a causal LM")
+    if why:
+        row["skipped"] = why
+        return row
+    dev = _device()
+    _, kwargs = inputs_for(m, size, batch=batch or 8, length=length, device=dev)
+    kwargs.pop("labels")
+    kwargs["attention_mask"][:] = 1  # no right padding: a decoder generates after its last token
+    base = m.make(size).to(dev)
+    prepared: dict[str, tuple[Any, tuple]] = {}
+    want = None
+    for name in ["eager", *[v for v in variants if v != "eager"]]:
+        cell: dict[str, Any] = {}
+        row["variants"][name] = cell
+        try:
+            model = copy.deepcopy(base)
+            forward = model.forward
+            model.forward = _variant(name, forward) if name != "eager" else forward
+
+            def call(model=model) -> torch.Tensor:
+                with torch.no_grad():
+                    return model.generate(**kwargs, max_new_tokens=GENERATE_TOKENS,
+                                          do_sample=False, pad_token_id=0)
+            start = time.perf_counter()
+            out = call()
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            cell["first_s"] = time.perf_counter() - start
+            if name == "autopar":
+                d = dispatcher_of(model.forward)
+                for _ in range(SETTLE_CALLS):
+                    if d is None or not d.trials:
+                        break
+                    out = call()
+                cell["first_s"] = time.perf_counter() - start
+                if d is not None:
+                    cell["kept"] = sorted(set(d.kept.values()))
+                    cell["explain"] = d.explain()
+            if want is None:
+                want = out
+            elif not torch.equal(out, want):
+                differ = (out != want).nonzero()
+                cell["fail"] = f"tokens differ from eager's, first at {differ[0].tolist()}"
+                continue
+            cell["pass"] = True
+            prepared[name] = (call, ())
+        except Exception as e:  # one variant's failure is its cell's, not the row's
+            cell["fail"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}" \
+                if str(e).strip() else type(e).__name__
+    gpus = [torch.cuda.current_device()] if dev == "cuda" else []
+    times = measure_side_by_side(prepared, warmup=1, repeat=5, sync_devices=gpus,
+                                 min_sample_s=0.02, min_total_s=0.3)
+    for name, stats in times.items():
+        if isinstance(stats, Exception):
+            row["variants"][name]["fail"] = f"while timing: {type(stats).__name__}: {stats}"
+            row["variants"][name].pop("pass", None)
+        else:
+            row["variants"][name]["median_s"] = stats.median
+    return row
+
+
 def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: int | None,
             length: int, warm: bool = False) -> dict[str, Any]:
     """One (model, mode): accuracy of each variant against eager, then their times."""
     if mode.endswith("-varlen"):
         return run_varlen(model_name, mode, size, variants, batch, length)
+    if mode == "generate":
+        return run_generate(model_name, size, variants, batch, length)
     from autopar.api import dispatcher_of
     from autopar.bench.harness import SETTLE_CALLS, in_process_compiles, measure_side_by_side
     from autopar.bench.models import (

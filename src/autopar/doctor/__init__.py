@@ -94,6 +94,7 @@ import torch
 
 from ..cost.model import CostModel
 from ..machine.detect import load_machine
+from ..machine.host import no_cuda_error
 from ..machine.model import Machine
 from ..report.userfile import UserFileError, example_args, load_module, needs_args, targets
 from .beliefs import (
@@ -298,7 +299,7 @@ def _hint_without_cuda(session: _Session) -> Iterator[None]:
     try:
         yield
     except (AssertionError, RuntimeError) as e:
-        if session.simulated or torch.cuda.is_available() or "CUDA" not in str(e):
+        if session.simulated or torch.cuda.is_available() or not no_cuda_error(e):
             raise
         raise DoctorError(f"the code needs CUDA ({e}), and this host has none: simulate a GPU "
                           "machine with --machine h200x2 (or another preset)") from e

@@ -20,8 +20,8 @@ from .model import (
     _write_json_atomic,
 )
 
-__all__ = ["cache_dir", "cpu_fusion_unavailable", "host_info", "load_profile", "profile_path",
-           "save_profile"]
+__all__ = ["cache_dir", "cpu_fusion_unavailable", "host_info", "load_profile", "no_cuda_error",
+           "profile_path", "save_profile"]
 
 
 # -- host discovery and fingerprint ----------------------------------------------------------
@@ -128,3 +128,17 @@ def cpu_fusion_unavailable() -> str | None:
     if not any(shutil.which(c) for c in names):
         return f"no C++ compiler for Inductor's CPU code (looked for {', '.join(names)})"
     return None
+
+
+# -- what this host can run -------------------------------------------------------------
+_NO_CUDA = ("not compiled with cuda", "not linked with support for cuda", "no nvidia driver",
+            "no cuda gpus are available", "cuda driver version is insufficient")
+
+
+def no_cuda_error(error: BaseException) -> bool:
+    """Whether ``error`` says this host can't run CUDA at all: a CPU-only build of torch ("Torch
+    not compiled with CUDA enabled"; a fake GPU tensor: "not linked with support for cuda"), or
+    a CUDA build on a host without a GPU or its driver ("Found no NVIDIA driver on your
+    system", the default ``pip install torch`` on a laptop)."""
+    text = str(error).lower()
+    return any(marker in text for marker in _NO_CUDA)

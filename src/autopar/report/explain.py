@@ -36,6 +36,7 @@ from ..ir.graph import Graph, Node, op_name
 from ..ir.routing import GraphIndex, free_move_on
 from ..ir.units import fmt_seconds
 from ..machine.detect import load_machine
+from ..machine.host import no_cuda_error
 from ..machine.model import Machine
 from ..runtime.sequential import SequentialRunner
 from ..schedule.place import Placement, place
@@ -288,7 +289,7 @@ def explain(fn: Callable, *args: Any, machine: Machine | str | None = None,
 
 def _no_cuda_here(error: Exception, device: str | None) -> bool:
     return (bool(device) and device != "cpu" and not torch.cuda.is_available()
-            and "not linked with support for cuda" in str(error))
+            and no_cuda_error(error))
 
 
 def _in_sequence(reports: list[ExplainReport], captured: str) -> ExplainReport:
