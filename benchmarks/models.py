@@ -17,15 +17,17 @@ models: ``infer`` and ``train`` over a sequence of ``VARLEN_CALLS`` calls, each 
 drawn from ``[length // 2, length]``, as an eval loop or dynamic padding brings them: every
 call's outputs, or loss, checked against eager's; ``median_s`` the median call of the
 sequence's second half, each call synchronized, ``first_s`` the whole sequence, compiles and
-trials in it). Each (model, mode) runs in a process of its
-own (a crash or a hang costs one row): it checks every variant against eager (pass or fail,
-and why; in inference on its first three calls, as a racing kernel can be right once), then
-times those that passed in interleaved rounds (``measure_side_by_side``), after autopar's
-trials are over (``settle``); ``first_s`` is each variant's first call (for autopar:
-until its choice is settled). The table ends with the pass rate and, per mode, the geomean of
-autopar against eager, against ``torch.compile`` default and against the better of the two,
-and, for rows that kept autopar's own plan, the simulator's prediction against the measured
-time.
+trials in it; each variant runs in a process of its own beside eager, since the variants of
+one model class share dynamo's entries for its ``forward``: a cell's ``median_s`` is scaled
+by the row's eager over its own process's, ``measured_s`` as measured). Each (model, mode)
+runs in a process of its own (a crash or a hang costs one row): it checks every variant
+against eager (pass or fail, and why; in inference on its first three calls, as a racing
+kernel can be right once), then times those that passed in interleaved rounds
+(``measure_side_by_side``), after autopar's trials are over (``settle``); ``first_s`` is
+each variant's first call (for autopar: until its choice is settled). The table ends with
+the pass rate and, per mode, the geomean of autopar against eager, against
+``torch.compile`` default and against the better of the two, and, for rows that kept
+autopar's own plan, the simulator's prediction against the measured time.
 Models come from ``autopar.bench.models`` (Hugging Face from small configs; torchvision and
 timm where installed). fp32 with TF32 off.
 """
@@ -550,20 +552,41 @@ def main() -> None:
             slow = [w for w in pool.map(warm, todo) if w]
         print(f"warm pass: {time.perf_counter() - start:.0f} s"
               + (f" (timed out: {', '.join(slow)})" if slow else ""), flush=True)
-    rows = []
-    for model, mode in todo:
-        cmd = command(model, mode)
-        start = time.perf_counter()
+    def child(model: str, mode: str, cmd: list[str]) -> dict[str, Any]:
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-            line = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
-            row = json.loads(line) if line.startswith("{") else {
-                "model": model, "mode": mode,
-                "error": f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1][:200]}"
-                if p.stderr.strip() else f"exit {p.returncode}"}
         except subprocess.TimeoutExpired:
-            row = {"model": model, "mode": mode, "error": f"timed out after {a.timeout:.0f} s"}
+            return {"model": model, "mode": mode, "error": f"timed out after {a.timeout:.0f} s"}
+        line = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
+        return json.loads(line) if line.startswith("{") else {
+            "model": model, "mode": mode,
+            "error": f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1][:200]}"
+            if p.stderr.strip() else f"exit {p.returncode}"}
+
+    rows = []
+    for model, mode in todo:
+        start = time.perf_counter()
+        if mode.endswith("-varlen"):  # each variant in a process of its own, beside eager
+            row = {}
+            for v in [v for v in variants if v != "eager"] or ["eager"]:
+                cmd = command(model, mode)
+                part = child(model, mode, [*cmd[:cmd.index("--variants") + 1],
+                                           f"eager,{v}", *cmd[cmd.index("--variants") + 2:]])
+                if not row or "variants" not in row:
+                    row = part
+                elif "variants" in part:
+                    row["variants"][v] = part["variants"].get(v, {})
+                else:
+                    row["variants"][v] = {"fail": part.get("error") or part.get("skipped")}
+                cell = row.get("variants", {}).get(v, {})
+                eager = part.get("variants", {}).get("eager", {}).get("median_s")
+                base = row.get("variants", {}).get("eager", {}).get("median_s")
+                if eager and base and cell.get("median_s") and v != "eager":
+                    cell["measured_s"], cell["eager_s"] = cell["median_s"], eager
+                    cell["median_s"] = cell["median_s"] * base / eager  # at the row's pace
+        else:
+            row = child(model, mode, command(model, mode))
         row["wall_s"] = round(time.perf_counter() - start, 1)
         rows.append(row)
         print(f"{model:18s} {mode:6s} {row['wall_s']:6.1f} s  "
