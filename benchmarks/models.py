@@ -139,6 +139,36 @@ def _variant(name: str, fn: Any) -> Any:
     return autopar.compile(fn)
 
 
+def _cells(row: dict[str, Any], variants: list[str]) -> Any:
+    """Each variant's name and its cell, eager first (its results are the reference), each
+    cell put in ``row["variants"]``."""
+    for name in ["eager", *[v for v in variants if v != "eager"]]:
+        cell: dict[str, Any] = {}
+        row["variants"][name] = cell
+        yield name, cell
+
+
+def _failure(e: Exception) -> str:
+    """A variant's failure, for its cell: the exception's type and first line."""
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}" if str(e).strip() \
+        else type(e).__name__
+
+
+def _time(row: dict[str, Any], prepared: dict[str, tuple[Any, tuple]], gpus: list[int],
+          warmup: int, repeat: int) -> None:
+    """Time the variants that passed side by side, each median into its cell of ``row``."""
+    from autopar.bench.harness import measure_side_by_side
+
+    times = measure_side_by_side(prepared, warmup=warmup, repeat=repeat, sync_devices=gpus,
+                                 min_sample_s=0.02, min_total_s=0.3)
+    for name, stats in times.items():
+        if isinstance(stats, Exception):
+            row["variants"][name]["fail"] = f"while timing: {type(stats).__name__}: {stats}"
+            row["variants"][name].pop("pass", None)
+        else:
+            row["variants"][name]["median_s"] = stats.median
+
+
 def run_varlen(model_name: str, mode: str, size: str, variants: list[str], batch: int | None,
                length: int) -> dict[str, Any]:
     """One (model, ``*-varlen`` mode): each variant runs the same sequence of lengths from the
@@ -170,9 +200,7 @@ def run_varlen(model_name: str, mode: str, size: str, variants: list[str], batch
     if training:
         without_dropout(base.train())
     want: list[Any] = []
-    for name in ["eager", *[v for v in variants if v != "eager"]]:
-        cell: dict[str, Any] = {}
-        row["variants"][name] = cell
+    for name, cell in _cells(row, variants):
         try:
             model = copy.deepcopy(base)
             if training:
@@ -220,8 +248,7 @@ def run_varlen(model_name: str, mode: str, size: str, variants: list[str], batch
                     cell["explain"] = d.explain()
             cell["pass"] = True
         except Exception as e:  # one variant's failure is its cell's, not the row's
-            cell["fail"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}" \
-                if str(e).strip() else type(e).__name__
+            cell["fail"] = _failure(e)
     return row
 
 
@@ -230,7 +257,7 @@ def run_generate(model_name: str, size: str, variants: list[str], batch: int | N
     """One (causal LM, ``generate``): each variant's tokens against eager's, then the medians of
     whole generations, side by side, after autopar's trials are over."""
     from autopar.api import dispatcher_of
-    from autopar.bench.harness import SETTLE_CALLS, in_process_compiles, measure_side_by_side
+    from autopar.bench.harness import SETTLE_CALLS, in_process_compiles
     from autopar.bench.models import MODELS, available, inputs_for
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -248,9 +275,7 @@ def run_generate(model_name: str, size: str, variants: list[str], batch: int | N
     base = m.make(size).to(dev)
     prepared: dict[str, tuple[Any, tuple]] = {}
     want = None
-    for name in ["eager", *[v for v in variants if v != "eager"]]:
-        cell: dict[str, Any] = {}
-        row["variants"][name] = cell
+    for name, cell in _cells(row, variants):
         try:
             model = copy.deepcopy(base)
             forward = model.forward
@@ -284,17 +309,9 @@ def run_generate(model_name: str, size: str, variants: list[str], batch: int | N
             cell["pass"] = True
             prepared[name] = (call, ())
         except Exception as e:  # one variant's failure is its cell's, not the row's
-            cell["fail"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}" \
-                if str(e).strip() else type(e).__name__
-    gpus = [torch.cuda.current_device()] if dev == "cuda" else []
-    times = measure_side_by_side(prepared, warmup=1, repeat=5, sync_devices=gpus,
-                                 min_sample_s=0.02, min_total_s=0.3)
-    for name, stats in times.items():
-        if isinstance(stats, Exception):
-            row["variants"][name]["fail"] = f"while timing: {type(stats).__name__}: {stats}"
-            row["variants"][name].pop("pass", None)
-        else:
-            row["variants"][name]["median_s"] = stats.median
+            cell["fail"] = _failure(e)
+    _time(row, prepared, [torch.cuda.current_device()] if dev == "cuda" else [], warmup=1,
+          repeat=5)
     return row
 
 
@@ -306,7 +323,7 @@ def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: i
     if mode == "generate":
         return run_generate(model_name, size, variants, batch, length)
     from autopar.api import dispatcher_of
-    from autopar.bench.harness import SETTLE_CALLS, in_process_compiles, measure_side_by_side
+    from autopar.bench.harness import SETTLE_CALLS, in_process_compiles
     from autopar.bench.models import (
         MODELS,
         available,
@@ -336,9 +353,7 @@ def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: i
         without_dropout(base.train())
     prepared: dict[str, tuple[Any, tuple]] = {}
     want: list[torch.Tensor] | None = None
-    for name in ["eager", *[v for v in variants if v != "eager"]]:
-        cell: dict[str, Any] = {}
-        row["variants"][name] = cell
+    for name, cell in _cells(row, variants):
         try:
             model = copy.deepcopy(base)
             if training:
@@ -414,18 +429,10 @@ def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: i
             cell["pass"] = True
             prepared[name] = (call, ())
         except Exception as e:  # one variant's failure is its cell's, not the row's
-            cell["fail"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}" \
-                if str(e).strip() else type(e).__name__
+            cell["fail"] = _failure(e)
     if warm:  # compiling only: the caches on disk serve the timed pass
         return row
-    times = measure_side_by_side(prepared, warmup=2, repeat=7, sync_devices=gpus,
-                                 min_sample_s=0.02, min_total_s=0.3)
-    for name, stats in times.items():
-        if isinstance(stats, Exception):
-            row["variants"][name]["fail"] = f"while timing: {type(stats).__name__}: {stats}"
-            row["variants"][name].pop("pass", None)
-        else:
-            row["variants"][name]["median_s"] = stats.median
+    _time(row, prepared, gpus, warmup=2, repeat=7)
     return row
 
 

@@ -110,15 +110,20 @@ class _Costly(torch.autograd.Function):
         return grad, None, None
 
 
-def _training_ways(clock: list[float], w: torch.Tensor, forward: dict, backward: dict):
-    """Ways of ``x -> x * w`` whose forward moves ``clock`` by ``forward[way]`` seconds and
-    whose backward by ``backward[way]``."""
+def _training_trial(monkeypatch):
+    """A fake clock (the trial's), ways of ``x -> x * w`` whose forward moves it by 1 s
+    (eager) and 2 (inductor) and whose backward by 5 and 1, and a trial of the two."""
+    clock = [0.0]
+    monkeypatch.setattr(choose, "_clock", lambda: clock[0])
+    w = torch.ones(3, requires_grad=True)
+    forward, backward = {"eager": 1.0, "inductor": 2.0}, {"eager": 5.0, "inductor": 1.0}
+
     def way_of(name):
         def call(x):
             clock[0] += forward[name]
             return _Costly.apply(x * w, clock, backward[name])
         return call
-    return way_of
+    return clock, way_of, Trial({"eager": (), "inductor": ()})
 
 
 def test_a_call_whose_outputs_autograd_records_is_timed_with_its_backward(monkeypatch):
@@ -126,12 +131,7 @@ def test_a_call_whose_outputs_autograd_records_is_timed_with_its_backward(monkey
     caller's ``backward()``: eager's forward takes 1 s and its backward 5, inductor's 2 and 1.
     Timed by their forwards, eager would win; each counted call is its forward plus its
     backward (from its outputs' gradients to the end of the pass), and inductor wins."""
-    clock = [0.0]
-    monkeypatch.setattr(choose, "_clock", lambda: clock[0])
-    w = torch.ones(3, requires_grad=True)
-    way_of = _training_ways(clock, w, {"eager": 1.0, "inductor": 2.0},
-                            {"eager": 5.0, "inductor": 1.0})
-    trial = Trial({"eager": (), "inductor": ()})
+    clock, way_of, trial = _training_trial(monkeypatch)
     while trial.verdict() is None:
         out = trial.run(way_of, (torch.randn(3),), {})
         clock[0] += 100.0  # the caller's own work between the call and backward: not counted
@@ -145,12 +145,7 @@ def test_a_call_whose_outputs_are_never_differentiated_counts_its_forward(monkey
     """Outputs that autograd records but no ``backward()`` reaches: a counted call's backward
     is waited for until ``BACKWARD_WAIT_CALLS`` more calls have begun, then its forward
     counts alone (the untimed calls made while waiting go to the way called last)."""
-    clock = [0.0]
-    monkeypatch.setattr(choose, "_clock", lambda: clock[0])
-    w = torch.ones(3, requires_grad=True)
-    way_of = _training_ways(clock, w, {"eager": 1.0, "inductor": 2.0},
-                            {"eager": 5.0, "inductor": 1.0})
-    trial = Trial({"eager": (), "inductor": ()})
+    _, way_of, trial = _training_trial(monkeypatch)
     calls = 0
     while trial.verdict() is None:
         trial.run(way_of, (torch.randn(3),), {})

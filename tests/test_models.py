@@ -48,6 +48,17 @@ def _same(got: list[torch.Tensor], want: list[torch.Tensor], tol: float = 1e-4) 
         torch.testing.assert_close(g, w, rtol=tol, atol=tol)
 
 
+def _same_state(model: torch.nn.Module, ref: torch.nn.Module, opt: torch.optim.Optimizer,
+                ref_opt: torch.optim.Optimizer) -> None:
+    """``model``'s parameters and ``opt``'s state equal eager's (``ref``, ``ref_opt``)."""
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=n)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        for key, value in ref_opt.state[q].items():
+            torch.testing.assert_close(opt.state[p][key], value, rtol=1e-4, atol=1e-5,
+                                       msg=key)
+
+
 def _check_inference(name: str, options: dict, mode: str, batch: int = 3, length: int = 11,
                      tol: float = 1e-4) -> None:
     m = MODELS[name]
@@ -133,8 +144,7 @@ def test_a_compiled_module_in_a_training_loop_is_timed_with_its_backward():
     assert d.kept and not d.trials
     counted = d.last_trial.calls
     assert counted and all(back is not None and back.host > 0 for *_, back in counted)
-    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=n)
+    _same_state(model, ref, opt, ref_opt)
 
 
 def test_no_grad_outputs_keep_no_autograd_graph():
@@ -181,12 +191,7 @@ def test_training_steps_with_torch_optim_equal_eager(name, optimizer, clip):
     ref_step = train_step(ref, ref_opt, keys, clip)
     for _ in range(3):
         torch.testing.assert_close(step(*batch), ref_step(*batch), rtol=1e-4, atol=1e-5)
-    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=n)
-    for p, q in zip(model.parameters(), ref.parameters()):
-        for key, value in ref_opt.state[q].items():
-            torch.testing.assert_close(opt.state[p][key], value, rtol=1e-4, atol=1e-5,
-                                       msg=key)
+    _same_state(model, ref, opt, ref_opt)
 
 
 def test_a_training_step_over_lengths_that_vary_equals_eager_and_is_not_planned_per_length():
@@ -213,12 +218,7 @@ def test_a_training_step_over_lengths_that_vary_equals_eager_and_is_not_planned_
             planned = len(step.runner.executors)
     assert len(step.runner.executors) == planned
     assert len(set(lengths[:4])) == OWN_SIGNATURES
-    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=n)
-    for p, q in zip(model.parameters(), ref.parameters()):
-        for key, value in ref_opt.state[q].items():
-            torch.testing.assert_close(opt.state[p][key], value, rtol=1e-4, atol=1e-5,
-                                       msg=key)
+    _same_state(model, ref, opt, ref_opt)
     assert "that vary (4 new signatures ran its verdict): runs eager" in step.explain()
 
 
