@@ -148,6 +148,23 @@ def _cells(row: dict[str, Any], variants: list[str]) -> Any:
         yield name, cell
 
 
+def _settle(d: Any, call: Any, cell: dict[str, Any], out: Any = None) -> Any:
+    """Call autopar's variant until its trials are over (at most ``SETTLE_CALLS`` calls: its
+    ``Dispatcher`` ``d``, None where there is none), as compiling is before timing; its cell
+    gets the ways kept and, from ``explain``, each trial's medians and each way left out and
+    why. The last call's result (``out`` where none was made)."""
+    from autopar.bench.harness import SETTLE_CALLS
+
+    for _ in range(SETTLE_CALLS):
+        if d is None or not d.trials:
+            break
+        out = call()
+    cell["kept"] = sorted(set(d.kept.values())) if d is not None else []
+    if d is not None:
+        cell["explain"] = d.explain()
+    return out
+
+
 def _failure(e: Exception) -> str:
     """A variant's failure, for its cell: the exception's type and first line."""
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}" if str(e).strip() \
@@ -257,7 +274,7 @@ def run_generate(model_name: str, size: str, variants: list[str], batch: int | N
     """One (causal LM, ``generate``): each variant's tokens against eager's, then the medians of
     whole generations, side by side, after autopar's trials are over."""
     from autopar.api import dispatcher_of
-    from autopar.bench.harness import SETTLE_CALLS, in_process_compiles
+    from autopar.bench.harness import in_process_compiles
     from autopar.bench.models import MODELS, available, inputs_for
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -291,15 +308,8 @@ def run_generate(model_name: str, size: str, variants: list[str], batch: int | N
                 torch.cuda.synchronize()
             cell["first_s"] = time.perf_counter() - start
             if name == "autopar":
-                d = dispatcher_of(model.forward)
-                for _ in range(SETTLE_CALLS):
-                    if d is None or not d.trials:
-                        break
-                    out = call()
+                out = _settle(dispatcher_of(model.forward), call, cell, out)
                 cell["first_s"] = time.perf_counter() - start
-                if d is not None:
-                    cell["kept"] = sorted(set(d.kept.values()))
-                    cell["explain"] = d.explain()
             if want is None:
                 want = out
             elif not torch.equal(out, want):
@@ -323,7 +333,7 @@ def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: i
     if mode == "generate":
         return run_generate(model_name, size, variants, batch, length)
     from autopar.api import dispatcher_of
-    from autopar.bench.harness import SETTLE_CALLS, in_process_compiles
+    from autopar.bench.harness import in_process_compiles
     from autopar.bench.models import (
         MODELS,
         available,
@@ -403,17 +413,11 @@ def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: i
             if name == "autopar":  # until its trials are over, as compiling is before timing
                 d = dispatcher_of(fn if training and mode != "train-module" else compiled)
                 start = time.perf_counter()
-                for _ in range(SETTLE_CALLS):
-                    if d is None or not d.trials:
-                        break
-                    call()
+                _settle(d, call, cell)
                 if gpus:
                     torch.cuda.synchronize()
                 cell["settle_s"] = time.perf_counter() - start
                 cell["first_s"] += cell["settle_s"]
-                cell["kept"] = sorted(set(d.kept.values())) if d is not None else []
-                if d is not None:  # each trial's medians, and each way left out and why
-                    cell["explain"] = d.explain()
                 if cell["kept"] == ["autopar"]:  # the simulator's time of one call's graphs
                     cell["predicted_s"] = sum(e.plan.placement.predicted_s
                                               for e in d.runner.executors)

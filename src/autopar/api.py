@@ -753,11 +753,7 @@ class Dispatcher:
         key = self._key(args, kwargs)
         way = self.kept.get(key)
         if way == "eager":
-            if key is not None and not kwargs:
-                self._remember(args)
-            if self.forms is not None:
-                self.forms.eager()
-            return self.fn(*args, **kwargs)
+            return self._plain(args, kwargs, remember=key is not None)
         if way is not None:
             return self.way(way)(*args, **kwargs)
         trial = self.trials.get(key)
@@ -841,12 +837,17 @@ class Dispatcher:
         self._by_family.add(key)
         self._keep(key, way)  # its next calls are a kept signature's
         if way == "eager":
-            if not kwargs:
-                self._remember(args)
-            if self.forms is not None:
-                self.forms.eager()
-            return self.fn(*args, **kwargs)
+            return self._plain(args, kwargs, remember=True)
         return self.way(way)(*args, **kwargs)
+
+    def _plain(self, args: tuple, kwargs: dict, remember: bool) -> Any:
+        """A call of a signature kept as eager: the function itself, its optimizers as built;
+        its tensors remembered (``remember``, no keyword arguments) for the next call's check."""
+        if remember and not kwargs:
+            self._remember(args)
+        if self.forms is not None:
+            self.forms.eager()
+        return self.fn(*args, **kwargs)
 
     def _split_candidate(self, args: tuple, kwargs: dict,
                          executors: Sequence[Any]) -> frozenset[int] | None:

@@ -296,9 +296,9 @@ class Trial:
     autograd records its outputs (:class:`Backward`). ``verdict`` is None until every way's
     counted calls are in, their backward passes over (or never to come) and their GPU work
     completed, then the fastest way. Calls made while the verdict waits go to the way called
-    last, untimed,
-    so that the events waited for are a fixed set. Under ``torch.profiler`` each call is a
-    range ``autopar:trial <name> <way>`` (``name``: the function's, for the trace)."""
+    last, untimed, so that the events waited for are a fixed set. Under ``torch.profiler``
+    each call is a range ``autopar:trial <name> <way>`` (``name``: the function's, for the
+    trace)."""
 
     def __init__(self, gpus: Mapping[str, Sequence[int]], name: str = "fn") -> None:
         self.name = name
