@@ -298,24 +298,28 @@ def run_generate(model_name: str, size: str, variants: list[str], batch: int | N
             forward = model.forward
             model.forward = _variant(name, forward) if name != "eager" else forward
 
-            def call(model=model) -> torch.Tensor:
+            def call(model=model, scores: bool = False) -> Any:
                 with torch.no_grad():
                     return model.generate(**kwargs, max_new_tokens=GENERATE_TOKENS,
-                                          do_sample=False, pad_token_id=0)
+                                          do_sample=False, pad_token_id=0,
+                                          output_scores=scores, return_dict_in_generate=scores)
             start = time.perf_counter()
             out = call()
             if dev == "cuda":
                 torch.cuda.synchronize()
             cell["first_s"] = time.perf_counter() - start
             if name == "autopar":
-                out = _settle(dispatcher_of(model.forward), call, cell, out)
+                _settle(dispatcher_of(model.forward), call, cell, out)
                 cell["first_s"] = time.perf_counter() - start
+            got = call(scores=True)  # settled: the way that runs from now on
             if want is None:
-                want = out
-            elif not torch.equal(out, want):
-                differ = (out != want).nonzero()
-                cell["fail"] = f"tokens differ from eager's, first at {differ[0].tolist()}"
-                continue
+                want = got
+            elif (bad := _tokens_differ(got, want, kwargs["input_ids"].shape[1])):
+                if bad.startswith("near tie"):
+                    cell["note"] = bad
+                else:
+                    cell["fail"] = bad
+                    continue
             cell["pass"] = True
             prepared[name] = (call, ())
         except Exception as e:  # one variant's failure is its cell's, not the row's
@@ -323,6 +327,34 @@ def run_generate(model_name: str, size: str, variants: list[str], batch: int | N
     _time(row, prepared, [torch.cuda.current_device()] if dev == "cuda" else [], warmup=1,
           repeat=5)
     return row
+
+
+NEAR_TIE = 1e-3
+"""Greedy tokens may part where eager's top two logits are this close (relative to the
+step's largest logit) and the variant's logits are within that of eager's: a tie broken by
+summation order, not a wrong result."""
+
+
+def _tokens_differ(got: Any, want: Any, prompt: int) -> str | None:
+    """How a generation's tokens differ from eager's (both with scores), or None; a first
+    difference at a near-tie of eager's logits (``NEAR_TIE``) is said as ``near tie ...``:
+    the tokens match up to there, and later ones follow another text."""
+    if torch.equal(got.sequences, want.sequences):
+        return None
+    row, pos = (got.sequences != want.sequences).nonzero()[0].tolist()
+    step = pos - prompt
+    mine = torch.stack(got.scores[:step + 1])[:, row].float()
+    theirs = torch.stack(want.scores[:step + 1])[:, row].float()
+    drift = (mine - theirs).abs().max().item()  # the logits of the common prefix, and there
+    top2 = theirs[-1].topk(2).values
+    margin = (top2[0] - top2[1]).item()
+    scale = theirs[-1].abs().max().item()
+    said = (f"tokens differ from eager's, first at [{row}, {pos}]: eager's top two logits "
+            f"there {margin:.3g} apart (largest {scale:.3g}); the variant's logits up to "
+            f"there within {drift:.3g} of eager's")
+    if margin <= NEAR_TIE * scale and drift <= NEAR_TIE * scale:
+        return "near tie: " + said
+    return said
 
 
 def run_one(model_name: str, mode: str, size: str, variants: list[str], batch: int | None,

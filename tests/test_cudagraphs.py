@@ -268,26 +268,31 @@ def test_a_graphed_call_reads_parameters_in_place_and_copies_the_rest():
 
 
 @pytest.mark.parametrize("change", ["parameter replaced", "other layout", "capture fails",
-                                    "replay differs"])
+                                    "replay differs", "other number"])
 def test_a_graphed_call_that_can_not_replay_runs_plain_for_good(change, caplog):
+    """"other number": a graph of dynamic shapes takes sizes as ints (dynamo's SymInts), and
+    one may change while every tensor keeps its layout (``x[:, :n]`` of a buffer): a replay
+    would compute with the number it was captured with."""
     from autopar.runtime.cudagraphs import GraphedCall
 
-    def fn(w, x):
-        return [w * x]
+    def fn(w, x, n=4):
+        return [w[:, :n] * x[:, :n]]
 
     backend = StandInGraphs(fail="no capture here" if change == "capture fails" else None,
                             skew=1.0 if change == "replay differs" else 0.0)
     g = GraphedCall(fn, "cpu", "fn", backend=backend)
-    w, x = _static(torch.randn(4, 4)), torch.randn(4, 4)
+    w, x, n = _static(torch.randn(4, 4)), torch.randn(4, 4), 4
     with caplog.at_level(logging.WARNING, logger="autopar"):
-        g(w, x)
-        g(w, x)
+        g(w, x, n)
+        g(w, x, n)
         if change == "parameter replaced":
             w = _static(torch.randn(4, 4))
         elif change == "other layout":
             x = torch.randn(4, 4).t()
-        torch.testing.assert_close(g(w, x), fn(w, x))
-        torch.testing.assert_close(g(w, x), fn(w, x))
+        elif change == "other number":
+            n = 3
+        torch.testing.assert_close(g(w, x, n), fn(w, x, n))
+        torch.testing.assert_close(g(w, x, n), fn(w, x, n))
     assert g.status == "plain" and g.reason
     assert len([r for r in caplog.records if "without its CUDA graph" in r.getMessage()]) == 1
 

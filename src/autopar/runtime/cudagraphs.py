@@ -325,10 +325,13 @@ class GraphedCall:
     Lifecycle: the first call runs ``fn`` (warm-up: Inductor loads its kernels); the second
     captures it: an argument dynamo marked static (a module's parameter or buffer:
     ``_dynamo_static_input_type``) is read in place by the graph, every other one is copied
-    into a static buffer of its own; later calls copy those in, replay, and clone each tensor
-    output out of the graph's memory (the next replay overwrites it; a result the caller holds
-    keeps its values). A static argument at another address than at capture (a parameter
-    replaced), or a copied one of another layout, ends replay for good, as does a failed
+    into a static buffer of its own, and every other argument (an int: a graph of dynamic
+    shapes takes its sizes as dynamo's SymInts) is baked in; later calls copy those in, replay,
+    and clone each tensor output out of the graph's memory (the next replay overwrites it; a
+    result the caller holds keeps its values). A static argument at another address than at
+    capture (a parameter replaced), a copied one of another layout, or another value of a
+    baked-in argument (a size changed while every tensor kept its layout: ``x[:, :n]`` of a
+    buffer) ends replay for good, as does a failed
     capture or a first replay whose outputs are not the function's own on the same arguments
     (checked once, at capture): ``fn`` runs as it is from then on, logged once.
 
@@ -349,6 +352,7 @@ class GraphedCall:
         self._static: list[tuple[int, int]] = []  # (argument index, address read in place)
         self._copied: list[int] = []  # the indices of the arguments copied in, and
         self._buffers: list[torch.Tensor] = []  # ...the static buffer of each
+        self._baked: list[tuple[int, Any]] = []  # (argument index, value) of the others
         self._outs: list[Any] = []
         self._lock = threading.Lock()
         self._stream: Any = None  # the stream of the latest replay
@@ -368,6 +372,7 @@ class GraphedCall:
     def _capture(self, args: tuple) -> bool:
         static_in = list(args)
         self._static, self._copied, self._buffers = [], [], []
+        self._baked = [(i, a) for i, a in enumerate(args) if not isinstance(a, torch.Tensor)]
         for i, a in enumerate(args):
             if not isinstance(a, torch.Tensor):
                 continue
@@ -411,6 +416,10 @@ class GraphedCall:
         for i, ptr in self._static:
             if args[i].data_ptr() != ptr:
                 self._plain(f"argument {i} (a parameter or buffer) moved since the capture")
+                return self.fn(*args)
+        for i, value in self._baked:
+            if type(args[i]) is not type(value) or args[i] != value:
+                self._plain(f"argument {i} is {args[i]!r}, captured as {value!r}")
                 return self.fn(*args)
         misfit = _copy_in([args[i] for i in self._copied], self._buffers)
         if misfit is not None:
