@@ -305,3 +305,44 @@ def test_the_step_counts_torch_optim_keeps_on_the_host_are_found():
     assert all(state.names[j].endswith("['step']") for j in counts) and len(counts) == 2
     opt.param_groups[0]["capturable"] = True
     assert find_state(step, (torch.randn(4, 3),)).host_step_counts() == []
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd-momentum"])
+def test_steps_with_segments_replayed_as_graphs_equal_eager(optimizer, monkeypatch):
+    """Each worker's segments replayed as CUDA graphs (a stand-in with their memory semantics,
+    on the CPU): parameters, replicas and optimizer state are read where they live, never
+    copied in, and the .grads, new values and replicas' next values are written back out of
+    the graphs' static buffers (which the next replay overwrites); every step equals eager's."""
+    from autopar.runtime import executor as executor_module
+    from test_cudagraphs import StandInGraphs
+
+    backend = StandInGraphs()
+    monkeypatch.setattr(executor_module, "graph_devices",
+                        lambda devices, rule: [] if rule is None else list(devices))
+    monkeypatch.setattr(executor_module, "_GRAPH_BACKEND", backend)
+    model, ref = _net(), _net()
+    opt, ref_opt = OPTIMIZERS[optimizer](model.parameters()), \
+        OPTIMIZERS[optimizer](ref.parameters())
+    step = autopar.data_parallel(_step_of(model, opt), devices=CPUS, shards=2,
+                                 cuda_graphs=True)
+    ref_step = _step_of(ref, ref_opt)
+    for x, y in _batches(8):
+        torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
+        assert_same_training(model, ref, opt, ref_opt)
+    segs = step.last.run.segments
+    assert {s.program.device for s in segs} == {"cpu:0", "cpu:1"}
+    assert all(s.status == "captured" for s in segs) and backend.captures == len(segs)
+    read = {d: {s._static_in[k].data_ptr() for s in segs if s.program.device == d
+                for k in s.in_place} for d in ("cpu:0", "cpu:1")}
+    held = {p.data_ptr() for p in model.parameters()}
+    assert read["cpu:0"] & held and read["cpu:1"] & held  # one pool: no replicas
+    def storages(ts) -> set[int]:
+        return {t.untyped_storage().data_ptr() for t in ts}
+    # ...or views of them, or of an earlier graph's static outputs
+    assert storages(s._static_in[k] for s in segs for k in s.in_place) <= \
+        storages(model.parameters()) | storages(model.buffers()) | \
+        storages(_optimizer_state(opt)) | storages(o for s in segs for o in s._static_out)
+
+
+def _optimizer_state(opt) -> list[torch.Tensor]:
+    return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]

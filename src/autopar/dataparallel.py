@@ -69,10 +69,12 @@ from .cost.model import CostModel
 from .ir.graph import Node
 from .ir.routing import cuda_indices
 from .machine.detect import load_machine
-from .passes.dataparallel import Choice, choose, shard_devices
+from .passes.cudagraphs import capture_rule
+from .passes.dataparallel import Choice, choose, resident, shard_devices
 from .passes.fusion import fusion_devices, regions_to_fuse
 from .passes.shard import NotShardable, Sharded, torch_device
 from .runtime import Executor
+from .runtime import executor as _executor
 from .runtime.callerstate import CallerState
 from .schedule.place import place
 
@@ -99,6 +101,7 @@ class _Compiled:
     choice: Choice
     way: str | None = "autopar"  # "eager" or "autopar"; None while a trial decides
     trial: Trial | None = None
+    graphs: bool = False  # GPU segments replayed as CUDA graphs: outputs are written back
 
     @property
     def sharded(self) -> Sharded | None:
@@ -132,20 +135,26 @@ class DataParallelStep:
         cost = self._cost_model()
         batch = batch_inputs(step, args, self.batch_argnums)
         shard_devices(batch, cost, self.options.devices, self.shards)  # the user's mistakes
+        rule = capture_rule(self.options.cuda_graphs)
+        graphs = rule if _executor.graph_devices(list(self.options.devices), rule) and \
+            not self.options.trace else None
         try:
             choice = choose(step, batch, cost, self.options.devices,
                             policy=self.options.policy, shards=self.shards,
-                            fusing=fusion_devices(self.options.devices, self.options.fuse))
+                            fusing=fusion_devices(self.options.devices, self.options.fuse),
+                            graphs=graphs)
             plan = choice.plan  # the plan its prediction simulated
+            in_place, _, consumed = resident(step, choice.sharded, graphs is not None)
             run = Executor(plan, trace=bool(self.options.trace),
-                           fuse=regions_to_fuse(plan, self.options.fuse))
+                           fuse=regions_to_fuse(plan, self.options.fuse), cuda_graphs=graphs,
+                           in_place=in_place, transient=consumed)
         except (Unsupported, NotShardable):
             raise
         except Exception as e:  # planning failed: eager, as for any graph (see autopar.api)
             raise Unsupported(f"planning failed: {type(e).__name__}: {e}") from e
         log.info("autopar: %s: predicted %s; running %s", step.graph.name, choice.predicted,
                  "unsplit" if choice.sharded is None else ",".join(choice.sharded.devices))
-        compiled = _Compiled(step, run, choice)
+        compiled = _Compiled(step, run, choice, graphs=graphs is not None)
         if self.shards is None:  # the user didn't ask for a split: measured against eager
             if choice.sharded is None:
                 compiled.way = "eager"  # unsplit is the step as written
@@ -276,18 +285,31 @@ class DataParallelStep:
         outs = list(c.run(call_args))
         n, g, m = step.n_outputs, len(step.grads), len(step.mutated)
         user, grads, new = outs[:n], outs[n:n + g], outs[n + g:n + g + m]
+        # written back where they are held: under CUDA graphs the outputs are a graph's static
+        # buffers, which the next call overwrites, so .grads and replicas are copied into
         with torch.no_grad():
-            for j, value in zip(step.mutated, new):
-                tensors[j].copy_(value)
-        for j, grad in zip(step.grads, grads):
-            tensors[j].grad = grad
+            copies = [(tensors[j], value) for j, value in zip(step.mutated, new)]
+            for j, grad in zip(step.grads, grads):
+                held = tensors[j].grad
+                if c.graphs and _same_layout(held, grad):
+                    copies.append((held, grad))
+                else:
+                    tensors[j].grad = grad.clone() if c.graphs else grad
+            nexts = c.sharded.replica_outputs if c.sharded is not None else []
+            kept = []
+            for (j, device), fresh in zip(nexts, outs[n + g + m:], strict=True):
+                where = torch.device(torch_device(device))
+                if fresh.device != where:  # the graph delivered it to eager's device: move it
+                    fresh = fresh.to(where)
+                got = self._replicas.get((j, device))
+                if c.graphs and got is not None and _same_layout(got[0], fresh):
+                    copies.append((got[0], fresh))
+                    fresh = got[0]
+                kept.append((j, device, fresh))
+            _copy_all(copies)
         for j in step.cleared:
             tensors[j].grad = None
-        nexts = c.sharded.replica_outputs if c.sharded is not None else []
-        for (j, device), fresh in zip(nexts, outs[n + g + m:], strict=True):
-            where = torch.device(torch_device(device))
-            if fresh.device != where:  # the graph delivered it to eager's device: move it back
-                fresh = fresh.to(where)
+        for j, device, fresh in kept:  # after the write-back: the versions it left
             self._keep_replica(j, device, fresh, tensors[j])
         return tree_unflatten(user, step.out_spec)
 
@@ -309,6 +331,23 @@ class DataParallelStep:
     def _keep_replica(self, j: int, device: str, fresh: torch.Tensor, t: torch.Tensor) -> None:
         """``fresh`` is ``t``'s replica on ``device`` while ``t``'s version and storage stay."""
         self._replicas[(j, device)] = (fresh, t._version, t.data_ptr())
+
+
+def _same_layout(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    return a is not None and a.shape == b.shape and a.stride() == b.stride() and \
+        a.dtype == b.dtype and a.device == b.device
+
+
+def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for each pair, as one ``torch._foreach_copy_`` per (device, dtype):
+    a launch per ~110 tensors, not one each (GPT-2's AdamW step writes back 3 x 148)."""
+    groups: dict[tuple, tuple[list, list]] = {}
+    for dst, src in pairs:
+        dsts, srcs = groups.setdefault((dst.device, dst.dtype, src.device, src.dtype), ([], []))
+        dsts.append(dst)
+        srcs.append(src)
+    for dsts, srcs in groups.values():
+        torch._foreach_copy_(dsts, srcs)
 
 
 def batch_inputs(step: StepGraph, args: Sequence[Any],
@@ -361,10 +400,12 @@ class StepPrediction:
 
 def predict_step(fn: Callable, args: Sequence[Any], machine: Any,
                  inputs_on: str | None = "cuda:0", batch_argnums: Sequence[int] | None = None,
-                 shards: int | None = None, fuse: bool | str = "auto") -> StepPrediction:
+                 shards: int | None = None, fuse: bool | str = "auto",
+                 cuda_graphs: bool | str = "auto") -> StepPrediction:
     """What :func:`data_parallel` would do with ``fn(*args)`` on ``machine`` (a preset name or a
     Machine), without running it: tensors built on the CPU are taken to live on ``inputs_on``.
-    ``fuse`` as :func:`data_parallel`'s (``"auto"``: the GPUs' programs fused)."""
+    ``fuse`` and ``cuda_graphs`` as :func:`data_parallel`'s (``"auto"``: the GPUs' programs
+    fused, their segments replayed as CUDA graphs where that pays)."""
     state = find_state(fn, args)
     if inputs_on is not None and inputs_on.startswith("cuda"):
         state.foreach = True  # torch.optim's default for CUDA tensors
@@ -379,8 +420,10 @@ def predict_step(fn: Callable, args: Sequence[Any], machine: Any,
     cost = CostModel(load_machine(machine))
     devices = [d.name for d in cost.machine.devices]
     fusing = fusion_devices(devices, fuse)
+    rule = capture_rule(cuda_graphs)
+    graphs = rule if _executor.graph_devices(devices, rule) else None
     choice = choose(step, batch_inputs(step, args, batch_argnums), cost, devices,
-                    shards=shards, fusing=fusing)
+                    shards=shards, fusing=fusing, graphs=graphs)
     eager = place(step.graph, cost, policy="single", devices=devices)
     return StepPrediction(choice, eager.predicted_s)
 

@@ -14,7 +14,7 @@ the split's prediction was bound by launches that the executor fuses away."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,13 +22,15 @@ from ..capture.step import StepGraph
 from ..ir.graph import Node
 from ..ir.units import fmt_seconds
 from ..machine.model import GiB
-from ..schedule.place import memory_limits, place
+from ..schedule.place import index_of, memory_limits, place
 from ..schedule.plan import make_plan
 from ..schedule.simulate import issue_s, peak_memory, simulate
+from .cudagraphs import GraphedCost, graphed_segments
 from .fusion import FusedCost, fused_regions
 from .shard import NotShardable, Sharded, shard
 
-__all__ = ["AT_ONCE_SLACK", "Choice", "choose", "predicted_run", "shard_devices"]
+__all__ = ["AT_ONCE_SLACK", "FOREACH_TENSORS", "Choice", "choose", "predicted_run", "resident",
+           "shard_devices", "write_back"]
 
 log = logging.getLogger("autopar.dataparallel")
 
@@ -53,22 +55,79 @@ class Choice:
     pruned: dict[str, str] = field(default_factory=dict)  # candidate -> why it wasn't placed
 
 
-def predicted_run(placed: Any, cost: Any,
-                  fusing: Sequence[str]) -> tuple[Any, Any, float, float]:
+def resident(step: StepGraph, sharded: Sharded | None,
+             graphs: bool) -> tuple[frozenset[int], frozenset[int], frozenset[int]]:
+    """By index, for a step's graph (``sharded``'s where split): the inputs that stay where they
+    live between calls (the state's tensors: modules' parameters and buffers, optimizer
+    state; parameters among the arguments; the trace's constants; the replicas), read in
+    place by CUDA graphs; the outputs the caller writes back into the tensors that hold them
+    (new values of mutated inputs always; under ``graphs`` each ``.grad`` and the replicas'
+    next values too, since a graph's outputs are its static buffers); and, of those, the ones
+    no graph need clone (all of them under ``graphs``)."""
+    n_in = len(step.graph.inputs)
+    n_out = len(step.graph.outputs)
+    n_rep = len(sharded.replicas) if sharded is not None else 0
+    n_next = len(sharded.replica_outputs) if sharded is not None else 0
+    in_place = frozenset(range(step.n_args, n_in + n_rep)) | frozenset(step.arg_params)
+    mutated = range(step.n_outputs + len(step.grads), n_out)
+    back = frozenset(range(step.n_outputs, n_out + n_next)) if graphs else frozenset(mutated)
+    return in_place, back, back if graphs else frozenset()
+
+
+FOREACH_TENSORS = 110
+"""Tensors one ``torch._foreach_copy_`` launch takes (multi-tensor apply's list depth 2)."""
+
+
+def write_back(plan: Any, cost: Any, back: frozenset[int]) -> tuple[float, float]:
+    """(the longest GPU time, the issuing thread's time) of writing the graph outputs ``back``
+    into the tensors that hold them after a call: one ``torch._foreach_copy_`` per device, a
+    launch per ``FOREACH_TENSORS`` tensors, each byte read and written."""
+    ix = index_of(plan.placement, plan.graph)
+    by_device: dict[str, list[int]] = {}
+    for i in back:
+        value, device = plan.outputs[i]
+        if isinstance(value, Node) and not device.startswith("cpu"):
+            by_device.setdefault(device, []).append(ix.nbytes[value])
+    prof = cost.machine.profile
+    longest = issue = 0.0
+    for device, sizes in by_device.items():
+        dp = prof.device(device)
+        launches = -(-len(sizes) // FOREACH_TENSORS)
+        issue += launches * dp.launch("copy")
+        longest = max(longest, dp.read_time(sum(sizes)) + dp.write_time(sum(sizes)))
+    return longest, issue
+
+
+def predicted_run(placed: Any, cost: Any, fusing: Sequence[str],
+                  graphs: Callable[[int, int, int], bool] | None = None,
+                  kept: tuple[frozenset[int], frozenset[int], frozenset[int]] = (
+                      frozenset(), frozenset(), frozenset())) -> tuple[Any, Any, float, float]:
     """The plan of ``placed``, its simulated Timeline as the executor runs it (the regions of
-    the programs of ``fusing`` fused; none: priced op by op), its predicted seconds (the
-    longer of its makespan and the calling thread's issue time, :func:`issue_s`: one thread
-    launches every GPU's work) and that issue time."""
+    the programs of ``fusing`` fused; none: priced op by op; the GPUs' segments replayed as
+    CUDA graphs where ``graphs`` says they pay, ``kept`` being :func:`resident`'s sets), its
+    predicted seconds (the longer of its makespan and the calling thread's issue time,
+    :func:`issue_s`: one thread launches every GPU's work, each with the outputs' write-back
+    after it, :func:`write_back`) and that issue time."""
     plan = make_plan(placed, cost)
-    priced = FusedCost(cost, fused_regions(plan, fusing)) if fusing else cost
+    fused = fused_regions(plan, fusing) if fusing else {}
+    priced: Any = FusedCost(cost, fused) if fusing else cost
+    in_place, back, consumed = kept
+    if graphs is not None:
+        gpus = [d for d in plan.programs if not d.startswith("cpu")]
+        inputs = plan.graph.inputs
+        priced = GraphedCost(priced, graphed_segments(
+            plan, gpus, graphs, fused, frozenset(inputs[i] for i in in_place),
+            frozenset(plan.outputs[i][0] for i in consumed)))
     timeline = simulate(plan, priced)
     issue = issue_s(plan, priced)
-    return plan, timeline, max(timeline.makespan, issue), issue
+    back_s, back_issue = write_back(plan, cost, back)
+    return plan, timeline, max(timeline.makespan + back_s, issue + back_issue), issue
 
 
 def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence[str], *,
            policy: str = "heft", shards: int | None = None,
-           fusing: Sequence[str] = ()) -> Choice:
+           fusing: Sequence[str] = (),
+           graphs: Callable[[int, int, int], bool] | None = None) -> Choice:
     """Place ``step`` unsplit and split over the first k same-kind devices (home first) for
     k = 1, 2, 4, ... and all of them, and keep the one predicted fastest (with the programs
     of ``fusing`` fused, as the executor will run them); ``shards`` forces k (1: don't split).
@@ -82,7 +141,9 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
     split's issue seconds per op already exceed the fastest prediction: more devices, more
     launches on the one issuing thread (GPT-2 small's step on ``h200x8``: over 4 GPUs 24.1 ms
     of issue for 10,138 ops; over 8, 18,638 ops, an estimate of 44.3 ms and a prediction of
-    50.4, not placed; planning 16.3 s -> 12.0 on the 2-core VM)."""
+    50.4, not placed; planning 16.3 s -> 12.0 on the 2-core VM). ``graphs``: the executor's
+    CUDA-graph rule (:func:`autopar.passes.cudagraphs.capture_rule`), each candidate predicted
+    with its GPUs' segments replayed (None: none)."""
     devices, same_kind = shard_devices(batch, cost, devices, shards)
     n = len(same_kind)
     ks = sorted({k for k in (1 << i for i in range(n.bit_length())) if k <= n} | {n}) \
@@ -122,7 +183,8 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
             candidates = [(label + suffix, place(s.graph, cost, policy=policy, devices=devices,
                                                  pins=s.pins), s) for suffix, s in forms]
         for label, placed, sharded in candidates:
-            plan, timeline, predicted[label], issue = predicted_run(placed, cost, fusing)
+            plan, timeline, predicted[label], issue = predicted_run(
+                placed, cost, fusing, graphs, resident(step, sharded, graphs is not None))
             runs[label] = plan, timeline
             placed_all.append((label, placed, sharded))
             if sharded is not None:  # the issuing thread's seconds per op of a split graph
@@ -132,7 +194,8 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
         label, pair = f"{at_once[0]} at once", at_once[1]
         sharded = shard(step.graph, batch, pair, updates=step.updates, reduce_chunks=1)
         placed = place(sharded.graph, cost, policy=policy, devices=devices, pins=sharded.pins)
-        plan, timeline, predicted[label], _ = predicted_run(placed, cost, fusing)
+        plan, timeline, predicted[label], _ = predicted_run(
+            placed, cost, fusing, graphs, resident(step, sharded, graphs is not None))
         runs[label] = plan, timeline
         placed_all.append((label, placed, sharded))
     ranked = sorted(placed_all, key=lambda c: predicted[c[0]])

@@ -1,30 +1,22 @@
 """CUDA-graph replay of a GPU program's segments.
 
 Policy
-- A *segment* is a maximal run of a program's capturable Run and Fused steps (Frees inside
-  it go with it): it ends at every cross-device point (Send, Record, Wait), which stay on
-  streams and events, so replays are ordered across devices by the same events as plain runs,
-  and at every op that can't be captured, which runs on the stream between two graphs.
-- What can't be captured is decided before trying (a failed capture can leave the CUDA RNG
-  state unusable for the process): random ops, ops that write into an input, ops that make no
-  tensor or a host tensor, ops that sync with the host or have data-dependent output shapes,
-  and ops reading a value from another memory pool (a host scalar would be baked in).
-- Where it pays is decided in :mod:`autopar.passes.cudagraphs` and handed to the executor as
-  ``pays(launches, copies, clones)``: this module counts a segment's launches (:func:`launches`),
-  the inputs to copy into static buffers and the escaping outputs to clone.
+- Which segments are captured, and what an escaping output is, is decided in
+  :mod:`autopar.passes.cudagraphs` (:func:`~autopar.passes.cudagraphs.chosen_segments`, the same
+  rules the prediction uses); the executor hands the rule over as ``pays(launches, copies,
+  clones)``.
 - Lifecycle of a segment: the first call runs it on streams (warm-up: Inductor compiles, cuBLAS
   initializes); the second captures it: inputs are copied into static buffers (a static
-  output of an earlier graph of the same program is used as it is), the segment runs once on a
-  side stream, then once under capture (``thread_local`` mode: other devices' workers keep
-  launching), and the graph is replayed for that call. Later calls copy inputs whose tensor
-  is not the static buffer into it (same layout, else the segment goes back to streams),
-  replay, and hand out the static outputs.
-- A graph hands out fresh tensors only: a view (or tuple) that would leave a segment runs
-  after it, on the stream, and so does a ``getitem`` of a tuple made before it (found by a
-  fixpoint, as for fusion regions).
-- Static outputs are overwritten by the next replay, so an output that *escapes* (a graph
-  output, read by a later Send or Record, or the base of a later view) is cloned after each
-  replay; the others are read only by later steps of the same program, on the same stream.
+  output of an earlier graph of the same program is used as it is, and an input read *in
+  place* is the caller's tensor itself), the segment runs once on a side stream, then once
+  under capture (``thread_local`` mode: other devices' workers keep launching), and the graph
+  is replayed for that call. Later calls copy inputs whose tensor is not the static buffer
+  into it (same layout, else the segment goes back to streams), check that each input read in
+  place is at the address captured (else back to streams: a copy would overwrite the caller's
+  tensor), replay, and hand out the static outputs.
+- Static outputs are overwritten by the next replay, so an output that escapes is cloned after
+  each replay; the others are read only by later steps of the same program, on the same
+  stream, or consumed by the caller before its next call (``transient``).
 - A capture failure never breaks the run: the segment stays on streams for good, and the
   reason is logged once; the device's RNG generator gets back a copy of its state from before
   the capture (a failed capture leaves it flagged as capturing). Peer access between the
@@ -34,11 +26,9 @@ Glossary: a segment chosen for capture becomes one :class:`~autopar.runtime.code
 step of its program, calling its :class:`GraphSegment`, with ``status`` one of ``"warmup"``,
 ``"pending"``, ``"captured"``, ``"streams"`` (never captured; ``reason`` says why).
 """
-
 from __future__ import annotations
 
 import logging
-import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -46,117 +36,16 @@ from typing import Any, ClassVar
 import torch
 
 from ..ir.compare import outputs_differ
-from ..ir.graph import Node, TensorMeta, op_name
+from ..ir.graph import Node
 from ..ir.logs import first_line
-from ..ir.regions import is_view
-from ..ir.routing import GraphIndex, kind_of
-from ..schedule.steps import Free, Run
+from ..ir.routing import GraphIndex
+from ..passes.cudagraphs import chosen_segments, launches, step_ops, tuples_unpacked_at_once
+from ..schedule.steps import Free
 from .codegen import Call, Program, SlotTable, build_program
-from .fuse import Fused
 
-__all__ = ["CudaGraphBackend", "GraphSegment", "GraphedCall", "capture_segments", "launches",
-           "segments", "why_not_capturable"]
+__all__ = ["CudaGraphBackend", "GraphSegment", "GraphedCall", "capture_segments"]
 
 log = logging.getLogger("autopar.runtime")
-
-_SYNCING = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::masked_select",
-            "aten::is_nonzero", "aten::equal", "aten::_assert_async", "aten::unique",
-            "aten::_unique", "aten::_unique2", "aten::unique_consecutive", "aten::bincount",
-            "aten::repeat_interleave", "aten::histc", "aten::_assert_scalar"}
-_DATA_DEPENDENT = tuple(t for t in (getattr(torch.Tag, "dynamic_output_shape", None),
-                                    getattr(torch.Tag, "data_dependent_output", None)) if t)
-
-
-def segments(steps: Sequence[Any],
-             capturable: Callable[[Any], bool] = lambda step: True) -> list[tuple[int, int]]:
-    """``[start, end)`` of each maximal run of capturable Run and Fused steps (and Frees)
-    holding an op: cross-device steps and ops that can't be captured end a segment."""
-    out: list[tuple[int, int]] = []
-    start: int | None = None
-    for i, step in enumerate([*steps, None]):
-        if isinstance(step, Free) or (isinstance(step, Run | Fused) and capturable(step)):
-            if start is None:
-                start = i
-            continue
-        if start is not None:
-            if any(isinstance(s, Run | Fused) for s in steps[start:i]):
-                out.append((start, i))
-            start = None
-    return out
-
-
-def _why_not_node(node: Node, local: Callable[[Node], bool]) -> str | None:
-    name = op_name(node.op)
-    if node.op is operator.getitem:
-        return None
-    if kind_of(node.op) == "random":
-        return f"{name} draws random numbers (a failed capture would spoil the CUDA RNG)"
-    if node.writes:
-        return f"{name} writes into its input (a graph would write into a static copy)"
-    if not node.tensor_metas:
-        return f"{name} makes no tensor"
-    if any(m.device == "cpu" for m in node.tensor_metas) and "device" in node.kwargs \
-            and str(node.kwargs["device"]).startswith("cpu"):
-        return f"{name} makes a host tensor"
-    op = node.op
-    if isinstance(op, torch._ops.OpOverload):
-        if op._schema.name in _SYNCING:
-            return f"{name} syncs with the host"
-        if any(t in op.tags for t in _DATA_DEPENDENT):
-            return f"{name} has a data-dependent output shape"
-    for v in node.inputs:
-        if not local(v):
-            return f"{name} reads {v!r} from another memory pool"
-    return None
-
-
-def why_not_capturable(steps: Sequence[Any], local: Callable[[Node], bool]) -> str | None:
-    """Why a segment (its steps) can't be captured as a CUDA graph, or None."""
-    for step in steps:
-        nodes = step.nodes if isinstance(step, Fused) else (
-            (step.node,) if isinstance(step, Run) else ())
-        for node in nodes:
-            why = _why_not_node(node, local)
-            if why:
-                return why
-    return None
-
-
-def launches(steps: Sequence[Any], moved: set[Node]) -> int:
-    """Kernel launches a segment makes on streams: one per op (views and moves launch none),
-    one per fused region."""
-    n = 0
-    for step in steps:
-        plain_op = isinstance(step, Run) and step.node not in moved \
-            and kind_of(step.node.op) not in ("view", "getitem")
-        n += isinstance(step, Fused) or plain_op
-    return n
-
-
-def escaping(seg_steps: Sequence[Any], outputs: Sequence[Node], program: Sequence[Any],
-             end: int, ix: GraphIndex, graph_outputs: set[Node]) -> set[Node]:
-    """Outputs of the segment that must not stay in static buffers (module docstring)."""
-    later_runs = set()
-    for step in program[end:]:
-        if isinstance(step, Run):
-            later_runs.add(step.node)
-        elif isinstance(step, Fused):
-            later_runs.update(step.nodes)
-    inside = {n for s in seg_steps for n in (s.nodes if isinstance(s, Fused) else
-                                             (s.node,) if isinstance(s, Run) else ())}
-    out = set()
-    for v in outputs:
-        if v in graph_outputs:
-            out.add(v)
-            continue
-        for u in ix.users[v]:
-            if u in inside:
-                continue
-            if u not in later_runs or v in u.aliases:
-                out.add(v)
-                break
-    return out
-
 
 # -- runtime ----------------------------------------------------------------------------------
 class CudaGraphBackend:
@@ -224,7 +113,7 @@ class GraphSegment:
     def __init__(self, program: Program, slots: SlotTable, input_slots: Sequence[int],
                  output_slots: Sequence[tuple[int, bool]], freed: Sequence[int],
                  statics: dict[int, Any], backend: Any, label: str,
-                 reason: str | None = None) -> None:
+                 reason: str | None = None, in_place: Sequence[int] = ()) -> None:
         self.program = program
         self.slots = slots  # complete by the first call: sizes the scratch slots of a capture
         self.input_slots = list(input_slots)
@@ -235,6 +124,7 @@ class GraphSegment:
         self.label = label
         self.status = "warmup" if reason is None else "streams"
         self.reason = reason
+        self.in_place = frozenset(in_place)  # positions of the inputs read where they live
         self.peers: tuple[str, ...] = ()  # the GPUs of the plan: peer access before capture
         self._replay: Callable[[], None] | None = None
         self._static_in: list[Any] = []
@@ -262,9 +152,10 @@ class GraphSegment:
         if len(self.peers) > 1:
             self.backend.enable_peer_access(self.peers)
         static_in = []
-        for slot in self.input_slots:
+        for k, slot in enumerate(self.input_slots):
             t = env[slot]
-            static_in.append(t if id(t) in self.statics and self.statics[id(t)] is t
+            static_in.append(t if k in self.in_place or (id(t) in self.statics
+                                                         and self.statics[id(t)] is t)
                              else t.clone(memory_format=torch.preserve_format))
         try:
             replay, outs = self.backend.capture(lambda xs: self._run_in(xs, rt), static_in,
@@ -285,7 +176,16 @@ class GraphSegment:
         log.warning("autopar: %s stays on streams: %s", self.label, reason)
 
     def _run_graph(self, env: list, rt: Any) -> None:
-        misfit = _copy_in([env[slot] for slot in self.input_slots], self._static_in)
+        for k in self.in_place:
+            t, static = env[self.input_slots[k]], self._static_in[k]
+            if t is not static and (t.data_ptr() != static.data_ptr() or
+                                    t.shape != static.shape or t.stride() != static.stride()):
+                self._streams_for_good(f"input in slot {self.input_slots[k]}, read in place, "
+                                       "is another tensor than at capture")
+                self.program.fn(env, rt)
+                return
+        misfit = _copy_in([env[slot] if k not in self.in_place else self._static_in[k]
+                           for k, slot in enumerate(self.input_slots)], self._static_in)
         if misfit is not None:
             self._streams_for_good(f"input in slot {self.input_slots[misfit]} changed layout")
             self.program.fn(env, rt)
@@ -431,91 +331,36 @@ class GraphedCall:
 
 
 # -- building ---------------------------------------------------------------------------------
-def _made(step: Any) -> tuple[Node, ...]:
-    """Values a Run or Fused step stores in the program's slots."""
-    if isinstance(step, Fused):
-        return step.outputs
-    return (step.node,) if isinstance(step, Run) else ()
-
-
-def _ops(step: Any) -> tuple[Node, ...]:
-    if isinstance(step, Fused):
-        return step.nodes
-    return (step.node,) if isinstance(step, Run) else ()
-
-
-def _boundary(seg: Sequence[Any], ix: GraphIndex,
-              graph_outputs: set[Node]) -> tuple[list[Node], list[Node]]:
-    """(inputs, outputs) of a segment: values it reads from outside, values read outside."""
-    made = [v for s in seg for v in _made(s)]
-    inside_values = set(made)
-    ops = {n for s in seg for n in _ops(s)}
-    reads = [v for s in seg if isinstance(s, Run | Fused)
-             for v in (s.inputs if isinstance(s, Fused) else s.node.inputs)]
-    inputs = list(dict.fromkeys(v for v in reads if v not in inside_values))
-    outputs = [v for v in made
-               if v in graph_outputs or any(u not in ops for u in ix.users[v])]
-    return inputs, outputs
-
-
-def _misfit(value: Node) -> bool:
-    """A value no graph may hand out: a view (it would alias a static buffer) or something
-    other than one tensor."""
-    return not isinstance(value.meta, TensorMeta) or is_view(value)
-
-
 def capture_segments(device: str, steps: list[Any], slots: SlotTable,
                      source_of: Callable[[Node, str], str], moved: set[Node], ix: GraphIndex,
                      graph_outputs: set[Node], local: Callable[[Node], bool],
                      pays: Callable[[int, int, int], bool], backend: Any,
-                     label: str = "") -> list[Any]:
-    """``steps`` with every segment worth capturing (``pays(launches, copies, clones)``, from
-    :mod:`autopar.passes.cudagraphs`) replaced by one :class:`Call` step.
-
-    Segments that can't be captured, or don't pay, are left as they are (logged at debug
-    level); ``statics`` are shared by the program's segments (a static output one graph hands
-    the next is not copied).
-    """
-    def capturable(step: Any) -> bool:
-        why = why_not_capturable([step], local)
-        if why:
-            log.debug("autopar: %s runs on streams, between graphs: %s", step, why)
-        return why is None
-
-    left_out: set[Node] = set()
-
-    def kept(step: Any) -> bool:
-        return not (isinstance(step, Run) and step.node in left_out) and capturable(step)
-
-    while True:  # views and tuples leaving a segment run after it, on the stream
-        found = [(start, end, *_boundary(steps[start:end], ix, graph_outputs))
-                 for start, end in segments(steps, kept)]
-        misfits = {v for *_, outs in found for v in outs if _misfit(v)}
-        misfits |= {n for *_, ins, _ in found for v in ins
-                    if not isinstance(v.meta, TensorMeta) for n in ix.users[v]}
-        if not misfits - left_out:
-            break
-        left_out |= misfits
+                     label: str = "", in_place: Callable[[Node], bool] = lambda v: False,
+                     transient: Callable[[Node], bool] = lambda v: False) -> list[Any]:
+    """``steps`` with every segment :func:`~autopar.passes.cudagraphs.chosen_segments` picks
+    replaced by one :class:`Call` step; ``statics`` are shared by the program's segments (a
+    static output one graph hands the next is not copied). ``in_place``: inputs the graphs
+    read where they live (see :class:`GraphSegment`); ``transient``: graph outputs the caller
+    consumes before the next call (not cloned)."""
     out: list[Any] = []
     statics: dict[int, Any] = {}
     done = 0
-    for k, (start, end, inputs, outputs) in enumerate(found):
+    steps = tuples_unpacked_at_once(steps)
+    chosen = chosen_segments(steps, ix, graph_outputs, local, pays,
+                             lambda seg: launches(seg, moved), label=f"{label}{device}",
+                             transient=transient, in_place=in_place)
+    for seg_of in chosen:
+        start, end = seg_of.start, seg_of.end
         seg = steps[start:end]
-        name = f"segment {label}{device}#{k} ({len(seg)} steps)"
-        escapes = escaping(seg, outputs, steps, end, ix, graph_outputs)
-        n_launch = launches(seg, moved)
-        if not pays(n_launch, len(inputs), len(escapes)):
-            log.debug("autopar: %s not captured: %d launches don't pay for %d copies and %d "
-                      "clones", name, n_launch, len(inputs), len(escapes))
-            continue
+        name = f"segment {label}{device}#{seg_of.index} ({len(seg)} steps)"
         program = build_program(device, list(seg), slots, source_of, moved)
         segment = GraphSegment(
             program, slots,
-            [slots(v, source_of(v, device)) for v in inputs],
-            [(slots(v, device), v in escapes) for v in outputs],
+            [slots(v, source_of(v, device)) for v in seg_of.inputs],
+            [(slots(v, device), v in seg_of.escapes) for v in seg_of.outputs],
             [slots(s.value, device) for s in seg if isinstance(s, Free)],
-            statics, backend, name)
+            statics, backend, name, in_place=sorted(seg_of.read_in_place))
         out += steps[done:start]
-        out.append(Call(segment, name, [n for s in seg for n in _ops(s)][-1]))
+        out.append(Call(segment, name, [n for s in seg for n in step_ops(s)][-1]))
         done = end
     return out + steps[done:]

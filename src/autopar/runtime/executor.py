@@ -46,7 +46,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -433,7 +433,11 @@ class Executor:
     decides for compiled functions. ``cuda_graphs``: replay GPU segments as CUDA graphs where
     ``cuda_graphs(launches, copies, clones)`` says capturing pays
     (:func:`autopar.passes.cudagraphs.capture_rule`, see :mod:`autopar.runtime.cudagraphs`);
-    None: never. Off when tracing, which times every op. ``interleaved``: the host's program
+    None: never. Off when tracing, which times every op. ``in_place``: the graph inputs (their
+    indices) that stay where they live between calls (a data-parallel step's parameters,
+    replicas and optimizer state), which graphs read in place, not copied; ``transient``: the
+    graph outputs (indices) the caller consumes before its next call, which graphs hand out
+    without a clone. ``interleaved``: the host's program
     and every GPU's run on the calling thread, interleaved (:mod:`autopar.runtime.interleave`);
     ``merged`` names them.
     Worker threads run under the caller's thread-local state
@@ -443,7 +447,8 @@ class Executor:
     def __init__(self, plan: Plan, trace: bool = False,
                  fuse: Mapping[str, Sequence[Sequence[Node]]] | None = None,
                  cuda_graphs: Callable[[int, int, int], bool] | None = None,
-                 interleaved: bool = True) -> None:
+                 interleaved: bool = True, in_place: Collection[int] = (),
+                 transient: Collection[int] = ()) -> None:
         self.plan = plan
         self.runs_as = "executor"  # or "eager's sequence" (autopar.schedule.simulate.runs_as_eager)
         self.cuda_graphs = cuda_graphs
@@ -465,6 +470,9 @@ class Executor:
         fusing = fuse or {}
         capturing = [] if trace else graph_devices(list(plan.programs), cuda_graphs)
         outputs = set(graph.output_nodes)
+        read_in_place = {self.inputs[i] for i in in_place}
+        kept_outputs = [o for i, (o, _) in enumerate(plan.outputs) if i not in transient]
+        consumed = {plan.outputs[i][0] for i in transient} - set(kept_outputs)
         self.programs: dict[str, Program] = {}
         self.fused: list[Fused] = []
         self.segments: list[GraphSegment] = []
@@ -480,7 +488,9 @@ class Executor:
             if device in capturing:
                 steps = capture_segments(device, steps, self.slots, source_of, moved, ix,
                                          outputs, local, cuda_graphs, _GRAPH_BACKEND,
-                                         label=f"{graph.name}/")
+                                         label=f"{graph.name}/",
+                                         in_place=read_in_place.__contains__,
+                                         transient=consumed.__contains__)
                 self.segments += [s.fn for s in steps if isinstance(s, Call)]
             final[device] = steps
         # the host's program and every GPU's share the calling thread
