@@ -17,10 +17,11 @@ from _fakes import by_hand
 from autopar.cost.model import CostModel
 from autopar.ir.graph import Graph, TensorMeta
 from autopar.machine.presets import preset
-from autopar.passes.cudagraphs import capture_rule, pays, segments, why_not_capturable
+from autopar.passes.cudagraphs import capture_rule, pays
 from autopar.runtime import Executor, SequentialRunner
 from autopar.runtime import executor as executor_module
 from autopar.schedule.plan import make_plan
+from autopar.schedule.segments import segments, why_not_capturable
 from autopar.schedule.steps import Free, Run, Wait
 from corpus import CASES, autopar_compile, case, run_case
 

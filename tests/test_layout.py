@@ -16,7 +16,8 @@ Rules (each import counts, at module level or inside a function; imports under
 - A module imports modules of its own stage or of earlier ones only; ``ir`` imports nothing of
   autopar outside ``ir``.
 - ``runtime`` is mechanism: it obeys plans and decides nothing. From ``schedule`` it imports
-  only the data it obeys and writes (:data:`RUNTIME_DATA`: the plan's steps, the timeline), and
+  only the data it obeys and writes (:data:`RUNTIME_DATA`: the plan's steps, the timeline, the
+  rules of its CUDA-graph segments), and
   nothing it reaches, however indirectly, is in ``passes``, ``cost``, or the rest of
   ``schedule`` (placement, planning, simulation).
 - An import inside a function (an optional dependency, or a module heavy to import at start-up)
@@ -33,7 +34,8 @@ PACKAGE = "autopar"
 SOURCE = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 STAGES = ("ir", "machine", "cost", "capture", "schedule", "passes", "runtime", "report",
           "doctor", "top", "bench", "cli")
-RUNTIME_DATA = frozenset({"autopar.schedule.steps", "autopar.schedule.timeline"})
+RUNTIME_DATA = frozenset({"autopar.schedule.steps", "autopar.schedule.timeline",
+                          "autopar.schedule.segments"})
 RUNTIME_NEVER = ("passes", "cost", "schedule")  # outside RUNTIME_DATA
 
 

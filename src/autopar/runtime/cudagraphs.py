@@ -1,10 +1,10 @@
 """CUDA-graph replay of a GPU program's segments.
 
 Policy
-- Which segments are captured, and what an escaping output is, is decided in
-  :mod:`autopar.passes.cudagraphs` (:func:`~autopar.passes.cudagraphs.chosen_segments`, the same
-  rules the prediction uses); the executor hands the rule over as ``pays(launches, copies,
-  clones)``.
+- Which segments there are, what can't be captured and what an escaping output is are the
+  rules of :mod:`autopar.schedule.segments` (the prediction's too); whether one pays is
+  :mod:`autopar.passes.cudagraphs`' policy, handed to the executor as ``pays(launches,
+  copies, clones)``.
 - Lifecycle of a segment: the first call runs it on streams (warm-up: Inductor compiles, cuBLAS
   initializes); the second captures it: inputs are copied into static buffers (a static
   output of an earlier graph of the same program is used as it is, and an input read *in
@@ -39,7 +39,7 @@ from ..ir.compare import outputs_differ
 from ..ir.graph import Node
 from ..ir.logs import first_line
 from ..ir.routing import GraphIndex
-from ..passes.cudagraphs import chosen_segments, launches, step_ops, tuples_unpacked_at_once
+from ..schedule.segments import chosen_segments, launches, step_ops, tuples_unpacked_at_once
 from ..schedule.steps import Free
 from .codegen import Call, Program, SlotTable, build_program
 
