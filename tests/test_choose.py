@@ -414,12 +414,17 @@ def test_sizes_that_vary_share_one_trial_and_are_not_captured_each(monkeypatch):
     for x in xs[OWN_SIGNATURES:]:
         torch.testing.assert_close(g(x), chain(x))
     assert len(g.runner.executors) == planned
+    torch.testing.assert_close(g(xs[0]), chain(xs[0]))  # a captured length, back once
     family = choose.family_of(g._key((xs[-1],), {}))
     assert g.kept[family] == "inductor" and g.kept_way((xs[-1],)) == "inductor"
-    assert g.kept_way((xs[0],)) is None  # the first lengths' own trials wait for their calls
-    last = 5 + len(xs) - 1
-    assert (f"chain, shapes (3, 5..{last}) that vary (3 new signatures ran its verdict): runs "
-            "inductor: inductor (eager 2 s, inductor 1 s)") in g.explain()
+    # the first lengths' own trials, which their sizes never came back to end, take the
+    # family's verdict: no trial is left, and one way serves every call
+    assert g.kept_way((xs[0],)) == g.kept_way((xs[1],)) == "inductor"
+    assert g.trials == {} and g.only is not None
+    said = g.explain()
+    assert "chain, shapes (3, 5.." in said and " signatures ran its verdict): runs inductor: " \
+        "inductor (eager 2 s, inductor 1 s)" in said
+    assert "chain: every call runs inductor (one way for all" in said
 
 
 def test_sizes_that_vary_run_eager_at_once_where_no_other_way_serves_any_size():
@@ -435,7 +440,7 @@ def test_sizes_that_vary_run_eager_at_once_where_no_other_way_serves_any_size():
         torch.testing.assert_close(g(x), f(x))
     assert len(g.runner.executors) == OWN_SIGNATURES
     assert g.kept_way((torch.randn(2, 8),)) == "eager"
-    assert "shapes (2, 4..8) that vary (3 new signatures ran its verdict): runs eager: eager " \
+    assert "shapes (2, 4..8) that vary (3 signatures ran its verdict): runs eager: eager " \
         "(the only way for any size)" in g.explain()
 
 

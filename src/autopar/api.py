@@ -698,6 +698,8 @@ class Dispatcher:
 
     def kept_way(self, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> str | None:
         """The way kept for calls with these arguments (None while undecided)."""
+        if self.only is not None:  # one way serves every call
+            return next(iter(self.kept.values()))
         return self.kept.get(self._key(args, kwargs or {}))
 
     def _key(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -983,8 +985,23 @@ class Dispatcher:
             if _profiler._is_profiler_enabled:  # the verdict, as a mark in the profiler's trace
                 with _range(f"autopar:verdict {self.name} {won}"):
                     pass
+            if isinstance(key, Family):
+                self._adopt(key, won)
             self._keep(key, won)
         return out
+
+    def _adopt(self, family: Family, way: str) -> None:
+        """A family's first signatures whose own trials still wait for calls take the family's
+        verdict: where sizes vary, one size seldom comes back, and its trial's eager calls
+        and the Dispatcher's keyed path (no single way) would last for good (BERT, lengths
+        64-128: a captured length came back 4 times in 240 calls)."""
+        for member in self.families.get(family, ()):
+            if member in self.trials and member not in self.kept:
+                del self.trials[member]
+                trials_log.info("autopar: %s: %s takes its family's verdict, %s, before its "
+                                "own trial ended", self.name, self._describe(member), way)
+                self._by_family.add(member)
+                self._keep(member, way)
 
     def explain(self) -> str:
         """What runs each argument signature seen: the way kept and each trial's medians (a
@@ -1001,6 +1018,9 @@ class Dispatcher:
             done = "; ".join(self.verdicts.get(key, []))
             lines.append(f"{self.name}, {self._describe(key)}: timing {', '.join(trial.ways)}"
                          + (f" (after {done})" if done else ""))
+        if self.only is not None and len(self.kept) > 1:
+            lines.append(f"{self.name}: every call runs {next(iter(self.kept.values()))} (one "
+                         "way for all: later signatures are not keyed)")
         if "split" in self.kept.values() and self.split is not None:
             lines.append(self.split.explain())
         failed = self.switch.failed if self.switch is not None else None
@@ -1026,7 +1046,7 @@ class Dispatcher:
                                           for v in dims) + ")")
         served = sum(k in self._by_family for k in self.families.get(family, ()))
         return (f"shapes {', '.join(shapes)} that vary" if shapes else "these arguments") + \
-            (f" ({served} new signatures ran its verdict)" if served else "")
+            (f" ({served} signatures ran its verdict)" if served else "")
 
     def _versions(self, args: tuple, kwargs: dict) -> list[int]:
         """The version counters of every tensor a call could write in place: its arguments
