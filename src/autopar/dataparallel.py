@@ -136,17 +136,19 @@ class DataParallelStep:
         batch = batch_inputs(step, args, self.batch_argnums)
         shard_devices(batch, cost, self.options.devices, self.shards)  # the user's mistakes
         rule = capture_rule(self.options.cuda_graphs)
-        graphs = rule if _executor.graph_devices(list(self.options.devices), rule) and \
-            not self.options.trace else None
+        on = _executor.graph_devices(list(self.options.devices), rule)
+        graphs = rule if on and not self.options.trace else None
         try:
             choice = choose(step, batch, cost, self.options.devices,
                             policy=self.options.policy, shards=self.shards,
                             fusing=fusion_devices(self.options.devices, self.options.fuse),
-                            graphs=graphs)
+                            graphs=graphs, graphs_forced=self.options.cuda_graphs is True,
+                            graphed_devices=on)
             plan = choice.plan  # the plan its prediction simulated
-            in_place, _, consumed = resident(step, choice.sharded, graphs is not None)
+            in_place, _, consumed = resident(step, choice.sharded, choice.graphs)
             run = Executor(plan, trace=bool(self.options.trace),
-                           fuse=regions_to_fuse(plan, self.options.fuse), cuda_graphs=graphs,
+                           fuse=regions_to_fuse(plan, self.options.fuse),
+                           cuda_graphs=graphs if choice.graphs else None,
                            in_place=in_place, transient=consumed)
         except (Unsupported, NotShardable):
             raise
@@ -154,7 +156,7 @@ class DataParallelStep:
             raise Unsupported(f"planning failed: {type(e).__name__}: {e}") from e
         log.info("autopar: %s: predicted %s; running %s", step.graph.name, choice.predicted,
                  "unsplit" if choice.sharded is None else ",".join(choice.sharded.devices))
-        compiled = _Compiled(step, run, choice, graphs=graphs is not None)
+        compiled = _Compiled(step, run, choice, graphs=choice.graphs)
         if self.shards is None:  # the user didn't ask for a split: measured against eager
             if choice.sharded is None:
                 compiled.way = "eager"  # unsplit is the step as written
@@ -423,7 +425,8 @@ def predict_step(fn: Callable, args: Sequence[Any], machine: Any,
     rule = capture_rule(cuda_graphs)
     graphs = rule if _executor.graph_devices(devices, rule) else None
     choice = choose(step, batch_inputs(step, args, batch_argnums), cost, devices,
-                    shards=shards, fusing=fusing, graphs=graphs)
+                    shards=shards, fusing=fusing, graphs=graphs,
+                    graphs_forced=cuda_graphs is True)
     eager = place(step.graph, cost, policy="single", devices=devices)
     return StepPrediction(choice, eager.predicted_s)
 

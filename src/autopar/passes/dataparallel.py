@@ -30,7 +30,7 @@ from .fusion import FusedCost, fused_regions
 from .shard import NotShardable, Sharded, shard
 
 __all__ = ["AT_ONCE_SLACK", "FOREACH_TENSORS", "Choice", "choose", "predicted_run", "resident",
-           "shard_devices", "write_back"]
+           "shard_devices", "with_graphs", "write_back"]
 
 log = logging.getLogger("autopar.dataparallel")
 
@@ -53,6 +53,7 @@ class Choice:
     timeline: Any = None  # the kept candidate's simulated Timeline, as predicted
     label: str = "unsplit"  # the kept candidate's key in ``predicted``
     pruned: dict[str, str] = field(default_factory=dict)  # candidate -> why it wasn't placed
+    graphs: bool = False  # the kept candidate replays its GPUs' segments as CUDA graphs
 
 
 def resident(step: StepGraph, sharded: Sharded | None,
@@ -100,34 +101,63 @@ def write_back(plan: Any, cost: Any, back: frozenset[int]) -> tuple[float, float
 
 def predicted_run(placed: Any, cost: Any, fusing: Sequence[str],
                   graphs: Callable[[int, int, int], bool] | None = None,
-                  kept: tuple[frozenset[int], frozenset[int], frozenset[int]] = (
-                      frozenset(), frozenset(), frozenset())) -> tuple[Any, Any, float, float]:
+                  step: StepGraph | None = None,
+                  sharded: Sharded | None = None) -> tuple[Any, Any, float, float]:
     """The plan of ``placed``, its simulated Timeline as the executor runs it (the regions of
-    the programs of ``fusing`` fused; none: priced op by op; the GPUs' segments replayed as
-    CUDA graphs where ``graphs`` says they pay, ``kept`` being :func:`resident`'s sets), its
-    predicted seconds (the longer of its makespan and the calling thread's issue time,
-    :func:`issue_s`: one thread launches every GPU's work, each with the outputs' write-back
-    after it, :func:`write_back`) and that issue time."""
+    the programs of ``fusing`` fused; none: priced op by op), its predicted seconds (the
+    longer of its makespan and the calling thread's issue time, :func:`issue_s`: one thread
+    launches every GPU's work; for a ``step``, each with its outputs' write-back after it,
+    :func:`write_back`) and that issue time. With ``graphs`` (the executor's CUDA-graph rule)
+    the GPUs' segments replayed as graphs are predicted too, and kept where faster (see
+    :func:`with_graphs`)."""
+    return with_graphs(placed, cost, fusing, graphs, step, sharded)[:4]
+
+
+def with_graphs(placed: Any, cost: Any, fusing: Sequence[str],
+                graphs: Callable[[int, int, int], bool] | None, step: StepGraph | None,
+                sharded: Sharded | None, forced: bool = False,
+                graphed_devices: Sequence[str] | None = None
+                ) -> tuple[Any, Any, float, float, bool]:
+    """:func:`predicted_run`'s answer and whether it replays segments as CUDA graphs: only
+    where ``graphs`` chooses segments and the prediction with them (their replays, the
+    outputs written back out of static buffers) is shorter than without (on ``h200x8`` GPT-2
+    small's step, fused, has segments of 1-3 launches between its reductions' cross-device
+    points: replaying them saves less than copying the .grads and replicas back costs);
+    ``forced`` (``cuda_graphs=True``): wherever segments are chosen. ``graphed_devices``:
+    the devices whose programs may be graphed (the executor's; None: the GPUs)."""
     plan = make_plan(placed, cost)
     fused = fused_regions(plan, fusing) if fusing else {}
     priced: Any = FusedCost(cost, fused) if fusing else cost
-    in_place, back, consumed = kept
-    if graphs is not None:
-        gpus = [d for d in plan.programs if not d.startswith("cpu")]
-        inputs = plan.graph.inputs
-        priced = GraphedCost(priced, graphed_segments(
-            plan, gpus, graphs, fused, frozenset(inputs[i] for i in in_place),
-            frozenset(plan.outputs[i][0] for i in consumed)))
-    timeline = simulate(plan, priced)
-    issue = issue_s(plan, priced)
-    back_s, back_issue = write_back(plan, cost, back)
-    return plan, timeline, max(timeline.makespan + back_s, issue + back_issue), issue
+
+    def run(priced: Any, back: frozenset[int]) -> tuple[Any, float, float]:
+        timeline = simulate(plan, priced)
+        issue = issue_s(plan, priced)
+        back_s, back_issue = write_back(plan, cost, back)
+        return timeline, max(timeline.makespan + back_s, issue + back_issue), issue
+
+    plain = resident(step, sharded, False) if step is not None else (frozenset(),) * 3
+    timeline, predicted, issue = run(priced, plain[1])
+    if graphs is None or step is None:
+        return plan, timeline, predicted, issue, False
+    in_place, back, consumed = resident(step, sharded, True)
+    inputs = plan.graph.inputs
+    on = [d for d in plan.programs if (not d.startswith("cpu") if graphed_devices is None
+                                       else d in graphed_devices)]
+    segs = graphed_segments(plan, on, graphs, fused, frozenset(inputs[i] for i in in_place),
+                            frozenset(plan.outputs[i][0] for i in consumed))
+    if not any(segs.values()):
+        return plan, timeline, predicted, issue, False
+    g_timeline, g_predicted, g_issue = run(GraphedCost(priced, segs), back)
+    if forced or g_predicted < predicted:
+        return plan, g_timeline, g_predicted, g_issue, True
+    return plan, timeline, predicted, issue, False
 
 
 def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence[str], *,
            policy: str = "heft", shards: int | None = None,
            fusing: Sequence[str] = (),
-           graphs: Callable[[int, int, int], bool] | None = None) -> Choice:
+           graphs: Callable[[int, int, int], bool] | None = None,
+           graphs_forced: bool = False, graphed_devices: Sequence[str] | None = None) -> Choice:
     """Place ``step`` unsplit and split over the first k same-kind devices (home first) for
     k = 1, 2, 4, ... and all of them, and keep the one predicted fastest (with the programs
     of ``fusing`` fused, as the executor will run them); ``shards`` forces k (1: don't split).
@@ -143,13 +173,16 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
     of issue for 10,138 ops; over 8, 18,638 ops, an estimate of 44.3 ms and a prediction of
     50.4, not placed; planning 16.3 s -> 12.0 on the 2-core VM). ``graphs``: the executor's
     CUDA-graph rule (:func:`autopar.passes.cudagraphs.capture_rule`), each candidate predicted
-    with its GPUs' segments replayed (None: none)."""
+    with its GPUs' segments replayed too, the faster form kept (``Choice.graphs``; None:
+    never; ``graphs_forced``: the replayed form wherever it has segments; ``graphed_devices``
+    as :func:`with_graphs`')."""
     devices, same_kind = shard_devices(batch, cost, devices, shards)
     n = len(same_kind)
     ks = sorted({k for k in (1 << i for i in range(n.bit_length())) if k <= n} | {n}) \
         if shards is None else [shards]  # powers of two and all: planning time stays bounded
     predicted: dict[str, float] = {}
     runs: dict[str, tuple[Any, Any]] = {}  # label -> (plan, timeline)
+    graphed: dict[str, bool] = {}  # label -> predicted with its segments replayed
     placed_all: list[tuple[str, Any, Sharded | None]] = []
     at_once: tuple[str, list[str]] | None = None  # the chunked pair's label and devices
     pruned: dict[str, str] = {}
@@ -183,8 +216,9 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
             candidates = [(label + suffix, place(s.graph, cost, policy=policy, devices=devices,
                                                  pins=s.pins), s) for suffix, s in forms]
         for label, placed, sharded in candidates:
-            plan, timeline, predicted[label], issue = predicted_run(
-                placed, cost, fusing, graphs, resident(step, sharded, graphs is not None))
+            plan, timeline, predicted[label], issue, graphed[label] = with_graphs(
+                placed, cost, fusing, graphs, step, sharded, graphs_forced,
+                graphed_devices)
             runs[label] = plan, timeline
             placed_all.append((label, placed, sharded))
             if sharded is not None:  # the issuing thread's seconds per op of a split graph
@@ -194,8 +228,9 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
         label, pair = f"{at_once[0]} at once", at_once[1]
         sharded = shard(step.graph, batch, pair, updates=step.updates, reduce_chunks=1)
         placed = place(sharded.graph, cost, policy=policy, devices=devices, pins=sharded.pins)
-        plan, timeline, predicted[label], _ = predicted_run(
-            placed, cost, fusing, graphs, resident(step, sharded, graphs is not None))
+        plan, timeline, predicted[label], _, graphed[label] = with_graphs(
+            placed, cost, fusing, graphs, step, sharded, graphs_forced,
+                graphed_devices)
         runs[label] = plan, timeline
         placed_all.append((label, placed, sharded))
     ranked = sorted(placed_all, key=lambda c: predicted[c[0]])
@@ -203,11 +238,13 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
     for label, placed, sharded in ranked:  # the fastest that fits every device's memory
         why = _does_not_fit(*runs[label], cost)
         if why is None:
-            return Choice(placed, sharded, predicted, refused, *runs[label], label, pruned)
+            return Choice(placed, sharded, predicted, refused, *runs[label], label, pruned,
+                          graphed[label])
         refused[label] = why
         log.info("autopar: %s %s: %s", step.graph.name, label, why)
     label, placed, sharded = ranked[0]  # nothing fits (eager's own form neither): the fastest
-    return Choice(placed, sharded, predicted, refused, *runs[label], label, pruned)
+    return Choice(placed, sharded, predicted, refused, *runs[label], label, pruned,
+                  graphed[label])
 
 
 def _does_not_fit(plan: Any, timeline: Any, cost: Any) -> str | None:
