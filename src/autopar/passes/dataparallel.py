@@ -29,8 +29,8 @@ from .cudagraphs import GraphedCost, graphed_segments
 from .fusion import FusedCost, fused_regions
 from .shard import NotShardable, Sharded, shard
 
-__all__ = ["AT_ONCE_SLACK", "FOREACH_TENSORS", "Choice", "choose", "predicted_run", "resident",
-           "shard_devices", "with_graphs", "write_back"]
+__all__ = ["AT_ONCE_SLACK", "FOREACH_TENSORS", "GRAPHS_ISSUE_SHARE", "Choice", "choose",
+           "predicted_run", "resident", "shard_devices", "with_graphs", "write_back"]
 
 log = logging.getLogger("autopar.dataparallel")
 
@@ -74,6 +74,11 @@ def resident(step: StepGraph, sharded: Sharded | None,
     back = frozenset(range(step.n_outputs, n_out + n_next)) if graphs else frozenset(mutated)
     return in_place, back, back if graphs else frozenset()
 
+
+GRAPHS_ISSUE_SHARE = 0.8
+"""A candidate whose issuing thread is busy for less than this share of its makespan is not
+bound by launches, and its segments are not looked at for CUDA graphs (planning GPT-2 small's
+step on ``h200x8`` took 11 s without that analysis and 14-15 s with it, for no gain)."""
 
 FOREACH_TENSORS = 110
 """Tensors one ``torch._foreach_copy_`` launch takes (multi-tensor apply's list depth 2)."""
@@ -123,7 +128,8 @@ def with_graphs(placed: Any, cost: Any, fusing: Sequence[str],
     outputs written back out of static buffers) is shorter than without (on ``h200x8`` GPT-2
     small's step, fused, has segments of 1-3 launches between its reductions' cross-device
     points: replaying them saves less than copying the .grads and replicas back costs);
-    ``forced`` (``cuda_graphs=True``): wherever segments are chosen. ``graphed_devices``:
+    ``forced`` (``cuda_graphs=True``): wherever segments are chosen; else only where the
+    issuing thread is the bound (``GRAPHS_ISSUE_SHARE``). ``graphed_devices``:
     the devices whose programs may be graphed (the executor's; None: the GPUs)."""
     plan = make_plan(placed, cost)
     fused = fused_regions(plan, fusing) if fusing else {}
@@ -137,7 +143,8 @@ def with_graphs(placed: Any, cost: Any, fusing: Sequence[str],
 
     plain = resident(step, sharded, False) if step is not None else (frozenset(),) * 3
     timeline, predicted, issue = run(priced, plain[1])
-    if graphs is None or step is None:
+    if graphs is None or step is None or \
+            (not forced and issue < GRAPHS_ISSUE_SHARE * timeline.makespan):
         return plan, timeline, predicted, issue, False
     in_place, back, consumed = resident(step, sharded, True)
     inputs = plan.graph.inputs

@@ -215,11 +215,11 @@ class FusedCost:
         self._times: dict[tuple[Node, str], float] = {}
         self._host: dict[tuple[Node, str], float] = {}
         self._device: dict[tuple[Node, str], float] = {}
+        self._regions: dict[tuple[Node, str], tuple[list[Node], list[Node]]] = {}
         for device, groups in fused.items():
             for group in groups:
                 for n in group:
                     self._times[(n, device)] = self._host[(n, device)] = 0.0
-                    self._device[(n, device)] = 0.0
                 extern: list[Node] = []
                 fused: list[Node] = []
                 for n in group:
@@ -228,10 +228,7 @@ class FusedCost:
                 self._host[(group[0], device)] = \
                     sum(host_time(cost, n, device) for n in extern) + \
                     max((host_time(cost, n, device) for n in fused), default=0.0)
-                if hasattr(cost, "op_cost"):  # a cost model with a host and device split
-                    self._device[(group[0], device)] = \
-                        sum(cost.op_cost(n, device).device_s for n in extern) + \
-                        max((cost.op_cost(n, device).device_s for n in fused), default=0.0)
+                self._regions[(group[0], device)] = (extern, fused)
 
     def _region_time(self, extern: list[Node], fused: list[Node], device: str) -> float:
         """A region's time: its library calls', and one launch for its other ops."""
@@ -251,10 +248,18 @@ class FusedCost:
     def device_s(self, node: Node, device: str) -> float:
         """The GPU's seconds of a region at its first node (its library calls', and its
         longest other op's), nothing at its other nodes; other nodes as ``cost``."""
-        t = self._device.get((node, device))
-        if t is not None:
+        region = self._regions.get((node, device))
+        if region is not None:  # asked for by CUDA graphs' predictions only: worked out then
+            t = self._device.get((node, device))
+            if t is None:
+                extern, fused = region
+                t = self._device[(node, device)] = \
+                    sum(self.cost.op_cost(n, device).device_s for n in extern) + \
+                    max((self.cost.op_cost(n, device).device_s for n in fused), default=0.0)
             return t
-        return 0.0 if (node, device) in self._times else self.cost.op_cost(node, device).device_s
+        if (node, device) in self._times:  # a region's other nodes
+            return 0.0
+        return self.cost.op_cost(node, device).device_s
 
     def host_s(self, node: Node, device: str) -> float:
         """A region's launches at its first node (its library calls', and one for the

@@ -155,15 +155,14 @@ def launches(steps: Sequence[Any], moved: set[Node]) -> int:
     return n
 
 
-def escaping(seg_steps: Sequence[Any], outputs: Sequence[Node], program: Sequence[Any],
+def escaping(seg_steps: Sequence[Any], outputs: Sequence[Node], at: dict[Node, int],
              end: int, ix: GraphIndex, graph_outputs: set[Node],
              transient: Callable[[Node], bool] = lambda v: False) -> set[Node]:
     """Outputs of the segment that must not stay in static buffers (module docstring): one
     held past the call (a graph output, but one the caller consumes before its next call,
     ``transient``), read off this program's later steps (a Send or Record), or the base of a
     later view that escapes so (a view read only by later steps of the program aliases the
-    static buffer harmlessly)."""
-    later_runs = {n for step in program[end:] for n in step_ops(step)}
+    static buffer harmlessly). ``at``: the step index of each op of the program."""
     inside = {n for s in seg_steps for n in step_ops(s)}
 
     def leaves(v: Node) -> bool:
@@ -172,7 +171,7 @@ def escaping(seg_steps: Sequence[Any], outputs: Sequence[Node], program: Sequenc
         for u in ix.users[v]:
             if u in inside:
                 continue
-            if u not in later_runs or (v in u.aliases and leaves(u)):
+            if at.get(u, -1) < end or (v in u.aliases and leaves(u)):
                 return True
         return False
     return {v for v in outputs if leaves(v)}
@@ -259,11 +258,16 @@ def chosen_segments(steps: list[Any], ix: GraphIndex, graph_outputs: set[Node],
     ``in_place``, left in its static buffer by an earlier chosen segment, or a view of either
     (read where it lives: ``Segment.read_in_place``; see the module docstring). Those left
     out are logged at debug level."""
+    known: dict[int, bool] = {}  # id(step) -> capturable (asked again in each pass below)
+
     def capturable(step: Any) -> bool:
-        why = why_not_capturable([step], local)
-        if why:
-            log.debug("autopar: %s runs on streams, between graphs: %s", step, why)
-        return why is None
+        got = known.get(id(step))
+        if got is None:
+            why = why_not_capturable([step], local)
+            if why:
+                log.debug("autopar: %s runs on streams, between graphs: %s", step, why)
+            got = known[id(step)] = why is None
+        return got
 
     left_out: set[Node] = set()
 
@@ -279,8 +283,9 @@ def chosen_segments(steps: list[Any], ix: GraphIndex, graph_outputs: set[Node],
         if not misfits - left_out:
             break
         left_out |= misfits
+    at = {n: i for i, step in enumerate(steps) for n in step_ops(step)}
     whole = [(k, start, end, inputs, outputs,
-              escaping(steps[start:end], outputs, steps, end, ix, graph_outputs, transient),
+              escaping(steps[start:end], outputs, at, end, ix, graph_outputs, transient),
               count(steps[start:end])) for k, (start, end, inputs, outputs) in enumerate(found)]
     chosen = {k for k, *_ in whole}
     while True:  # from all of them: one left out makes its outputs copies in later ones
