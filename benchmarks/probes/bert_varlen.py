@@ -69,7 +69,16 @@ def one(variant: str, dev: str) -> dict:
            "call_ms": statistics.median(whole) * 1e3, "launches_per_call": launches / 10,
            "aten_calls_per_call": ops / 10,
            "kernels": kernels}
-    if variant == "autopar":
+    import torch._dynamo.utils as dynamo_utils
+
+    before = {k: dict(v) for k, v in dynamo_utils.counters.items()}
+    for kw in batches[70:100]:
+        call(kw)
+    sync()
+    out["dynamo_counters_during_30_calls"] = {
+        k: {n: c - before.get(k, {}).get(n, 0) for n, c in v.items()
+            if c != before.get(k, {}).get(n, 0)} for k, v in dynamo_utils.counters.items()}
+    if variant != "eager":
         pr = cProfile.Profile()
         pr.enable()
         for kw in batches[70:100]:
@@ -78,8 +87,9 @@ def one(variant: str, dev: str) -> dict:
         sync()
         s = io.StringIO()
         pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(30)
-        out["cprofile"] = s.getvalue()[-6000:]
-        d = getattr(model, "forward", None)
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
+        out["cprofile"] = s.getvalue()[-14000:]
+        d = getattr(f, "forward", None)
         out["explain"] = d.explain() if hasattr(d, "explain") else None
     return out
 
