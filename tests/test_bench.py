@@ -376,3 +376,32 @@ def test_every_family_of_run_all_takes_json_as_run_all_passes_it(monkeypatch):
         assert '"--json"' in source, f"{family.script} has no --json option"
         takes_path = re.search(r'"--json",[^)]*type=Path', source) is not None
         assert takes_path == family.json_to_file, f"{name}: --json PATH or a flag, not both"
+
+
+def test_the_generate_check_tells_a_near_tie_from_a_wrong_token(monkeypatch):
+    """benchmarks/models.py's ``generate`` rows: tokens that part where eager's top two logits
+    are within ``NEAR_TIE`` of each other, and the variant's logits within that of eager's,
+    are a tie broken by summation order (a note); logits that drifted are a failure."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "models.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_models", path)
+    models = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, models)
+    spec.loader.exec_module(models)
+
+    def generated(tokens, scores):  # prompt of 2, then 2 steps over a vocabulary of 3
+        return SimpleNamespace(sequences=torch.tensor([tokens]),
+                               scores=[torch.tensor([s]) for s in scores])
+    eager = generated([1, 2, 1, 0], [[0.0, 5.0001, 5.0], [4.0, 1.0, 3.0]])
+    tie = generated([1, 2, 2, 0], [[0.0, 5.0, 5.0001], [4.0, 1.0, 3.0]])
+    wrong = generated([1, 2, 2, 0], [[0.0, 5.0, 9.0], [4.0, 1.0, 3.0]])
+    assert models._tokens_differ(eager, eager, prompt=2) is None
+    said = models._tokens_differ(tie, eager, prompt=2)
+    assert said.startswith("near tie: tokens differ from eager's, first at [0, 2]: eager's top "
+                           "two logits there 0.0001 apart (largest 5)")
+    said = models._tokens_differ(wrong, eager, prompt=2)
+    assert not said.startswith("near tie") and said.endswith("within 4 of eager's")
