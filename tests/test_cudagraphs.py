@@ -371,3 +371,16 @@ def test_a_replayed_segment_is_predicted_at_its_device_time_and_one_replay():
     assert busy(graphed) < busy(h200)
     read = graphed_segments(plan, ["cuda:0"], capture_rule("auto"), in_place=frozenset({x}))
     assert [c for _, c, _ in read["cuda:0"]] == [0]
+
+
+def test_an_expanded_input_is_copied_into_a_dense_buffer_and_replays(cost, stand_in):
+    """An input that is an expanded view (stride 0, as HF's token-type ids) is cloned dense
+    for the capture; later calls with the same expanded layout copy into that buffer and
+    replay (compared with the layout the input had when captured, not with the buffer's)."""
+    stand_in(StandInGraphs())
+    g = split_chain()
+    ex = Executor(make_plan(by_hand(g, {}), cost), cuda_graphs=capture_rule(True))
+    for k in range(4):
+        x = torch.randn(1, 8, generator=torch.Generator().manual_seed(k)).expand(4, 8)
+        torch.testing.assert_close(ex([x]), SequentialRunner(g)([x]), rtol=0, atol=0)
+    assert [s.status for s in ex.segments] == ["captured"]

@@ -164,6 +164,9 @@ class GraphSegment:
             self._streams_for_good(f"capture failed: {type(e).__name__}: {first_line(e)}")
             return False
         self._static_in, self._static_out, self._replay = static_in, outs, replay
+        # the layout each input had when captured: a clone of an expanded input is dense,
+        # and the next call's input is to be compared with the input, not with its buffer
+        self._in_strides = [env[slot].stride() for slot in self.input_slots]
         for (_, escapes), t in zip(self.output_slots, outs):
             if not escapes:
                 self.statics[id(t)] = t
@@ -185,7 +188,8 @@ class GraphSegment:
                 self.program.fn(env, rt)
                 return
         misfit = _copy_in([env[slot] if k not in self.in_place else self._static_in[k]
-                           for k, slot in enumerate(self.input_slots)], self._static_in)
+                           for k, slot in enumerate(self.input_slots)], self._static_in,
+                          self._in_strides)
         if misfit is not None:
             self._streams_for_good(f"input in slot {self.input_slots[misfit]} changed layout")
             self.program.fn(env, rt)
@@ -197,14 +201,17 @@ class GraphSegment:
             env[slot] = None
 
 
-def _copy_in(values: Sequence[torch.Tensor], statics: Sequence[torch.Tensor]) -> int | None:
+def _copy_in(values: Sequence[torch.Tensor], statics: Sequence[torch.Tensor],
+             strides: Sequence[tuple[int, ...]] | None = None) -> int | None:
     """Copy each value into its static buffer before a replay (a value that is its buffer is
-    not copied); the index of the first value of another layout than its buffer's (the
-    replay can't take it), or None."""
+    not copied); the index of the first value of another layout than at capture (its
+    buffer's, or ``strides[k]``: an expanded input's buffer is dense) that the replay can't
+    take, or None."""
     for k, (t, static) in enumerate(zip(values, statics)):
         if t is static:
             continue
-        if t.shape != static.shape or t.stride() != static.stride() or \
+        stride = static.stride() if strides is None else strides[k]
+        if t.shape != static.shape or t.stride() != stride or \
                 t.dtype != static.dtype or t.device != static.device:
             return k
         static.copy_(t)
