@@ -35,6 +35,20 @@ def _model(name: str) -> torch.nn.Module:
     return without_dropout(MODELS[name].make("tiny", layers=BLOCKS.get(name)).train())
 
 
+def _split(name: str, optimizer: str, batch: int, **options):
+    """A model's training step split over the two workers, and eager's beside it: (model,
+    ref, opt, ref_opt, step, ref_step)."""
+    m = MODELS[name]
+    model = _model(name)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = OPTIMIZERS[optimizer](model.parameters()), \
+        OPTIMIZERS[optimizer](ref.parameters())
+    keys = list(inputs_for(m, "tiny", batch=batch)[1])
+    step = autopar.data_parallel(train_step(model, opt, keys), devices=CPUS, shards=2,
+                                 batch_argnums=tuple(range(len(keys))), **options)
+    return model, ref, opt, ref_opt, step, train_step(ref, ref_opt, keys)
+
+
 # steps per case: HF ResNet's are 10, because ReLU and max-pool turn one rounding difference
 # into a jump. On torch 2.11 its SGD momentum buffers were within 8e-6 of eager's through step
 # 17 and 6.8e-4 off at step 18; with GELU and average pooling in their place the same 20 steps
@@ -48,14 +62,7 @@ STEPPED = [("gpt2", "adamw", 5, 20), ("bert", "adamw", 4, 20),
 @pytest.mark.parametrize(("name", "optimizer", "batch", "steps"), STEPPED)
 def test_steps_split_over_two_workers_equal_eager(name, optimizer, batch, steps):
     m = MODELS[name]
-    model = _model(name)
-    ref = copy.deepcopy(model)
-    opt, ref_opt = OPTIMIZERS[optimizer](model.parameters()), \
-        OPTIMIZERS[optimizer](ref.parameters())
-    keys = list(inputs_for(m, "tiny", batch=batch)[1])
-    step = autopar.data_parallel(train_step(model, opt, keys), devices=CPUS, shards=2,
-                                 batch_argnums=tuple(range(len(keys))))
-    ref_step = train_step(ref, ref_opt, keys)
+    model, ref, opt, ref_opt, step, ref_step = _split(name, optimizer, batch)
     for i in range(steps):
         kwargs = inputs_for(m, "tiny", batch=batch, seed=i)[1]
         torch.testing.assert_close(step(*kwargs.values()), ref_step(*kwargs.values()), **TOL)
@@ -90,14 +97,7 @@ def test_steps_with_segments_replayed_as_graphs_equal_eager(name, monkeypatch):
                         lambda devices, rule: [] if rule is None else list(devices))
     monkeypatch.setattr(executor_module, "_GRAPH_BACKEND", backend)
     m = MODELS[name]
-    model = _model(name)
-    ref = copy.deepcopy(model)
-    opt, ref_opt = OPTIMIZERS["adamw"](model.parameters()), \
-        OPTIMIZERS["adamw"](ref.parameters())
-    keys = list(inputs_for(m, "tiny", batch=4)[1])
-    step = autopar.data_parallel(train_step(model, opt, keys), devices=CPUS, shards=2,
-                                 batch_argnums=tuple(range(len(keys))), cuda_graphs=True)
-    ref_step = train_step(ref, ref_opt, keys)
+    model, ref, opt, ref_opt, step, ref_step = _split(name, "adamw", 4, cuda_graphs=True)
     for i in range(6):
         kwargs = inputs_for(m, "tiny", batch=4, seed=i)[1]
         torch.testing.assert_close(step(*kwargs.values()), ref_step(*kwargs.values()), **TOL)
@@ -126,14 +126,7 @@ def test_every_hf_models_adamw_step_splits_and_equals_eager(name):
     (only HF's mask building, position ids' cumsum and a few ops of its own left unsplit) and
     three steps equal eager's."""
     m = MODELS[name]
-    model = _model(name)
-    ref = copy.deepcopy(model)
-    opt, ref_opt = OPTIMIZERS["adamw"](model.parameters()), \
-        OPTIMIZERS["adamw"](ref.parameters())
-    keys = list(inputs_for(m, "tiny", batch=5)[1])
-    step = autopar.data_parallel(train_step(model, opt, keys), devices=CPUS, shards=2,
-                                 batch_argnums=tuple(range(len(keys))))
-    ref_step = train_step(ref, ref_opt, keys)
+    model, ref, _, _, step, ref_step = _split(name, "adamw", 5)
     for i in range(3):
         kwargs = inputs_for(m, "tiny", batch=5, seed=i)[1]
         torch.testing.assert_close(step(*kwargs.values()), ref_step(*kwargs.values()), **TOL)
