@@ -136,20 +136,19 @@ class DataParallelStep:
         batch = batch_inputs(step, args, self.batch_argnums)
         shard_devices(batch, cost, self.options.devices, self.shards)  # the user's mistakes
         rule = capture_rule(self.options.cuda_graphs)
-        on = _executor.graph_devices(list(self.options.devices), rule)
-        graphs = rule if on and not self.options.trace else None
+        on = [] if self.options.trace else _executor.graph_devices(list(self.options.devices),
+                                                                    rule)
         try:
             choice = choose(step, batch, cost, self.options.devices,
                             policy=self.options.policy, shards=self.shards,
                             fusing=fusion_devices(self.options.devices, self.options.fuse),
-                            graphs=graphs, graphs_forced=self.options.cuda_graphs is True,
-                            graphed_devices=on)
+                            cuda_graphs=self.options.cuda_graphs, graphed_devices=on)
             plan = choice.plan  # the plan its prediction simulated
-            in_place, _, consumed = resident(step, choice.sharded, choice.graphs)
+            in_place, back = resident(step, choice.sharded, choice.graphs)
             run = Executor(plan, trace=bool(self.options.trace),
                            fuse=regions_to_fuse(plan, self.options.fuse),
-                           cuda_graphs=graphs if choice.graphs else None,
-                           in_place=in_place, transient=consumed)
+                           cuda_graphs=rule if choice.graphs else None,
+                           in_place=in_place, transient=back)
         except (Unsupported, NotShardable):
             raise
         except Exception as e:  # planning failed: eager, as for any graph (see autopar.api)
@@ -422,11 +421,10 @@ def predict_step(fn: Callable, args: Sequence[Any], machine: Any,
     cost = CostModel(load_machine(machine))
     devices = [d.name for d in cost.machine.devices]
     fusing = fusion_devices(devices, fuse)
-    rule = capture_rule(cuda_graphs)
-    graphs = rule if _executor.graph_devices(devices, rule) else None
     choice = choose(step, batch_inputs(step, args, batch_argnums), cost, devices,
-                    shards=shards, fusing=fusing, graphs=graphs,
-                    graphs_forced=cuda_graphs is True)
+                    shards=shards, fusing=fusing, cuda_graphs=cuda_graphs,
+                    graphed_devices=_executor.graph_devices(devices,
+                                                            capture_rule(cuda_graphs)))
     eager = place(step.graph, cost, policy="single", devices=devices)
     return StepPrediction(choice, eager.predicted_s)
 

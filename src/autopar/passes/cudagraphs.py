@@ -18,11 +18,12 @@ from functools import partial
 from typing import Any
 
 from ..ir.graph import Node
-from ..ir.routing import is_free_move, kind_of, pool, route
+from ..ir.routing import is_free_move
 from ..schedule.place import index_of
-from ..schedule.segments import chosen_segments, step_ops, tuples_unpacked_at_once
+from ..schedule.segments import chosen_segments, launches, step_ops, tuples_unpacked_at_once
 from ..schedule.simulate import host_time
-from ..schedule.steps import Plan, Run
+from ..schedule.steps import Plan
+from .fusion import reads_locally
 
 __all__ = ["REPLAY_S", "GraphedCost", "capture_rule", "graphed_segments", "pays"]
 
@@ -66,25 +67,12 @@ def graphed_segments(plan: Plan, devices: Sequence[str], rule: Callable[[int, in
             continue
         steps = tuples_unpacked_at_once(steps)
         region = {n: k for k, group in enumerate((fused or {}).get(device, ())) for n in group}
-
-        def local(v: Node, device: str = device) -> bool:
-            return (route(v, device_of[v], device, ix) != "event"
-                    or pool(device_of[v]) == pool(device))
-
-        def count(seg: Sequence[Any], region: dict[Node, int] = region) -> int:
-            plain = [s.node for s in seg if isinstance(s, Run) and s.node not in moved
-                     and kind_of(s.node.op) not in ("view", "getitem")]
-            return sum(1 for n in plain if n not in region) + \
-                len({region[n] for n in plain if n in region})
-
-        chosen = chosen_segments(steps, ix, outputs, local, rule, count, label=device,
-                                 transient=transient.__contains__,
+        chosen = chosen_segments(steps, ix, outputs, reads_locally(device, device_of, ix), rule,
+                                 lambda seg, region=region: launches(seg, moved, region),
+                                 label=device, transient=transient.__contains__,
                                  in_place=in_place.__contains__)
-        copied = [sum(1 for i, v in enumerate(c.inputs) if i not in c.read_in_place and not any(
-            v in d.outputs and v not in d.escapes for d in chosen[:k]))
-            for k, c in enumerate(chosen)]
         found[device] = [([n for step in steps[c.start:c.end] for n in step_ops(step)],
-                          copied[k], len(c.escapes)) for k, c in enumerate(chosen)]
+                          c.copies, len(c.escapes)) for c in chosen]
     return found
 
 

@@ -14,7 +14,7 @@ the split's prediction was bound by launches that the executor fuses away."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,7 @@ from ..machine.model import GiB
 from ..schedule.place import index_of, memory_limits, place
 from ..schedule.plan import make_plan
 from ..schedule.simulate import issue_s, peak_memory, simulate
-from .cudagraphs import GraphedCost, graphed_segments
+from .cudagraphs import GraphedCost, capture_rule, graphed_segments
 from .fusion import FusedCost, fused_regions
 from .shard import NotShardable, Sharded, shard
 
@@ -57,14 +57,14 @@ class Choice:
 
 
 def resident(step: StepGraph, sharded: Sharded | None,
-             graphs: bool) -> tuple[frozenset[int], frozenset[int], frozenset[int]]:
+             graphs: bool) -> tuple[frozenset[int], frozenset[int]]:
     """By index, for a step's graph (``sharded``'s where split): the inputs that stay where they
     live between calls (the state's tensors: modules' parameters and buffers, optimizer
     state; parameters among the arguments; the trace's constants; the replicas), read in
     place by CUDA graphs; the outputs the caller writes back into the tensors that hold them
     (new values of mutated inputs always; under ``graphs`` each ``.grad`` and the replicas'
-    next values too, since a graph's outputs are its static buffers); and, of those, the ones
-    no graph need clone (all of them under ``graphs``)."""
+    next values too, since a graph's outputs are its static buffers: the executor's
+    ``transient``, no graph need clone them)."""
     n_in = len(step.graph.inputs)
     n_out = len(step.graph.outputs)
     n_rep = len(sharded.replicas) if sharded is not None else 0
@@ -72,7 +72,7 @@ def resident(step: StepGraph, sharded: Sharded | None,
     in_place = frozenset(range(step.n_args, n_in + n_rep)) | frozenset(step.arg_params)
     mutated = range(step.n_outputs + len(step.grads), n_out)
     back = frozenset(range(step.n_outputs, n_out + n_next)) if graphs else frozenset(mutated)
-    return in_place, back, back if graphs else frozenset()
+    return in_place, back
 
 
 GRAPHS_ISSUE_SHARE = 0.8
@@ -105,32 +105,29 @@ def write_back(plan: Any, cost: Any, back: frozenset[int]) -> tuple[float, float
 
 
 def predicted_run(placed: Any, cost: Any, fusing: Sequence[str],
-                  graphs: Callable[[int, int, int], bool] | None = None,
                   step: StepGraph | None = None,
                   sharded: Sharded | None = None) -> tuple[Any, Any, float, float]:
     """The plan of ``placed``, its simulated Timeline as the executor runs it (the regions of
     the programs of ``fusing`` fused; none: priced op by op), its predicted seconds (the
     longer of its makespan and the calling thread's issue time, :func:`issue_s`: one thread
     launches every GPU's work; for a ``step``, each with its outputs' write-back after it,
-    :func:`write_back`) and that issue time. With ``graphs`` (the executor's CUDA-graph rule)
-    the GPUs' segments replayed as graphs are predicted too, and kept where faster (see
-    :func:`with_graphs`)."""
-    return with_graphs(placed, cost, fusing, graphs, step, sharded)[:4]
+    :func:`write_back`) and that issue time; :func:`with_graphs` also predicts the segments
+    replayed as CUDA graphs."""
+    return with_graphs(placed, cost, fusing, step, sharded)[:4]
 
 
-def with_graphs(placed: Any, cost: Any, fusing: Sequence[str],
-                graphs: Callable[[int, int, int], bool] | None, step: StepGraph | None,
-                sharded: Sharded | None, forced: bool = False,
-                graphed_devices: Sequence[str] | None = None
-                ) -> tuple[Any, Any, float, float, bool]:
-    """:func:`predicted_run`'s answer and whether it replays segments as CUDA graphs: only
-    where ``graphs`` chooses segments and the prediction with them (their replays, the
+def with_graphs(placed: Any, cost: Any, fusing: Sequence[str], step: StepGraph | None,
+                sharded: Sharded | None, cuda_graphs: bool | str = False,
+                graphed_devices: Sequence[str] = ()) -> tuple[Any, Any, float, float, bool]:
+    """:func:`predicted_run`'s answer and whether it replays segments as CUDA graphs (the
+    programs of ``graphed_devices``, under the ``cuda_graphs`` option): only where the
+    option's rule (:func:`~autopar.passes.cudagraphs.capture_rule`) chooses segments and the
+    prediction with them (their replays, the
     outputs written back out of static buffers) is shorter than without (on ``h200x8`` GPT-2
     small's step, fused, has segments of 1-3 launches between its reductions' cross-device
     points: replaying them saves less than copying the .grads and replicas back costs);
-    ``forced`` (``cuda_graphs=True``): wherever segments are chosen; else only where the
-    issuing thread is the bound (``GRAPHS_ISSUE_SHARE``). ``graphed_devices``:
-    the devices whose programs may be graphed (the executor's; None: the GPUs)."""
+    ``cuda_graphs=True``: wherever segments are chosen; ``"auto"`` only where the issuing
+    thread is the bound (``GRAPHS_ISSUE_SHARE``)."""
     plan = make_plan(placed, cost)
     fused = fused_regions(plan, fusing) if fusing else {}
     priced: Any = FusedCost(cost, fused) if fusing else cost
@@ -141,17 +138,18 @@ def with_graphs(placed: Any, cost: Any, fusing: Sequence[str],
         back_s, back_issue = write_back(plan, cost, back)
         return timeline, max(timeline.makespan + back_s, issue + back_issue), issue
 
-    plain = resident(step, sharded, False) if step is not None else (frozenset(),) * 3
-    timeline, predicted, issue = run(priced, plain[1])
-    if graphs is None or step is None or \
+    timeline, predicted, issue = run(priced, resident(step, sharded, False)[1]
+                                     if step is not None else frozenset())
+    rule = capture_rule(cuda_graphs)
+    forced = cuda_graphs is True
+    on = [d for d in plan.programs if d in graphed_devices]
+    if rule is None or step is None or not on or \
             (not forced and issue < GRAPHS_ISSUE_SHARE * timeline.makespan):
         return plan, timeline, predicted, issue, False
-    in_place, back, consumed = resident(step, sharded, True)
+    in_place, back = resident(step, sharded, True)
     inputs = plan.graph.inputs
-    on = [d for d in plan.programs if (not d.startswith("cpu") if graphed_devices is None
-                                       else d in graphed_devices)]
-    segs = graphed_segments(plan, on, graphs, fused, frozenset(inputs[i] for i in in_place),
-                            frozenset(plan.outputs[i][0] for i in consumed))
+    segs = graphed_segments(plan, on, rule, fused, frozenset(inputs[i] for i in in_place),
+                            frozenset(plan.outputs[i][0] for i in back))
     if not any(segs.values()):
         return plan, timeline, predicted, issue, False
     g_timeline, g_predicted, g_issue = run(GraphedCost(priced, segs), back)
@@ -162,9 +160,8 @@ def with_graphs(placed: Any, cost: Any, fusing: Sequence[str],
 
 def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence[str], *,
            policy: str = "heft", shards: int | None = None,
-           fusing: Sequence[str] = (),
-           graphs: Callable[[int, int, int], bool] | None = None,
-           graphs_forced: bool = False, graphed_devices: Sequence[str] | None = None) -> Choice:
+           fusing: Sequence[str] = (), cuda_graphs: bool | str = False,
+           graphed_devices: Sequence[str] = ()) -> Choice:
     """Place ``step`` unsplit and split over the first k same-kind devices (home first) for
     k = 1, 2, 4, ... and all of them, and keep the one predicted fastest (with the programs
     of ``fusing`` fused, as the executor will run them); ``shards`` forces k (1: don't split).
@@ -178,11 +175,10 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
     split's issue seconds per op already exceed the fastest prediction: more devices, more
     launches on the one issuing thread (GPT-2 small's step on ``h200x8``: over 4 GPUs 24.1 ms
     of issue for 10,138 ops; over 8, 18,638 ops, an estimate of 44.3 ms and a prediction of
-    50.4, not placed; planning 16.3 s -> 12.0 on the 2-core VM). ``graphs``: the executor's
-    CUDA-graph rule (:func:`autopar.passes.cudagraphs.capture_rule`), each candidate predicted
-    with its GPUs' segments replayed too, the faster form kept (``Choice.graphs``; None:
-    never; ``graphs_forced``: the replayed form wherever it has segments; ``graphed_devices``
-    as :func:`with_graphs`')."""
+    50.4, not placed; planning 16.3 s -> 12.0 on the 2-core VM). ``cuda_graphs`` (the
+    option) and ``graphed_devices`` (the executor's devices for graphs): each candidate
+    predicted with those programs' segments replayed too, the faster form kept
+    (``Choice.graphs``; see :func:`with_graphs`)."""
     devices, same_kind = shard_devices(batch, cost, devices, shards)
     n = len(same_kind)
     ks = sorted({k for k in (1 << i for i in range(n.bit_length())) if k <= n} | {n}) \
@@ -224,8 +220,7 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
                                                  pins=s.pins), s) for suffix, s in forms]
         for label, placed, sharded in candidates:
             plan, timeline, predicted[label], issue, graphed[label] = with_graphs(
-                placed, cost, fusing, graphs, step, sharded, graphs_forced,
-                graphed_devices)
+                placed, cost, fusing, step, sharded, cuda_graphs, graphed_devices)
             runs[label] = plan, timeline
             placed_all.append((label, placed, sharded))
             if sharded is not None:  # the issuing thread's seconds per op of a split graph
@@ -236,8 +231,7 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
         sharded = shard(step.graph, batch, pair, updates=step.updates, reduce_chunks=1)
         placed = place(sharded.graph, cost, policy=policy, devices=devices, pins=sharded.pins)
         plan, timeline, predicted[label], _, graphed[label] = with_graphs(
-            placed, cost, fusing, graphs, step, sharded, graphs_forced,
-                graphed_devices)
+            placed, cost, fusing, step, sharded, cuda_graphs, graphed_devices)
         runs[label] = plan, timeline
         placed_all.append((label, placed, sharded))
     ranked = sorted(placed_all, key=lambda c: predicted[c[0]])

@@ -184,6 +184,15 @@ def regions_to_fuse(plan: Plan, fuse: bool | str) -> dict[str, list[list[Node]]]
     return fused_regions(plan, fusion_devices(list(plan.programs), fuse))
 
 
+def reads_locally(device: str, device_of: dict[Node, str],
+                  ix: Any) -> Callable[[Node], bool]:
+    """``local(v)``: does a reader on ``device`` find ``v`` in its own memory pool (what a
+    fused region or a CUDA graph may read)?"""
+    def local(v: Node) -> bool:
+        return route(v, device_of[v], device, ix) != "event" or pool(device_of[v]) == pool(device)
+    return local
+
+
 def fused_regions(plan: Plan, devices: Sequence[str]) -> dict[str, list[list[Node]]]:
     """The regions the executor will fuse in the programs of ``devices``."""
     graph = plan.graph
@@ -196,9 +205,7 @@ def fused_regions(plan: Plan, devices: Sequence[str]) -> dict[str, list[list[Nod
         if not steps:
             continue
 
-        def local(v: Node, device: str = device) -> bool:
-            return (route(v, device_of[v], device, ix) != "event"
-                    or pool(device_of[v]) == pool(device))
+        local = reads_locally(device, device_of, ix)
 
         def ok(n: Node, device: str = device, local: Any = local) -> bool:
             return fusible(n, device, local, device_of, ix.passthrough)

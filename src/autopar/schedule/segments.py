@@ -144,14 +144,22 @@ def why_not_capturable(steps: Sequence[Any], local: Callable[[Node], bool]) -> s
     return None
 
 
-def launches(steps: Sequence[Any], moved: set[Node]) -> int:
+def launches(steps: Sequence[Any], moved: set[Node],
+             region: dict[Node, int] | None = None) -> int:
     """Kernel launches a segment makes on streams: one per op (views and moves launch none),
-    one per fused region."""
+    one per fused region: a Fused step, or the ops ``region`` maps to one region number (a
+    plan's steps before fusion, as the prediction sees them)."""
     n = 0
+    seen: set[int] = set()
     for step in steps:
-        plain_op = isinstance(step, Run) and step.node not in moved \
-            and kind_of(step.node.op) not in ("view", "getitem")
-        n += _is_region(step) or plain_op
+        if _is_region(step):
+            n += 1
+        elif isinstance(step, Run) and step.node not in moved \
+                and kind_of(step.node.op) not in ("view", "getitem"):
+            k = region.get(step.node) if region else None
+            n += k is None or k not in seen
+            if k is not None:
+                seen.add(k)
     return n
 
 
@@ -219,6 +227,7 @@ class Segment:
     outputs: tuple[Node, ...]
     escapes: frozenset[Node]
     read_in_place: frozenset[int] = frozenset()  # indices of inputs at a fixed address
+    copies: int = 0  # inputs copied into static buffers at each replay
 
 
 def tuples_unpacked_at_once(steps: list[Any]) -> list[Any]:
@@ -316,6 +325,6 @@ def chosen_segments(steps: list[Any], ix: GraphIndex, graph_outputs: set[Node],
                 chosen.discard(k)
                 continue
             out.append(Segment(k, start, end, tuple(inputs), tuple(outputs),
-                               frozenset(escapes), at_home))
+                               frozenset(escapes), at_home, copies))
         if len(chosen) == before:
             return out
