@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -14,6 +16,10 @@ from autopar.runtime import executor as executor_module
 from autopar.runtime.cudagraphs import CudaGraphBackend
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              # the sanitizer is a TorchDispatchMode, and dynamo runs no frame under one
+              # ("non-infra torch dispatch mode present"): nothing would be compiled
+              pytest.mark.skipif(os.environ.get("TORCH_CUDA_SANITIZER") == "1",
+                                 reason="torch.compile traces nothing under the sanitizer"),
               pytest.mark.usefixtures("fresh_dynamo")]
 
 

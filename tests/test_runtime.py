@@ -182,6 +182,51 @@ def test_one_program_runs_as_one_function_and_still_names_a_failing_op(cost):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
+def test_a_solo_host_programs_own_call_reports_falls_back_and_shows_in_the_profiler(cost, caplog):
+    """``Executor.unchecked`` (the host's one program, which ``guards="arguments"`` entries
+    call past the executor): a failing op is named as by the executor's call; under the
+    runner that falls back (``_FallsBack``) the failure becomes eager's result, logged once,
+    on that path and the other; under torch.profiler the call still has its ranges."""
+    import logging
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from autopar.api import _FallsBack
+
+    g = failing_graph()
+    ex = Executor(make_plan(by_hand(g, {}), cost))
+    x = torch.randn(4, 3)
+    with pytest.raises(RuntimeError) as info:
+        ex.unchecked([x])
+    assert any("aten.mm" in n and "user.py:7" in n for n in getattr(info.value, "__notes__", []))
+
+    g2 = branches(n=1, size=4)
+    args = inputs(g2)
+    ex2 = Executor(make_plan(by_hand(g2, {}), cost))
+    want = SequentialRunner(g2)(args)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        got = ex2.unchecked(args)
+    names = {e.name for e in prof.events()}
+    assert {f"autopar:{g2.name}", f"autopar:{g2.name}:cpu:0"} <= names
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    falls = _FallsBack(ex2, g2)
+    assert falls.unchecked is ex2.unchecked  # the fast call, with the fallback inside it
+    namespace = ex2.unchecked.__globals__
+    mm = next(k for k, v in namespace.items() if k.startswith("c") and callable(v))
+
+    def broken(*a, **k):
+        raise RuntimeError("the plan's kernel failed")
+    namespace[mm] = broken
+    with caplog.at_level(logging.WARNING, logger="autopar"):
+        for call in (falls.unchecked, falls, falls.unchecked):
+            for a, b in zip(call(args), want):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+    said = [r.getMessage() for r in caplog.records if "from now on" in r.getMessage()]
+    assert len(said) == 1 and "the plan's kernel failed" in said[0]
+
+
 def _worker_state(device: str, ex: Executor, args: list) -> dict:
     """What a worker thread sees while it runs its part of ``ex(args)``, called here."""
     seen: dict = {}

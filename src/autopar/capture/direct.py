@@ -306,7 +306,7 @@ def _result(result: Any, outputs: Sequence[Any]) -> str | None:
 
 
 class _Code:
-    """The source of one entry: ``entry(*args, **kwargs) -> result``; where the call is not
+    """The source of one entry: ``entry(a0, a1, ...) -> result``; where the call is not
     its signature's, the next entry's result (``_next``, set by :meth:`Direct._add`)."""
 
     def __init__(self, grad: bool, n: int) -> None:
@@ -379,18 +379,22 @@ class _Code:
                 *examples, dynamic_dims_sizes=[list(t.shape) for t in examples],
                 dynamic_dims_strides=[list(t.stride()) for t in examples]).check
             self.checks.insert(0, f"_tensors_match({', '.join(a for a, _ in self.tensors)})")
-        unpack = "".join(f"a{i}, " for i in range(self.n))
+        # the arguments as parameters (a frame's fast locals, no tuple to unpack); one not
+        # given is _MISS, and a miss hands the next entry the arguments as they came
+        params = "".join(f"a{i}=_MISS, " for i in range(self.n))
+        given = "".join(f"a{i}, " for i in range(self.n))
+        first = [f"a{self.n - 1} is _MISS or "] if self.n else []
+        miss = (f"        return _next(*[a for a in ({given}) if a is not _MISS], *more, "
+                "**kwargs)" if self.n else "        return _next(*more, **kwargs)")
         lines = [
-            "def entry(*args, **kwargs):",
-            f"    if kwargs or len(args) != {self.n} or _grad() is not {self.grad} or "
+            f"def entry({params}*more, **kwargs):",
+            f"    if more or kwargs or {''.join(first)}_grad() is not {self.grad} or "
             "_autocast():",
-            "        return _next(*args, **kwargs)",
+            miss,
         ]
-        if self.n:
-            lines.append(f"    {unpack}= args")
         if self.checks:
             lines.append("    if not (" + "\n            and ".join(self.checks) + "):")
-            lines.append("        return _next(*args, **kwargs)")
+            lines.append(miss)
         light = getattr(program, "light", None)
         if light is None:
             lines.append(f"    out = _program({', '.join(feeds)})")

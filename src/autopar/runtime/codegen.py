@@ -155,7 +155,9 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
                   source_of: Callable[[Node, str], str], free_moves: set[Node],
                   traced: bool = False, eager_devices: bool = False,
                   entry: tuple[list[int], list[tuple[str, Any]]] | None = None,
-                  step_devices: list[str] | None = None) -> Program:
+                  step_devices: list[str] | None = None,
+                  failed: Callable[[list, BaseException], Any] | None = None,
+                  profiled: Callable[[list], Any] | None = None) -> Program:
     """Compile ``steps`` of ``device`` into a Python function ``program(env, rt)``.
 
     ``source_of(value, device)``: the device whose slot a reader on ``device`` takes ``value``
@@ -170,6 +172,10 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
     program with nothing to order. ``step_devices``: the device of each step, when the
     program runs the steps of several devices on one thread (see
     :mod:`autopar.runtime.interleave`); ``device`` then names the program.
+    A whole call may also take ``failed(args, error)``: what an error of its steps becomes
+    (raised again, annotated, or another way's result), inside the program, so that a caller
+    can call ``program(args)`` itself; and ``profiled(args)``: the call under
+    ``torch.profiler`` (its ranges around ``program(args, True)``).
     """
     em = _Emitter(device, slots, source_of)
     chains = _slice_chains(steps, entry, slots, source_of, device) if entry is not None else {}
@@ -234,6 +240,16 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
         em.emit(f"return [{', '.join(outs)}]")
         em.globals["n_slots"] = len(slots)
         header = "def program(args, rt=None):\n"
+        if failed is not None:  # (a try costs nothing until it catches)
+            em.lines = ["    try:", *("    " + line for line in em.lines),
+                        "    except BaseException as e:", "        return _failed(args, e)"]
+            em.steps_by_line = {k + 1: v for k, v in em.steps_by_line.items()}
+            em.globals["_failed"] = failed
+        if profiled is not None:  # rt: the profiler's ranges are open
+            em.lines.insert(0, "    if _profiler._is_profiler_enabled and rt is None:\n"
+                               "        return _profiled(args)")
+            em.steps_by_line = {k + 2: v for k, v in em.steps_by_line.items()}
+            em.globals.update(_profiler=torch.autograd.profiler, _profiled=profiled)
     if not em.lines:
         em.lines.append("    pass")
     filename = f"<autopar program {program_device} #{next(_counter)}>"

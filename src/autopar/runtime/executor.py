@@ -536,14 +536,22 @@ class Executor:
                                     and not trace) else None
         self._solo_gpu = (None if self.solo is None or _is_cpu(self.solo)
                           else torch.device(self.solo).index or 0)
-        if self.solo is not None:  # the whole call as one function: args -> outputs
-            solo_steps = [s for _, s in merged] if merged is not None else final[self.solo]
-            self.programs[self.solo] = build_program(
-                self.solo, solo_steps, self.slots, source_of, moved,
-                entry=(self.input_slots, self.output_slots),
-                step_devices=[d for d, _ in merged] if merged is not None else None)
         self._whole = (_whole_graph_region(final[self.solo], graph.inputs, plan.outputs)
                        if self.solo is not None and merged is None else None)
+        #: what the solo program's failure becomes instead of the error (``_FallsBack``)
+        self.on_failure: Callable[[Sequence[Any], Exception], Any] | None = None
+        if self.solo is not None:  # the whole call as one function: args -> outputs
+            solo_steps = [s for _, s in merged] if merged is not None else final[self.solo]
+            program = self.programs[self.solo] = build_program(
+                self.solo, solo_steps, self.slots, source_of, moved,
+                entry=(self.input_slots, self.output_slots),
+                step_devices=[d for d, _ in merged] if merged is not None else None,
+                failed=self._solo_failed, profiled=self._profiled)
+            if self._whole is None and self._solo_gpu is None:
+                #: a call for callers that pass the right number of inputs (the entries of
+                #: :mod:`autopar.capture.direct`): the host's program is all a call does, with
+                #: the profiler's ranges and the failure's report inside it
+                self.unchecked = program.fn
 
     def __call__(self, args: Sequence[Any], _ranged: bool = False) -> list[Any]:
         if not _ranged and _profiler._is_profiler_enabled:
@@ -557,15 +565,12 @@ class Executor:
                     return self._whole.eager_strides(self._whole.compiled(list(args)))
                 except Exception:  # the program below runs it again, and reports an error
                     pass
-            program = self.programs[self.solo]
-            try:
-                if self._solo_gpu is None or torch.cuda.current_device() == self._solo_gpu:
-                    return program.fn(args)
-                with torch.cuda.device(self._solo_gpu):
-                    return program.fn(args)
-            except BaseException as e:
-                _annotate(e, program)
-                raise
+            program = self.programs[self.solo]  # (it reports its own failure: _solo_failed)
+            ranged = True if _ranged else None
+            if self._solo_gpu is None or torch.cuda.current_device() == self._solo_gpu:
+                return program.fn(args, ranged)
+            with torch.cuda.device(self._solo_gpu):
+                return program.fn(args, ranged)
         compute = {g: torch.cuda.current_stream(torch.device(g)) for g in self.gpus}
         pool = self._events if self._events.lock.acquire(blocking=False) else None
         try:
@@ -573,6 +578,14 @@ class Executor:
         finally:
             if pool is not None:
                 pool.lock.release()
+
+    def _solo_failed(self, args: Sequence[Any], error: BaseException) -> Any:
+        """The solo program's failure: ``on_failure``'s result where one is set (an
+        ``Exception``), else ``error`` raised again with the failing op and source line."""
+        if self.on_failure is not None and isinstance(error, Exception):
+            return self.on_failure(args, error)
+        _annotate(error, self.programs[self.solo])  # type: ignore[index]
+        raise error
 
     def _profiled(self, args: Sequence[Any]) -> list[Any]:
         """A call under ``torch.profiler``: ``autopar:<graph>``, and within it the range of
