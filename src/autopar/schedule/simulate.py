@@ -54,7 +54,8 @@ from .place import index_of, place
 from .steps import Free, Plan, Record, Run, Send, Wait
 from .timeline import Span, Timeline
 
-__all__ = ["EAGER_OVERLAP_GAIN", "host_time", "issue_s", "peak_memory", "runs_as_eager", "simulate"]
+__all__ = ["EAGER_OVERLAP_GAIN", "host_time", "issue_s", "peak_memory", "runs_as_eager",
+           "send_issue_s", "simulate", "wait_issue_s"]
 
 
 def simulate(plan: Plan, cost: Any) -> Timeline:
@@ -163,9 +164,12 @@ def issue_s(plan: Plan, cost: Any) -> float:
     """Seconds the calling thread spends on a plan: the host's program (the first CPU
     worker's) and every GPU's run on that one thread (:mod:`autopar.runtime.interleave`), so
     a call takes at least its host ops' time plus the host time of every GPU op's launch
-    (``cost.host_s``; a lower bound: copies' issue is not counted). :func:`simulate`'s lanes
-    each count their own launches only: on ``h200x8`` GPT-2 small's AdamW step split over the
-    8 GPUs simulated 29.7 ms while its GPU ops' launches alone add up to 36.6 ms."""
+    (``cost.host_s``) and of every copy and cross-stream wait it issues (:func:`send_issue_s`,
+    :func:`wait_issue_s`). :func:`simulate`'s lanes each count their own launches only: on
+    ``h200x8`` GPT-2 small's AdamW step split over the 8 GPUs simulated 29.7 ms while its GPU
+    ops' launches alone add up to 36.6 ms."""
+    copied = {s.event for steps in plan.programs.values() for s in steps
+              if isinstance(s, Send)}
     total = 0.0
     for device, steps in plan.programs.items():
         gpu = not device.startswith("cpu")
@@ -175,7 +179,31 @@ def issue_s(plan: Plan, cost: Any) -> float:
             if isinstance(step, Run):
                 total += host_time(cost, step.node, device) if gpu else \
                     cost.node_time(step.node, device)
+            elif isinstance(step, Send):
+                total += send_issue_s(cost, step)
+            elif gpu and isinstance(step, Wait) and step.event in copied:
+                total += wait_issue_s(cost)
     return total
+
+
+def send_issue_s(cost: Any, send: Send) -> float:
+    """Host time of issuing one copy to or from a GPU: the copy's launch on the GPU's side
+    stream, and ordering that stream after the producer and the consumer after the copy (an
+    event recorded and waited on: ``event_wait_s``, calibrated). What the executor's
+    ``rt.send`` does; 0 under a cost model without a machine."""
+    machine = getattr(cost, "machine", None)
+    if machine is None:
+        return 0.0
+    gpu = send.src if not send.src.startswith("cpu") else send.dst
+    return machine.profile.device(machine.device(gpu).name).launch_s + \
+        machine.profile.event_wait_s
+
+
+def wait_issue_s(cost: Any) -> float:
+    """Host time of a GPU program's wait for a copy: its stream made to wait on the copy's
+    event (half of a record and a wait, ``event_wait_s``)."""
+    machine = getattr(cost, "machine", None)
+    return 0.0 if machine is None else machine.profile.event_wait_s / 2
 
 
 def host_time(cost: Any, node: Node, device: str) -> float:
