@@ -64,6 +64,40 @@ def test_a_settled_signature_runs_its_graph_without_dynamo(monkeypatch):
     assert len(calls) == 1 and frames
 
 
+def test_the_entry_runs_the_graphs_ops_in_its_own_lines_and_the_program_where_they_fail():
+    """A learned entry takes the runner's whole call in (``codegen.Inline``): the ops run in
+    the entry's lines, no program call. Where a line raises, the runner's program runs the
+    call (it reports the failure, or falls back to eager: test_runtime's solo-program test);
+    under the profiler the program runs it too (an executor's program opens its ranges)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def f(x, y):
+        return (x @ y).relu()
+
+    compiled = autopar.compile(f, devices="cpu:0", guards="arguments", candidates="autopar")
+    x, y = torch.randn(5, 10), torch.randn(10, 5)
+    torch.testing.assert_close(compiled(x, y), f(x, y))
+    (entry,) = compiled.compiled.entries
+    assert "outs = _run([a0, a1])" in entry.source and "c0(v" in entry.source
+    program = entry.__globals__["_run"]
+    ran = []
+    entry.__globals__["_run"] = lambda args: ran.append(1) or program(args)
+    for _ in range(3):
+        a, b = torch.randn(5, 10), torch.randn(10, 5)
+        torch.testing.assert_close(compiled(a, b), f(a, b))
+    assert not ran  # the entry's own lines ran every call
+
+    with profile(activities=[ProfilerActivity.CPU]):
+        torch.testing.assert_close(compiled(x, y), f(x, y))
+    assert ran == [1]
+
+    ops = [k for k, v in entry.__globals__.items() if k.startswith("c") and callable(v)]
+    for k in ops:  # every op of the entry's lines fails; the program's own do not
+        entry.__globals__[k] = lambda *a, **kw: 1 / 0
+    torch.testing.assert_close(compiled(x, y), f(x, y))
+    assert ran == [1, 1]
+
+
 def test_a_new_shape_dtype_or_grad_mode_is_a_new_signature():
     compiled = autopar.compile(lambda x, y: (x @ y).relu(), devices="cpu:0",
                                guards="arguments", candidates="autopar")

@@ -362,6 +362,21 @@ class _Code:
         # a parameter that requires grad makes aot build a training graph, not learned), and
         # its ops record nothing either way
         lines = [f"    outs = {call}"]
+        inline = getattr(run, "inline", None) if boxed else None
+        if inline is not None and len(inline.inputs) == len(feeds) and \
+                not inline.globals.keys() & self.namespace.keys():
+            # the runner's whole call in this function's own lines: no frame, no lists of
+            # arguments and slots (W3 with host data on the H200: 3 frames became 1). Under
+            # the profiler, or where a line fails, the program runs the call itself: its
+            # ranges, its failure's report or fallback (the graph writes nothing: aot's
+            # updates of inputs are the copies below, after it)
+            self.namespace.update(inline.globals, _profiler=torch.autograd.profiler)
+            lines = ["    if _profiler._is_profiler_enabled:", f"        outs = {call}",
+                     "    else:", "        try:",
+                     *(f"            {v} = {f}" for v, f in zip(inline.inputs, feeds)),
+                     *("            " + line for line in inline.body),
+                     f"            outs = {inline.outputs}",
+                     "        except Exception:", f"            outs = {call}"]
         lines += [f"    {feeds[i]}.copy_(outs[{k}])" for k, i in enumerate(mutated)]
         n = len(mutated)
         if not bases or all(b is None for b in bases):

@@ -63,9 +63,25 @@ class Program:
     source: str
     filename: str
     steps_by_line: dict[int, Step]
+    inline: Inline | None = None  # a whole call's lines, for a caller's generated function
+
 
     def step_at(self, lineno: int) -> Step | None:
         return self.steps_by_line.get(lineno)
+
+
+@dataclass(frozen=True)
+class Inline:
+    """A whole call of ops alone as lines that another generated function takes in: it binds
+    the locals ``inputs`` to the call's arguments, runs ``body`` (each line unindented), and
+    the outputs are ``outputs`` (a list's expression); the lines read ``globals``. They report
+    no failure and open no profiler range: the function calls ``program(args)`` for that
+    (:mod:`autopar.capture.direct`'s entries run the program again where the lines fail)."""
+
+    inputs: tuple[str, ...]
+    body: tuple[str, ...]
+    outputs: str
+    globals: dict[str, Any]
 
 
 @dataclass(frozen=True, eq=False)
@@ -248,8 +264,14 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
         else:  # pragma: no cover - plan and codegen share the step types
             raise TypeError(f"unknown plan step {step!r}")
     header = "def program(env, rt):\n"
+    inline = None
     if entry is not None:
         outs = [em.at(v) if kind == "slot" else em.const(v) for kind, v in entry[1]]
+        if em.local and len(set(entry[0])) == len(entry[0]):
+            first = 1 if entry[0] else 0  # (the line that unpacks args)
+            inline = Inline(tuple(f"v{slot}" for slot in entry[0]),
+                            tuple(line[4:] for line in em.lines[first:]),
+                            f"[{', '.join(outs)}]", dict(em.globals))
         em.emit(f"return [{', '.join(outs)}]")
         em.globals["n_slots"] = len(slots)
         header = "def program(args, rt=None):\n"
@@ -270,7 +292,8 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     namespace = dict(em.globals)
     exec(compile(source, filename, "exec"), namespace)
-    return Program(program_device, namespace["program"], source, filename, em.steps_by_line)
+    return Program(program_device, namespace["program"], source, filename, em.steps_by_line,
+                   inline)
 
 
 _SLICE = torch.ops.aten.slice.Tensor

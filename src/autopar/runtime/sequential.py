@@ -43,6 +43,8 @@ class SequentialRunner:
         #: the call without the argument count check, for callers that know the count
         #: (:mod:`autopar.capture.direct`'s entries)
         self.unchecked = self.program.fn
+        #: the whole call as lines a caller's generated function takes in (codegen.Inline)
+        self.inline = self.program.inline
 
     def __call__(self, args: Sequence[Any]) -> list[Any]:
         if len(args) != self._n:
