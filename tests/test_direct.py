@@ -98,6 +98,22 @@ def test_the_entry_runs_the_graphs_ops_in_its_own_lines_and_the_program_where_th
     assert ran == [1, 1]
 
 
+def test_an_entry_over_a_plan_of_two_workers_calls_the_executor():
+    """A plan of several programs has no whole-call lines: the entry calls the executor
+    (a regression: its attribute for the caller's program was taken for those lines)."""
+    def branches(x, y):
+        return (x @ y).relu() + (y @ x).sum()
+
+    compiled = autopar.compile(branches, devices="cpu:0,cpu:1", policy="round_robin",
+                               guards="arguments", candidates="autopar")
+    for _ in range(4):
+        x, y = torch.randn(6, 6), torch.randn(6, 6)
+        torch.testing.assert_close(compiled(x, y), branches(x, y))
+    (entry,) = compiled.compiled.entries
+    assert len(compiled.runner.executors[-1].programs) == 2
+    assert "outs = _run([a0, a1])" in entry.source and "c0(" not in entry.source
+
+
 def test_a_new_shape_dtype_or_grad_mode_is_a_new_signature():
     compiled = autopar.compile(lambda x, y: (x @ y).relu(), devices="cpu:0",
                                guards="arguments", candidates="autopar")
@@ -115,6 +131,13 @@ def test_a_new_shape_dtype_or_grad_mode_is_a_new_signature():
         compiled(x, y)
     assert len(calls) == 6
     assert len(compiled.compiled.entries) == 5
+    # the head is the entry that served the latest call: a grad-mode call after the
+    # no_grad one puts its entry first again, so later calls pay no other entry's checks
+    direct = compiled.compiled
+    assert direct.head.signature[0] is False  # the no_grad call's entry
+    torch.testing.assert_close(compiled(x, y), (x @ y).relu())
+    assert direct.head.signature[0] is True and direct.head is direct.entries[0]
+    assert len(calls) == 6 and len(direct.entries) == 5
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="another device needs CUDA")

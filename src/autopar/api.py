@@ -1043,6 +1043,8 @@ class Dispatcher:
         if self.only is not None and len(self.kept) > 1:
             lines.append(f"{self.name}: every call runs {next(iter(self.kept.values()))} (one "
                          "way for all: later signatures are not keyed)")
+        if isinstance(self.compiled, Direct) and self.compiled.entries:
+            lines.append(f"  guards='arguments': {self.compiled.describe()}")
         if "split" in self.kept.values() and self.split is not None:
             lines.append(self.split.explain())
         failed = self.switch.failed if self.switch is not None else None

@@ -42,7 +42,8 @@ Policy
   (an optimizer's in-place step changes it), every global or closure tensor is still the
   object bound to its name. A check that fails sends the call through dynamo, which re-guards
   it (and recaptures what changed) and the entry is learned again.
-- Entries: at most ``MAX_ENTRIES``, the latest first; each is one generated function.
+- Entries: at most ``MAX_ENTRIES``, the latest learned or used first (the head); each is one
+  generated function; the head's miss tries the others in order (:meth:`Direct._walk`).
 - Traced by running (a plain function, not a module's forward, whose scalars dynamo failed to
   capture: torch 2.11 on CUDA fails on W1's slice bounds made inside with
   ``PendingUnbackedSymbolNotFound`` and traces with graph breaks, a device sync per bound):
@@ -107,9 +108,19 @@ class Direct:
         self._watch: list | None = None  # the graph calls of the call being learned
         self.by_running = False  # trace calls by running them (dynamo failed on the scalars)
         self.refused: str | None = None  # why tracing by running stopped, once it did
-        #: what a call runs: the latest entry, whose miss calls the next one, the last one's
-        #: :meth:`_slow` (one frame a matched call: no loop over the entries in between)
+        #: what a call runs: the entry that served the latest call no other served before
+        #: it, whose miss calls :meth:`_walk` (one frame a matched call: no loop in between)
         self.head: Callable = self._slow
+
+    def describe(self) -> str:
+        """The learned entries, in the order a call tries them (for ``explain``): a call of
+        another signature than the first pays each earlier entry's checks."""
+        def one(sig: tuple) -> str:
+            shapes = ", ".join(str(tuple(x[0])) for x in sig[2:]
+                               if isinstance(x, tuple) and isinstance(x[0], torch.Size))
+            return f"({shapes}) grad {'on' if sig[0] else 'off'}"
+        entries = "; ".join(one(e.signature) for e in self.entries)
+        return f"{len(self.entries)} signature(s) served past dynamo, tried in order: {entries}"
 
     def scalars_failed(self) -> None:
         """dynamo could not trace the function with its scalars captured: trace by running."""
@@ -148,12 +159,28 @@ class Direct:
 
     def _add(self, entry: Callable) -> None:
         sig = entry.signature
-        self.entries = [entry, *(e for e in self.entries if e.signature != sig)]
-        del self.entries[MAX_ENTRIES:]
         self.learned += 1
-        for e, after in zip(self.entries, [*self.entries[1:], self._slow]):
-            e.__globals__["_next"] = after  # a miss tries the next entry, the last one _slow
+        self._first([entry, *(e for e in self.entries if e.signature != sig)])
+
+    def _first(self, entries: list[Callable]) -> None:
+        """``entries`` in the order calls try them: the head's miss walks the rest."""
+        self.entries = entries[:MAX_ENTRIES]
+        for e in self.entries[1:]:
+            e.__globals__["_next"] = _missed
+        self.entries[0].__globals__["_next"] = self._walk
         self.head = self.entries[0]
+
+    def _walk(self, *args: Any, **kwargs: Any) -> Any:
+        """The head's miss: the other entries in order, the one that serves the call put
+        first (a signature called once, say under ``no_grad``, must not stay ahead of the one
+        every other call has: each of those would pay its checks and this walk), else
+        :meth:`_slow`."""
+        for i, e in enumerate(self.entries[1:], 1):
+            out = e(*args, **kwargs)
+            if out is not _MISS:
+                self._first([e, *self.entries[:i], *self.entries[i + 1:]])
+                return out
+        return self._slow(*args, **kwargs)
 
     # -- tracing by running --------------------------------------------------------------------
     def _traced(self, args: tuple) -> Callable | None:
@@ -362,7 +389,7 @@ class _Code:
         # a parameter that requires grad makes aot build a training graph, not learned), and
         # its ops record nothing either way
         lines = [f"    outs = {call}"]
-        inline = getattr(run, "inline", None) if boxed else None
+        inline = getattr(run, "call_lines", None) if boxed else None
         if inline is not None and len(inline.inputs) == len(feeds) and \
                 not inline.globals.keys() & self.namespace.keys():
             # the runner's whole call in this function's own lines: no frame, no lists of

@@ -63,7 +63,7 @@ class Program:
     source: str
     filename: str
     steps_by_line: dict[int, Step]
-    inline: Inline | None = None  # a whole call's lines, for a caller's generated function
+    call_lines: Inline | None = None  # a whole call's lines, for a caller's generated function
 
 
     def step_at(self, lineno: int) -> Step | None:

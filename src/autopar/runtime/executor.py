@@ -552,7 +552,7 @@ class Executor:
                 #: :mod:`autopar.capture.direct`): the host's program is all a call does, with
                 #: the profiler's ranges and the failure's report inside it
                 self.unchecked = program.fn
-                self.inline = program.inline  # (its lines: codegen.Inline)
+                self.call_lines = program.call_lines  # (codegen.Inline)
 
     def __call__(self, args: Sequence[Any], _ranged: bool = False) -> list[Any]:
         if not _ranged and _profiler._is_profiler_enabled:

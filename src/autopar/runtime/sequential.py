@@ -44,7 +44,7 @@ class SequentialRunner:
         #: (:mod:`autopar.capture.direct`'s entries)
         self.unchecked = self.program.fn
         #: the whole call as lines a caller's generated function takes in (codegen.Inline)
-        self.inline = self.program.inline
+        self.call_lines = self.program.call_lines
 
     def __call__(self, args: Sequence[Any]) -> list[Any]:
         if len(args) != self._n:
