@@ -17,9 +17,10 @@ models: ``infer`` and ``train`` over a sequence of ``VARLEN_CALLS`` calls, each 
 drawn from ``[length // 2, length]``, as an eval loop or dynamic padding brings them: every
 call's outputs, or loss, checked against eager's; ``median_s`` the median call of the
 sequence's second half, each call synchronized, ``first_s`` the whole sequence, compiles and
-trials in it; each variant runs in a process of its own beside eager, since the variants of
-one model class share dynamo's entries for its ``forward``: a cell's ``median_s`` is scaled
-by the row's eager over its own process's, ``measured_s`` as measured). Each (model, mode)
+trials in it; the variants' calls interleaved call by call in one process, each variant's
+model with a ``forward`` of its own code, as dynamo keeps its entries and its recompile limit
+per code object; before 2026-12-04 each variant ran in a process of its own, and this
+host's pace differs by up to 2x between processes). Each (model, mode)
 runs in a process of its own (a crash or a hang costs one row): it checks every variant
 against eager (pass or fail, and why; in inference on its first three calls, as a racing
 kernel can be right once), then times those that passed in interleaved rounds
@@ -195,6 +196,7 @@ def run_varlen(model_name: str, mode: str, size: str, variants: list[str], batch
     from autopar.api import dispatcher_of
     from autopar.bench.harness import in_process_compiles
     from autopar.bench.models import MODELS, available, inputs_for, train_step, without_dropout
+    from autopar.capture.dynamo import with_own_code
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -216,10 +218,13 @@ def run_varlen(model_name: str, mode: str, size: str, variants: list[str], batch
     base = m.make(size).to(dev)
     if training:
         without_dropout(base.train())
-    want: list[Any] = []
+    runs: dict[str, tuple[Any, Any]] = {}  # variant -> (its call, its Dispatcher's owner)
+    models: dict[str, Any] = {}
     for name, cell in _cells(row, variants):
         try:
-            model = copy.deepcopy(base)
+            model = models[name] = copy.deepcopy(base)
+            if name != "eager":  # a forward of its own: dynamo keeps entries per code object,
+                model.forward = with_own_code(model.forward)  # and its recompile limit
             if training:
                 opt = _optimizer("train", model)
                 keys = list(batches[0])
@@ -227,45 +232,59 @@ def run_varlen(model_name: str, mode: str, size: str, variants: list[str], batch
 
                 def call(kw: dict, fn=fn, keys=keys) -> Any:
                     return fn(*(kw[k] for k in keys))
+                runs[name] = call, fn
             else:
                 compiled = _variant(name, model)
 
                 def call(kw: dict, compiled=compiled) -> Any:
                     with torch.no_grad():
                         return compiled(**kw)
-            times, start = [], time.perf_counter()
-            for i, kw in enumerate(batches):
+                runs[name] = call, compiled
+        except Exception as e:  # one variant's failure is its cell's, not the row's
+            cell["fail"] = _failure(e)
+    # the variants' calls interleaved, call by call (eager's first: the reference)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    want: list[Any] = []
+    for i, kw in enumerate(batches):
+        for name, (call, _) in runs.items():
+            cell = row["variants"][name]
+            if "fail" in cell:
+                continue
+            try:
                 t = time.perf_counter()
                 out = call(kw)
                 if dev == "cuda":
                     torch.cuda.synchronize()
-                times.append(time.perf_counter() - t)
+                times[name].append(time.perf_counter() - t)
                 got = [out.float()] if training else [o.cpu() for o in _outputs(out)]
-                if name == "eager":
-                    want.append(got)
-                elif (bad := _close(got, want[i], "train" if training else mode)):
-                    cell["fail"] = f"call {i} (length {lengths[i]}): {bad}"
-                    break
-            if "fail" in cell:
+            except Exception as e:
+                cell["fail"] = f"call {i} (length {lengths[i]}): {_failure(e)}"
                 continue
-            cell["first_s"] = time.perf_counter() - start
-            cell["median_s"] = sorted(times[len(times) // 2:])[len(times) // 4]
-            cell["calls_ms"] = [round(t * 1e3, 2) for t in times]
-            if training:  # the parameters after the sequence, against eager's
-                got = torch.cat([p.detach().float().flatten() for p in model.parameters()])
-                if name == "eager":
-                    want_params = got
-                elif (bad := _close([got], [want_params], "train")):
-                    cell["fail"] = f"parameters after {len(lengths)} steps: {bad}"
-                    continue
-            if name == "autopar":
-                d = dispatcher_of(fn if training else compiled)
-                if d is not None:
-                    cell["kept"] = sorted(set(d.kept.values()))
-                    cell["explain"] = d.explain()
-            cell["pass"] = True
-        except Exception as e:  # one variant's failure is its cell's, not the row's
-            cell["fail"] = _failure(e)
+            if name == "eager":
+                want.append(got)
+            elif (bad := _close(got, want[i], "train" if training else mode)):
+                cell["fail"] = f"call {i} (length {lengths[i]}): {bad}"
+    want_params = None
+    for name, (_, owner) in runs.items():
+        cell = row["variants"][name]
+        if "fail" in cell:
+            continue
+        calls = times[name]
+        cell["first_s"] = sum(calls)
+        cell["median_s"] = sorted(calls[len(calls) // 2:])[len(calls) // 4]
+        cell["calls_ms"] = [round(t * 1e3, 2) for t in calls]
+        if training:  # the parameters after the sequence, against eager's
+            got = torch.cat([p.detach().float().flatten() for p in models[name].parameters()])
+            if name == "eager":
+                want_params = got
+            elif want_params is not None and (bad := _close([got], [want_params], "train")):
+                cell["fail"] = f"parameters after {len(lengths)} steps: {bad}"
+                continue
+        d = dispatcher_of(owner) if name == "autopar" else None
+        if d is not None:
+            cell["kept"] = sorted(set(d.kept.values()))
+            cell["explain"] = d.explain()
+        cell["pass"] = True
     return row
 
 
@@ -610,26 +629,7 @@ def main() -> None:
     rows = []
     for model, mode in todo:
         start = time.perf_counter()
-        if mode.endswith("-varlen"):  # each variant in a process of its own, beside eager
-            row = {}
-            for v in [v for v in variants if v != "eager"] or ["eager"]:
-                cmd = command(model, mode)
-                part = child(model, mode, [*cmd[:cmd.index("--variants") + 1],
-                                           f"eager,{v}", *cmd[cmd.index("--variants") + 2:]])
-                if not row or "variants" not in row:
-                    row = part
-                elif "variants" in part:
-                    row["variants"][v] = part["variants"].get(v, {})
-                else:
-                    row["variants"][v] = {"fail": part.get("error") or part.get("skipped")}
-                cell = row.get("variants", {}).get(v, {})
-                eager = part.get("variants", {}).get("eager", {}).get("median_s")
-                base = row.get("variants", {}).get("eager", {}).get("median_s")
-                if eager and base and cell.get("median_s") and v != "eager":
-                    cell["measured_s"], cell["eager_s"] = cell["median_s"], eager
-                    cell["median_s"] = cell["median_s"] * base / eager  # at the row's pace
-        else:
-            row = child(model, mode, command(model, mode))
+        row = child(model, mode, command(model, mode))
         row["wall_s"] = round(time.perf_counter() - start, 1)
         rows.append(row)
         print(f"{model:18s} {mode:6s} {row['wall_s']:6.1f} s  "

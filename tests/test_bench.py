@@ -378,20 +378,49 @@ def test_every_family_of_run_all_takes_json_as_run_all_passes_it(monkeypatch):
         assert takes_path == family.json_to_file, f"{name}: --json PATH or a flag, not both"
 
 
-def test_the_generate_check_tells_a_near_tie_from_a_wrong_token(monkeypatch):
-    """benchmarks/models.py's ``generate`` rows: tokens that part where eager's top two logits
-    are within ``NEAR_TIE`` of each other, and the variant's logits within that of eager's,
-    are a tie broken by summation order (a note); logits that drifted are a failure."""
+def _models_py(monkeypatch):
+    """benchmarks/models.py as a module."""
     import importlib.util
     import sys
     from pathlib import Path
-    from types import SimpleNamespace
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "models.py"
     spec = importlib.util.spec_from_file_location("benchmarks_models", path)
     models = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, models)
     spec.loader.exec_module(models)
+    return models
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_varying_length_rows_run_every_variant_in_one_process(monkeypatch):
+    """benchmarks/models.py's ``infer-varlen``: the variants' calls interleaved in one process,
+    each checked against eager's; each compiled variant's model has a ``forward`` of its own
+    code, so no entry of dynamo's lands on the model class's own ``forward``."""
+    pytest.importorskip("transformers")
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from autopar.bench.models import MODELS
+
+    models = _models_py(monkeypatch)
+    monkeypatch.setattr(models, "VARLEN_CALLS", 6)
+    row = models.run_varlen("gpt2", "infer-varlen", "tiny", ["eager", "compile", "autopar"],
+                            2, 12)
+    for name in ("eager", "compile", "autopar"):
+        cell = row["variants"][name]
+        assert cell.get("pass"), (name, cell)
+        assert len(cell["calls_ms"]) == 6 and cell["median_s"] > 0
+    forward = type(MODELS["gpt2"].make("tiny")).forward
+    assert _debug_get_cache_entry_list(forward.__code__) == []
+
+
+def test_the_generate_check_tells_a_near_tie_from_a_wrong_token(monkeypatch):
+    """benchmarks/models.py's ``generate`` rows: tokens that part where eager's top two logits
+    are within ``NEAR_TIE`` of each other, and the variant's logits within that of eager's,
+    are a tie broken by summation order (a note); logits that drifted are a failure."""
+    from types import SimpleNamespace
+
+    models = _models_py(monkeypatch)
 
     def generated(tokens, scores):  # prompt of 2, then 2 steps over a vocabulary of 3
         return SimpleNamespace(sequences=torch.tensor([tokens]),
