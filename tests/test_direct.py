@@ -140,6 +140,33 @@ def test_a_new_shape_dtype_or_grad_mode_is_a_new_signature():
     assert len(calls) == 6 and len(direct.entries) == 5
 
 
+def test_torchs_global_state_is_part_of_the_signature():
+    """A learned entry serves calls under the global state it was learned in (dynamo's
+    ``GlobalStateGuard``): dynamo reads ``torch.get_default_dtype()`` while tracing, so the
+    graph learned under float32 casts to float32; under float64 the call goes through dynamo
+    and casts as eager does. Each state keeps its own entry."""
+    def as_default(x):
+        return x.to(torch.get_default_dtype()) * 2
+
+    compiled = autopar.compile(as_default, devices="cpu:0", guards="arguments",
+                               candidates="autopar")
+    x = torch.randn(4, dtype=torch.float16)
+    for _ in range(2):
+        assert compiled(x).dtype == torch.float32
+    calls = through_dynamo(compiled)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        for _ in range(2):
+            got, want = compiled(x), as_default(x)
+            assert got.dtype == want.dtype == torch.float64
+    finally:
+        torch.set_default_dtype(old)
+    assert len(calls) == 1  # through dynamo once, which guards the default dtype too
+    torch.testing.assert_close(compiled(x), as_default(x))
+    assert len(calls) == 1 and len(compiled.compiled.entries) == 2  # each state's entry
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="another device needs CUDA")
 def test_a_new_device_is_a_new_signature():
     compiled = autopar.compile(lambda x, y: x @ y, guards="arguments", candidates="autopar")

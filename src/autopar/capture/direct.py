@@ -37,7 +37,10 @@ Policy
   dtype, device, ``requires_grad`` and dispatch keys (checked at once by dynamo's own C++
   tensor check, ``TensorGuards``: 0.17 us for two tensors on the 2-core VM, against 0.75 for
   the attributes compared in Python), each plain value equal (and of
-  the same type), the same grad mode, no autocast, a module's ``training`` as learned; and its
+  the same type), torch's global state as learned (dynamo's own ``GlobalStateGuard``: grad
+  mode, autocast, default dtype, deterministic algorithms, TF32 and reduced-precision flags,
+  thread count; 0.17 us on the VM, as much as grad mode and autocast alone cost), no
+  autocast, a module's ``training`` as learned; and its
   cheap checks hold: every parameter and buffer the graph reads has the ``_version`` it had
   (an optimizer's in-place step changes it), every global or closure tensor is still the
   object bound to its name. A check that fails sends the call through dynamo, which re-guards
@@ -60,8 +63,7 @@ What breaks the contract, undetected: Python side effects of the function (appen
 counting calls in a global: dynamo replays them, an entry does not); a module's attribute,
 hook or submodule changed, a parameter replaced by another object (``module.weight =
 nn.Parameter(...)``); non-tensor globals changed (a flag, a Python number the code reads);
-torch's global state other than grad mode and autocast (default dtype, deterministic
-algorithms, a ``TorchFunctionMode``); a submodule's ``training`` changed alone.
+a ``TorchFunctionMode`` entered around the call; a submodule's ``training`` changed alone.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch._C._dynamo.guards import TensorGuards
+from torch._C._dynamo.guards import GlobalStateGuard, TensorGuards
 
 from ..ir.ops import PLAIN_VALUES
 from .dynamo import LightWrapper, any_autocast_enabled
@@ -116,7 +118,7 @@ class Direct:
         """The learned entries, in the order a call tries them (for ``explain``): a call of
         another signature than the first pays each earlier entry's checks."""
         def one(sig: tuple) -> str:
-            shapes = ", ".join(str(tuple(x[0])) for x in sig[2:]
+            shapes = ", ".join(str(tuple(x[0])) for x in sig[3:]
                                if isinstance(x, tuple) and isinstance(x[0], torch.Size))
             return f"({shapes}) grad {'on' if sig[0] else 'off'}"
         entries = "; ".join(one(e.signature) for e in self.entries)
@@ -342,9 +344,10 @@ class _Code:
         self.checks: list[str] = []
         self.names: dict[int, str] = {}
         self.namespace: dict[str, Any] = {"_MISS": _MISS, "_Tensor": torch.Tensor,
-                                          "_grad": torch.is_grad_enabled,
-                                          "_autocast": any_autocast_enabled}
-        self.signature: list[Any] = [grad, n]
+                                          # the global state as now (the learned call's)
+                                          "_state": GlobalStateGuard().check}
+        # (the global state's own description: an entry per state, as dynamo's per guard)
+        self.signature: list[Any] = [grad, n, GlobalStateGuard().__getstate__()]  # (a str)
         self.tensors: list[tuple[str, torch.Tensor]] = []  # (argument, the call's tensor)
 
     def name(self, value: Any) -> str:
@@ -430,8 +433,7 @@ class _Code:
                 "**kwargs)" if self.n else "        return _next(*more, **kwargs)")
         lines = [
             f"def entry({params}*more, **kwargs):",
-            f"    if more or kwargs or {''.join(first)}_grad() is not {self.grad} or "
-            "_autocast():",
+            f"    if more or kwargs or {''.join(first)}not _state():",
             miss,
         ]
         if self.checks:
