@@ -743,3 +743,37 @@ def test_a_launch_bound_training_step_is_timed_against_cuda_graph_trees(monkeypa
     with torch.no_grad():  # an inference call's CUDA graphs are the shared trace's replay
         g._way("cudagraphs")
     assert made[-1] == ("shared trace", "cudagraphs")
+
+
+def test_a_trial_times_each_way_as_a_kept_call_enters_it(monkeypatch):
+    """Tiny calls are decided by fractions of a microsecond, so a trial times each way by the
+    path a kept call takes: under ``guards="arguments"`` autopar's way at its Direct's head
+    (the Dispatcher's route, past the Direct's frame), eager's after the check a repeated
+    plain call pays (its tensors against the latest plain call's)."""
+    import functools
+
+    from autopar import api
+
+    given: list[tuple[str, object]] = []
+    as_kept = api.Dispatcher._as_kept
+    monkeypatch.setattr(api.Dispatcher, "_as_kept",
+                        lambda self, name: given.append((name, as_kept(self, name)))
+                        or given[-1][1])
+    checks = []
+    same = api._same_signature
+    monkeypatch.setattr(api, "_same_signature", lambda *a: checks.append(1) or same(*a))
+
+    def one_op(x, y):
+        return x @ y
+
+    f = autopar.compile(one_op, guards="arguments", candidates="eager,autopar")
+    x, y = torch.randn(5, 10), torch.randn(10, 5)
+    for _ in range(1 + 4 * TRIAL_CALLS):
+        torch.testing.assert_close(f(x, y), one_op(x, y))
+    ways = {name for name, _ in given}
+    assert ways == {"eager", "autopar"}
+    direct = f.compiled
+    assert all(got is direct.entries[0] for name, got in given if name == "autopar")
+    eager = [got for name, got in given if name == "eager"]
+    assert all(isinstance(g, functools.partial) and g.func == f._plain_checked for g in eager)
+    assert len(checks) >= len(eager)  # each eager turn paid the plain call's check
