@@ -344,6 +344,39 @@ def test_the_very_tensors_of_the_latest_plain_call_skip_the_key(monkeypatch):
     assert len(keyed) == 5 and len(compiled.plain_signatures) == 4
 
 
+def test_a_kept_eager_layout_is_served_by_its_plain_entry(monkeypatch):
+    """A signature kept as eager gets a generated plain entry as the Dispatcher's route: calls
+    of that layout (new tensors too) run the function with no Dispatcher frame and no key;
+    another grad mode or shape goes the Dispatcher's way (and is remembered in turn)."""
+    from autopar import api
+
+    entered = []
+    call = api.Dispatcher._call
+    monkeypatch.setattr(api.Dispatcher, "_call",
+                        lambda self, *a, **k: entered.append(1) or call(self, *a, **k))
+
+    def mm(x, y):
+        return x @ y
+
+    compiled = autopar.compile(mm, devices="cpu:0")
+    x, y = torch.randn(5, 10), torch.randn(10, 5)
+    for _ in range(3):
+        torch.testing.assert_close(compiled(x, y), mm(x, y))
+    assert compiled.kept_way((x, y)) == "eager" and compiled._route.head.__name__ == "plain"
+    before = len(entered)
+    for _ in range(3):
+        a, b = torch.randn(5, 10), torch.randn(10, 5)
+        torch.testing.assert_close(compiled(a, b), mm(a, b))
+    assert len(entered) == before  # the plain entry served them
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, y), mm(x, y))
+    a = torch.randn(3, 10)
+    torch.testing.assert_close(compiled(a, y), mm(a, y))
+    assert len(entered) == before + 2  # another grad mode, another shape: the Dispatcher's
+    torch.testing.assert_close(compiled(x, y.t().contiguous().t()), mm(x, y))  # other strides
+    assert len(entered) == before + 3
+
+
 def test_the_same_tensors_in_lists_and_tuples_skip_the_key_too(monkeypatch):
     """Weights passed as a list or tuple: the same tensors in the same order skip the key, and
     so does a list changed in place to another tensor of the same shape; one more weight is
