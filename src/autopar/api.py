@@ -1141,6 +1141,8 @@ class Dispatcher:
 
     def _keep(self, key: Any, way: str) -> None:
         self.kept[key] = way
+        if way != "eager":  # a plain entry routes eager's layouts only: _plain sets it again
+            self._route = _Route(self._call)
         if not self.trials and len(set(self.kept.values())) == 1 and way != "eager":
             self.only = self.way(way)  # one compiled way serves every call: no key needed
             self._route = self.only if isinstance(self.only, Direct) else _Route(self.only)
