@@ -141,3 +141,28 @@ def test_a_zero_dim_cuda_constant_that_does_not_fold_is_captured_on_the_host():
     (g,) = captured_graphs(exp_a1_inside, torch.rand(6, 6, device="cuda"))
     zero_dim = zero_dim_ops(g)
     assert zero_dim and set(zero_dim) <= GraphIndex.of(g).host
+
+
+def test_w3_with_host_data_runs_its_host_plan_in_the_entrys_own_lines():
+    """``(x.to("cuda") @ y.to("cuda")).cpu()`` on small host tensors under
+    ``guards="arguments"``, autopar's way: the plan runs on the host (the moves hand their
+    inputs on), the learned entry runs it in its own lines (the executor's ``call_lines``), and
+    every call equals eager with no sync; a call whose line fails runs the program instead."""
+    def w3(x, y):
+        return (x.to("cuda") @ y.to("cuda")).cpu()
+
+    compiled = autopar.compile(w3, guards="arguments", candidates="autopar")
+    x, y = torch.rand(5, 10), torch.rand(10, 5)
+    for _ in range(3):
+        torch.testing.assert_close(compiled(x, y), x @ y)
+    (entry,) = compiled.compiled.entries
+    assert "outs = _run([a0, a1])" in entry.source and "a free move" in entry.source
+    for _ in range(3):
+        a, b = torch.rand(5, 10), torch.rand(10, 5)
+        syncs, out = count_syncs(compiled, a, b)
+        assert syncs == 0 and out.device.type == "cpu"
+        torch.testing.assert_close(out, a @ b)
+    ops = [k for k, v in entry.__globals__.items() if k.startswith("c") and callable(v)]
+    for k in ops:  # the entry's lines fail: the executor's program runs the call
+        entry.__globals__[k] = lambda *args, **kwargs: 1 / 0
+    torch.testing.assert_close(compiled(x, y), x @ y)
