@@ -151,11 +151,15 @@ def test_w3_with_host_data_runs_its_host_plan_in_the_entrys_own_lines():
     def w3(x, y):
         return (x.to("cuda") @ y.to("cuda")).cpu()
 
-    compiled = autopar.compile(w3, guards="arguments", candidates="autopar")
+    # priced on the h200x2 preset, so the placement does not hang on this host's calibration
+    compiled = autopar.compile(w3, guards="arguments", candidates="autopar", machine="h200x2",
+                               devices="cpu:0,cuda:0")
     x, y = torch.rand(5, 10), torch.rand(10, 5)
     for _ in range(3):
         torch.testing.assert_close(compiled(x, y), x @ y)
     (entry,) = compiled.compiled.entries
+    plan = compiled.runner.executors[-1].plan
+    assert set(plan.placement.device.values()) == {"cpu:0"}
     assert "outs = _run([a0, a1])" in entry.source and "a free move" in entry.source
     for _ in range(3):
         a, b = torch.rand(5, 10), torch.rand(10, 5)
