@@ -41,11 +41,10 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-from torch._C._dynamo.guards import TensorGuards
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from .capture.direct import Direct
+from .capture.direct import Direct, layout_check, positional_entry
 from .capture.dynamo import (
     WaySwitch,
     any_autocast_enabled,
@@ -609,6 +608,16 @@ def _meta(t: torch.Tensor) -> tuple:
     return (t.shape, t.dtype, t.get_device())
 
 
+def _held(args: tuple) -> tuple[list[weakref.ref], list[tuple]] | None:
+    """Weak references to the tensors of ``args`` (in lists and tuples too), in order, and
+    each one's metadata, what :func:`_same_signature` compares a later call with; None where
+    there are none or anything else is among them."""
+    flat: list[torch.Tensor] = []
+    if not args or not _tensors_in(args, flat):
+        return None
+    return [weakref.ref(a) for a in flat], [_meta(a) for a in flat]
+
+
 def _same_signature(values: Sequence[Any], refs: Sequence[Any], metas: Sequence[tuple],
                     i: int, grad: bool) -> int:
     """Whether ``values`` (lists and tuples walked in order) have the signature of the tensors
@@ -941,9 +950,7 @@ class Dispatcher:
         before = self._versions(args, kwargs) if check else None
         try:
             if way == "eager":  # the tensors a kept call's check compares (see _as_kept)
-                flat: list[torch.Tensor] = []
-                self._trial_refs = ([weakref.ref(a) for a in flat], [_meta(a) for a in flat]) \
-                    if not kwargs and _tensors_in(args, flat) else ([], [])
+                self._trial_refs = (None if kwargs else _held(args)) or ([], [])
             out = trial.run(self._as_kept, args, kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:  # failed compiling: nothing ran
             way = trial.next_way()
@@ -1161,29 +1168,21 @@ class Dispatcher:
         key = (torch.is_grad_enabled(), extra, key)
         entry = self._plain_entries.get(key)
         if entry is None and len(self._plain_entries) < PLAIN_ENTRIES:
-            names = [f"a{i}" for i in range(len(args))]
-            given = "".join(f"{a}, " for a in names)
+            given = ", ".join(f"a{i}" for i in range(len(args)))
             namespace = {"_MISS": _MISS, "_grad": torch.is_grad_enabled, "_call": self._call,
-                         "_fn": self.fn, "_extra": self.key_extra,
-                         "_match": TensorGuards(
-                             *args, dynamic_dims_sizes=[list(a.shape) for a in args],
-                             dynamic_dims_strides=[list(a.stride()) for a in args]).check}
-            also = f" or _extra() != {extra!r}" if self.key_extra is not None else ""
-            exec("def plain(" + "".join(f"{a}=_MISS, " for a in names) + "*more, **kwargs):\n"
-                 f"    if more or kwargs or {names[-1]} is _MISS or _grad() is not {key[0]}"
-                 f"{also} or not _match({given}):\n"
-                 f"        return _call(*[a for a in ({given}) if a is not _MISS], *more, "
-                 "**kwargs)\n"
-                 f"    return _fn({given})\n", namespace)
+                         "_fn": self.fn, "_extra": self.key_extra, "_match": layout_check(args)}
+            also = f"_extra() != {extra!r} or " if self.key_extra is not None else ""
+            header, came, miss = positional_entry("plain", len(args), "_call")
+            exec(f"{header}\n    if {came}_grad() is not {key[0]} or {also}not _match({given}):"
+                 f"\n{miss}\n    return _fn({given})\n", namespace)
             entry = self._plain_entries[key] = namespace["plain"]
         return entry
 
     def _remember(self, args: tuple) -> None:
-        flat: list[torch.Tensor] = []
-        if args and _tensors_in(args, flat):
+        held = _held(args)
+        if held is not None:
             self._last_grad = torch.is_grad_enabled()
-            self._last_refs = [weakref.ref(a) for a in flat]
-            self._last_metas = [_meta(a) for a in flat]
+            self._last_refs, self._last_metas = held
 
 
 def dispatcher_of(fn: Any) -> Dispatcher | None:

@@ -65,7 +65,6 @@ class Program:
     steps_by_line: dict[int, Step]
     call_lines: Inline | None = None  # a whole call's lines, for a caller's generated function
 
-
     def step_at(self, lineno: int) -> Step | None:
         return self.steps_by_line.get(lineno)
 
@@ -200,6 +199,7 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
     """
     em = _Emitter(device, slots, source_of)
     chains = _slice_chains(steps, entry, slots, source_of, device) if entry is not None else {}
+    distinct = entry is not None and len(set(entry[0])) == len(entry[0])  # no input twice
     if entry is not None:
         # a whole call of ops alone keeps its values in locals (no list; 0.3 us a call
         # of one op less on the 2-core VM); a segment's call reads the list
@@ -207,7 +207,7 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
         if not em.local:
             em.emit("env = [None] * n_slots")
             em.lines += [f"    env[{slot}] = args[{i}]" for i, slot in enumerate(entry[0])]
-        elif entry[0] and len(set(entry[0])) == len(entry[0]):
+        elif entry[0] and distinct:
             em.emit("".join(f"v{slot}, " for slot in entry[0]) + "= args")
         else:
             em.lines += [f"    v{slot} = args[{i}]" for i, slot in enumerate(entry[0])]
@@ -267,7 +267,7 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
     inline = None
     if entry is not None:
         outs = [em.at(v) if kind == "slot" else em.const(v) for kind, v in entry[1]]
-        if em.local and len(set(entry[0])) == len(entry[0]):
+        if em.local and distinct:
             first = 1 if entry[0] else 0  # (the line that unpacks args)
             inline = Inline(tuple(f"v{slot}" for slot in entry[0]),
                             tuple(line[4:] for line in em.lines[first:]),

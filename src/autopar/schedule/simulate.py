@@ -195,7 +195,7 @@ def send_issue_s(cost: Any, send: Send) -> float:
     if machine is None:
         return 0.0
     gpu = send.src if not send.src.startswith("cpu") else send.dst
-    return machine.profile.device(machine.device(gpu).name).launch_s + \
+    return machine.profile.device(machine.device(gpu).name).launch("copy") + \
         machine.profile.event_wait_s
 
 
