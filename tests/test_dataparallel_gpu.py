@@ -131,3 +131,67 @@ def test_module_steps_with_cuda_graphs_over_two_gpus_equal_eager_on_one(optimize
     assert_same([p.grad for p in model.parameters()], [p.grad for p in ref.parameters()])
     segs = step.last.run.segments
     assert segs and all(s.status == "captured" for s in segs)
+
+
+def test_gradient_sums_as_collectives_over_two_gpus_equal_eager_with_identical_replicas():
+    """W6 split over two GPUs with every sum one collective (``collectives=True``; the
+    default keeps copies and adds over two): the executor runs the collectives' lane (NCCL
+    where torch has it, else each GPU adding the parts); the step equals eager's on one GPU
+    and both replicas' next values have home's bits."""
+    from autopar.capture.step import capture_step
+    from autopar.cost.model import CostModel
+    from autopar.ir.collective import COMM
+    from autopar.machine.presets import preset
+    from autopar.passes.shard import shard
+    from autopar.runtime import Executor
+    from autopar.schedule.place import place
+    from autopar.schedule.plan import make_plan
+
+    inputs = on_gpu(mlp_inputs(batch=301, d_in=64, hidden=128, classes=10))
+    step = capture_step(w6_train_step, inputs)
+    g = step.graph
+    s = shard(g, {g.inputs[4]: 0, g.inputs[5]: 0}, ["cuda:0", "cuda:1"],
+              updates=step.updates, collectives=True)
+    plan = make_plan(place(s.graph, CostModel(preset("h200x2")), pins=s.pins))
+    assert COMM in plan.programs
+    args = [t.detach() for t in inputs]
+    replicas = [args[j].to(d) for j, d in s.replicas]
+    want = w6_train_step(*[t.detach().clone().requires_grad_(t.requires_grad) for t in inputs])
+    got = Executor(plan)(args + replicas)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(got[0], want, rtol=1e-4, atol=1e-4)
+    updated = dict(zip(step.mutated, got[1:5]))
+    for (j, _), replica in zip(s.replica_outputs, got[5:], strict=True):
+        assert replica.device == torch.device("cuda:1")
+        assert torch.equal(replica.cpu(), updated[j].cpu())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 GPUs")
+def test_module_step_over_three_gpus_reduces_by_collectives_and_equals_eager():
+    import torch.nn.functional as F
+
+    def net() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
+                                   torch.nn.Linear(64, 8)).to("cuda:0")
+
+    ref, mine = net(), net()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, mine)]
+    x, t = torch.randn(97, 32, device="cuda:0"), torch.randint(0, 8, (97,), device="cuda:0")
+
+    def stepper(model, opt):
+        def step(x, t):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), t)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+        return step
+
+    eager, split = stepper(ref, opts[0]), autopar.data_parallel(
+        stepper(mine, opts[1]), devices="cuda:0,cuda:1,cuda:2", shards=3)
+    for _ in range(5):
+        torch.testing.assert_close(split(x, t), eager(x, t), rtol=1e-4, atol=1e-4)
+    assert_same(list(mine.parameters()), list(ref.parameters()))
+    assert any(getattr(n.op, "__name__", "") == "all_reduce"
+               for n in split.last.sharded.graph.ops)

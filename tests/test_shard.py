@@ -373,13 +373,14 @@ def run_on_the_cpu_like_eager(s, step, inputs, want) -> None:
 
 
 def test_big_sums_over_more_than_two_gpus_are_reduced_scattered():
-    """Three GPUs: dW1 (1024 x 1024, 4 MB) is summed in row chunks, chunk c on cuda:c from the
-    three shards' slices, and each GPU gathers the chunks from their owners; no GPU receives a
-    whole partial. Two GPUs keep the all-to-all form."""
+    """Three GPUs without collectives: dW1 (1024 x 1024, 4 MB) is summed in row chunks, chunk
+    c on cuda:c from the three shards' slices, and each GPU gathers the chunks from their
+    owners; no GPU receives a whole partial. Two GPUs keep the all-to-all form."""
     step = capture_step(w6_train_step, mlp_inputs(batch=12, d_in=1024, hidden=1024, classes=3))
     relabel_devices(step.graph, "cpu", "cuda:0")
     gpus = ["cuda:0", "cuda:1", "cuda:2"]
-    s = shard(step.graph, batch_of(step), gpus, updates=step.updates, bucket_bytes=0)
+    s = shard(step.graph, batch_of(step), gpus, updates=step.updates, bucket_bytes=0,
+              collectives=False)
     ops = [n for n in s.graph.ops if isinstance(n.meta, TensorMeta)]
     chunk_adds = [n for n in ops if op_name(n.op) == "aten.add.Tensor"
                   and n.meta.shape in ((342, 1024), (341, 1024))]

@@ -2,7 +2,8 @@
 
 Policy, in order of preference for a node ``n`` on device ``d``
 1. ``input`` and ``getitem`` (a tuple index in the generated code): free (0). ``view``:
-   host-only, ``profile.view_s``, no kernel.
+   host-only, ``profile.view_s``, no kernel. A collective (:mod:`autopar.ir.collective`) on
+   its lane: see :meth:`CostModel.collective_cost`; ``take`` of its items is free.
 2. History: once the history holds ``min_samples`` trusted measurements of the same op with the
    same input shapes, dtypes and arguments on the same device (CPU workers share one entry), their
    outlier-robust median replaces the estimate below.
@@ -54,6 +55,7 @@ from typing import Any
 
 import torch
 
+from autopar.ir.collective import COMM, is_collective, take
 from autopar.ir.graph import Node, TensorMeta, op_name
 from autopar.machine.model import (
     Device,
@@ -316,12 +318,14 @@ class CostModel:
 
     # -- ops -----------------------------------------------------------------------------
     def op_cost(self, node: Node, device: Device | str) -> OpCost:
-        dev = self.machine.device(device)
-        prof = self.machine.profile
         if node.is_input:
             return OpCost(0.0, 0.0, "input")
-        if node.op is operator.getitem:  # a tuple index in the generated code: no dispatch
+        if node.op is operator.getitem or node.op is take:  # a tuple index: no dispatch
             return OpCost(0.0, 0.0, "getitem")
+        if is_collective(node.op):
+            return self.collective_cost(node)
+        dev = self.machine.device(device)
+        prof = self.machine.profile
         if node.kind == "view":
             return OpCost(prof.view_s, 0.0, "view")
         dp = prof.device(dev.name)
@@ -344,6 +348,28 @@ class CostModel:
         if _schema_name(node) in _HOST_READS:
             host_s += device_s + prof.host_sync_s  # the host waits for the value
         return OpCost(host_s, device_s, source)
+
+    def collective_cost(self, node: Node) -> OpCost:
+        """An all-reduce of k parts of ``n`` bytes each. Over GPUs of their own memory: a ring
+        (NCCL's algorithm for big messages), ``2 (k-1)`` steps that each move ``n / k`` bytes
+        over every neighbouring link at once, the slowest link setting the pace; the launching
+        thread pays, per GPU, the collective's launch and its stream's wait for the part (an
+        event: ``event_wait_s``) and half an event for the item its consumers wait on. Parts
+        sharing one memory (CPU workers): the parts added in order once, on the host (the
+        lane's thread computes it)."""
+        metas = [p.meta for p in node.args]
+        k, n = len(metas), metas[0].nbytes
+        devices = [_machine_name(m.device) for m in metas]
+        prof = self.machine.profile
+        if len({"cpu" if d.startswith("cpu") else d for d in devices}) < k:
+            dp = prof.device(devices[0])
+            threads = self.machine.cpu_threads
+            adds = (k - 1) * (dp.read_time(2 * n, threads) + dp.write_time(n, threads))
+            return OpCost(adds, 0.0, "collective")
+        ring = max(prof.link(a, b).time(n / k)
+                   for a, b in zip(devices, devices[1:] + devices[:1]))
+        per_gpu = prof.device(devices[0]).launch("copy") + 1.5 * prof.event_wait_s
+        return OpCost(k * per_gpu, 2 * (k - 1) * ring, "collective")
 
     def _twin_of(self, dev: Device) -> str:
         """The first device seen whose roofline is ``dev``'s: of its kind, with an equal
@@ -389,6 +415,8 @@ class CostModel:
         return self.op_cost(node, device).host_s
 
     def can_run(self, node: Node, device: Device | str) -> bool:
+        if is_collective(node.op) or device == COMM:  # collectives run on their lane alone
+            return device == COMM and is_collective(node.op)
         dev = self.machine.device(device)
         if node.kind == "random":
             home = node.device
@@ -449,6 +477,11 @@ class CostModel:
             if allowed and "tf32" in self.machine.profile.device(dev.name).flops:
                 return "tf32"
         return dtype
+
+
+def _machine_name(torch_device: str) -> str:
+    """A machine's device name for a torch device string (``cpu`` -> ``cpu:0``)."""
+    return "cpu:0" if torch_device.startswith("cpu") else _cuda_name(torch_device)
 
 
 def _cuda_name(torch_device: str) -> str:

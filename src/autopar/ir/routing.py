@@ -7,7 +7,10 @@
   itself, so copies to two GPUs do not overlap (they run on the destination's ``h2d`` stream).
 - Routes: how a consumer on one device gets a value made on another: ``local``, ``event`` (an
   ordering event only: another CPU worker, a value without a tensor, a host 0-dim tensor a GPU
-  pointwise kernel takes as a scalar) or ``copy`` (one copy per value and pool).
+  pointwise kernel takes as a scalar, a collective's part or item: see
+  :mod:`autopar.ir.collective`) or ``copy`` (one copy per value and pool).
+- The collectives' lane :data:`~autopar.ir.collective.COMM` is a program of its own with a
+  pool of its own: its values are tuples of tensors that live on the devices they name.
 - A pure device move (``x.cpu()``) whose input arrives by a copy *is* that copy.
 - Host scalars (:func:`host_scalars`): Python numbers and 0-dim tensors the host can compute
   from host values, or from a 0-dim value the graph reads to the host anyway. Placement runs
@@ -28,6 +31,7 @@ from typing import Any
 
 import torch
 
+from .collective import COMM
 from .graph import LOCAL_SCALAR_DENSE, Graph, Node, ScalarMeta, TensorMeta, op_kind
 
 StorageKey = tuple[Any, ...]
@@ -67,10 +71,11 @@ _COMPUTE_LANES: dict[str, str] = {}
 
 
 def compute_lane(device: str) -> str:
-    """Lane of a device's ops: ``"cpu:1"`` or ``"cuda:0/compute"``."""
+    """Lane of a device's ops: ``"cpu:1"``, ``"cuda:0/compute"``, or ``"comm"``."""
     lane = _COMPUTE_LANES.get(device)
     if lane is None:
-        lane = _COMPUTE_LANES[device] = device if device.startswith("cpu") else f"{device}/compute"
+        plain = device.startswith("cpu") or device == COMM
+        lane = _COMPUTE_LANES[device] = device if plain else f"{device}/compute"
     return lane
 
 
@@ -319,7 +324,7 @@ def route(value: Node, src: str, dst: str, ix: GraphIndex) -> str:
     """
     if src == dst:
         return "local"
-    if pool(src) == pool(dst) or value in ix.tensorless:
+    if src == COMM or dst == COMM or pool(src) == pool(dst) or value in ix.tensorless:
         return "event"
     if value in ix.scalars and pool(src) == "cpu":
         return "event"

@@ -31,6 +31,12 @@ Policy and invariants
   device c, and a device that needs the whole sum gathers the chunks from their owners
   (``2 (k-1)/k`` of the sum received per device instead of ``k-1`` copies; every copy has the
   same bits). On two devices, or for small sums, the all-to-all form above.
+- Over three or more GPUs (``collectives="auto"``), every reduction is one collective instead
+  (:func:`autopar.ir.collective.all_reduce`, pinned to its lane
+  :data:`~autopar.ir.collective.COMM`): the partials in, the sum out on every device
+  (``take(result, i)`` on device i), every copy the same bits. The copies-and-adds forms below
+  cost the thread that issues every GPU's work ``k (k-1)`` copies and adds per sum; over two
+  GPUs they stay (measured there, 2026-11-30; the collective is not measured yet).
 - Big partial sums are made and reduced in row chunks: an ``mm`` partial of more than
   ``REDUCE_CHUNK_BYTES`` is computed as up to ``MAX_REDUCE_CHUNKS`` ``mm``\ s of row slices of
   its left operand, each chunk's partials reduced as above as soon as they are made, and the
@@ -73,6 +79,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from ..ir.collective import COMM, all_reduce, take
 from ..ir.graph import INPUT, Graph, GraphError, Node, TensorMeta, op_kind
 
 __all__ = ["MAX_REDUCE_CHUNKS", "REDUCE_CHUNK_BYTES", "RULES", "SCATTER_BYTES", "NotShardable",
@@ -174,8 +181,10 @@ def torch_device(device: str) -> str:
 class _Builder:
     """Emits the sharded graph; holds layouts, replicas, gathers and per-device views."""
 
-    def __init__(self, src: Graph, devices: Sequence[str], sizes: Sequence[int]) -> None:
+    def __init__(self, src: Graph, devices: Sequence[str], sizes: Sequence[int],
+                 collectives: bool = False) -> None:
         self.src = src
+        self.collectives = collectives
         self.devices = tuple(devices)
         self.sizes = tuple(sizes)
         self.home = torch_device(devices[0])
@@ -194,6 +203,7 @@ class _Builder:
         self._open: dict[Any, list[tuple[_Pending, Sequence[Node]]]] = {}  # dtype -> bucket
         self._bucket_views: dict[Node, tuple[Node, int, int, list[int]]] = {}
         self._partials: dict[Node, tuple[Node, ...]] = {}  # reduced sum -> its partials
+        self._collective: dict[Node, Node] = {}  # home's item of an all_reduce -> the op
         self._chunks: dict[Node, tuple[Node, ...]] = {}  # cat of reduced chunks -> the chunks
         self.reduce_chunks: int | None = None  # at most this many chunks (None: the default)
         self.batch_inputs: dict[Node, Node] = {}  # split graph input -> the whole input
@@ -202,14 +212,17 @@ class _Builder:
 
     # -- emitting ------------------------------------------------------------------------------
     def call(self, op: Any, args: tuple, kwargs: dict | None = None, *, shard: int | None = None,
-             like: Node | None = None, part: str = "") -> Node:
+             like: Node | None = None, part: str = "", same: bool = False) -> Node:
         """Append an op; a shard's op is pinned to its device, and its value lives there
         (inputs from elsewhere are copied in by the plan). ``part`` tells apart several
-        nodes made for one source node (``_c1``: its second chunk)."""
+        nodes made for one source node (``_c1``: its second chunk); ``same``: the op makes
+        ``like``'s value again (its metadata and FLOPs, on the shard's device)."""
         name = "" if like is None else like.name + part if shard is None \
             else f"{like.name}{part}_s{shard}"
         node = self.out.call(op, args, kwargs or {}, name=name,
-                             source=like.source if like is not None else None)
+                             source=like.source if like is not None else None,
+                             meta=like.meta if same and like is not None else None,
+                             flops=like.flops if same and like is not None else None)
         if shard is not None:
             self.pins[node] = self.devices[shard]
             node.meta = _on(node.meta, torch_device(self.devices[shard]))
@@ -320,6 +333,8 @@ class _Builder:
         A big sum over more than two devices of their own memory is reduced scattered
         (:meth:`_reduce_scattered`)."""
         m = parts[0].meta
+        if self.collectives and len(parts) > 1:
+            return self._all_reduce(parts)
         if (len(parts) > 2 and isinstance(m, TensorMeta) and m.nbytes >= SCATTER_BYTES
                 and m.shape and m.shape[0] >= len(parts)
                 and len({torch_device(d) for d in self.devices}) == len(self.devices)):
@@ -330,6 +345,23 @@ class _Builder:
                               shard=0 if pin else None)
         self._partials[total] = tuple(parts)
         return total
+
+    def _all_reduce(self, parts: Sequence[Node]) -> Node:
+        """The partials' sum as one collective on its lane; home's item (shard 0's device)."""
+        op = self.out.call(all_reduce, tuple(parts), meta=tuple(p.meta for p in parts),
+                           flops=0, name=f"{parts[0].name}_all_reduce")
+        self.pins[op] = COMM
+        total = self._take(op, 0)
+        self._partials[total] = tuple(parts)
+        self._collective[total] = op
+        return total
+
+    def _take(self, op: Node, shard: int) -> Node:
+        """Item ``shard`` of a collective's value, on that shard's device."""
+        got = self.out.call(take, (op, shard), meta=op.meta[shard], flops=0,
+                            name=f"{op.name}_{shard}")
+        self.pins[got] = self.devices[shard]
+        return got
 
     def local(self, src: Node, shard: int) -> Node:
         """A Whole value of ``src`` as shard ``shard`` reads it, made on the shard's device
@@ -353,6 +385,8 @@ class _Builder:
             here = self.call(aten.slice.Tensor, (self.local_value(total, shard), 0, start,
                                                  start + n), shard=shard)
             return self.call(aten.view.default, (here, shape), shard=shard, like=src)
+        if self._read_as_is(node):  # a host number: every GPU reads it as it is
+            return node
         if src.is_input:
             return self._replica(src, self.devices[shard])
         if not self._localizable(src):
@@ -376,7 +410,7 @@ class _Builder:
                                 (src.args, src.kwargs))
         if isinstance(kwargs.get("device"), torch.device):
             kwargs["device"] = torch.device(dev)
-        return self.call(src.op, args, kwargs, shard=shard, like=src)
+        return self.call(src.op, args, kwargs, shard=shard, like=src, same=True)
 
     def _reduce_scattered(self, parts: Sequence[Node]) -> Node:
         """As a reduce-scatter then an all-gather: row chunk c of the sum is added on device
@@ -432,6 +466,9 @@ class _Builder:
     def _sum_here(self, total: Node, shard: int) -> Node:
         """The reduced sum ``total`` added again on shard's device, from the same partials in
         the same order: the same bits as home's."""
+        op = self._collective.get(total)
+        if op is not None:
+            return self._take(op, shard)
         parts = self._partials[total]
         here = self.to_device(parts[0], shard)
         for p in parts[1:]:
@@ -449,6 +486,13 @@ class _Builder:
             node = self._resolve(lay) if isinstance(lay, Whole) else None
             if node is None:
                 got = False
+            elif self._read_as_is(node):
+                got = True
+            elif _is_foreach(src.op) and not src.writes:
+                # an optimizer's update runs on every shard: an input no shard can make
+                # (GPT-2's position-embedding gradient, from embedding_dense_backward) is
+                # copied to it, one tensor, not the update's every output broadcast
+                got = True
             elif node in self._partials or node in self._chunks or node in self._bucket_views \
                     or (src.is_input and src.device == self.home) \
                     or _is_fill(node):  # _fill's ones_like: made on each device
@@ -462,6 +506,14 @@ class _Builder:
                        and all(self._localizable(i) for i in src.inputs))
             self._can_local[src] = got
         return got
+
+    def _read_as_is(self, node: Node) -> bool:
+        """A value on the host of at most one element (a Python number, a step count) that
+        shards on GPUs read from there (an argument, or a copy of a few bytes): an optimizer's
+        bias corrections, computed on the host from its step counts, are not made again per
+        GPU, and the update that reads them is (not broadcast)."""
+        return self.home != "cpu" and node.device in (None, "cpu") and all(
+            m.numel <= 1 for m in node.tensor_metas)
 
     def _replica(self, src: Node, device: str) -> Node:
         key = (src, device)
@@ -1289,7 +1341,8 @@ def _rule(op: Any) -> Rule | None:
 # -- the pass -----------------------------------------------------------------------------------
 def shard(graph: Graph, batch: dict[Node, int], devices: Sequence[str],
           sizes: Sequence[int] | None = None, updates: dict[Node, Node] | None = None,
-          reduce_chunks: int | None = None, bucket_bytes: int = BUCKET_BYTES) -> Sharded:
+          reduce_chunks: int | None = None, bucket_bytes: int = BUCKET_BYTES,
+          collectives: bool | str = "auto") -> Sharded:
     """Split ``graph``'s batch-parallel work over ``devices`` (see the module docstring).
 
     ``batch`` maps graph inputs to their batch dimension; they must agree on the batch size.
@@ -1298,7 +1351,9 @@ def shard(graph: Graph, batch: dict[Node, int], devices: Sequence[str],
     an input gets its next value as an extra output (:attr:`Sharded.replica_outputs`).
     ``reduce_chunks``: the most row chunks a partial sum is reduced in (None:
     ``MAX_REDUCE_CHUNKS``; 1: every partial sum at once). ``bucket_bytes``: the gradient
-    buckets' size (0: each sum reduced alone).
+    buckets' size (0: each sum reduced alone). ``collectives``: reduce sums by one
+    collective each (True), by copies and adds (False), or ``"auto"``: collectives over three
+    or more GPUs of their own memory (see the module docstring).
     """
     if len(devices) < 1 or len(set(devices)) != len(devices):
         raise NotShardable(f"devices {list(devices)} must be distinct and non-empty")
@@ -1313,7 +1368,10 @@ def shard(graph: Graph, batch: dict[Node, int], devices: Sequence[str],
     if sum(sizes) != n or any(s <= 0 for s in sizes) or len(sizes) != len(devices):
         raise NotShardable(f"shard sizes {list(sizes)} must be {len(devices)} positive numbers "
                            f"summing to the batch size {n}")
-    b = _Builder(graph, devices, sizes)
+    if collectives == "auto":
+        gpus = {torch_device(d) for d in devices if not d.startswith("cpu")}
+        collectives = len(gpus) == len(devices) >= 3
+    b = _Builder(graph, devices, sizes, bool(collectives))
     b.reduce_chunks = reduce_chunks
     b.bucket_bytes = bucket_bytes
     inputs = {x: b.out.input(x.meta, x.name) for x in graph.inputs}

@@ -49,7 +49,8 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..ir.graph import Node, TensorMeta, op_name
 from ..ir.ops import PLAIN_VALUES
-from ..ir.routing import pool
+from ..ir.collective import COMM, is_collective
+from ..ir.routing import compute_lane, pool
 from ..schedule.steps import Free, Record, Run, Send, Step, Wait
 from .fuse import Fused
 
@@ -214,11 +215,15 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
     program_device = device
     for i, step in enumerate(steps):
         device = em.device = step_devices[i] if step_devices is not None else program_device
-        lane = device if device.startswith("cpu") else f"{device}/compute"
-        torch_device = torch.device("cpu") if device.startswith("cpu") else torch.device(device)
+        lane = compute_lane(device)
         if isinstance(step, Run):
             node = step.node
             out = em.at(slots(node, device))
+            if device == COMM and is_collective(node.op):  # on the GPUs' comm streams
+                parts = ", ".join(em.expr(a) for a in node.args)
+                em.timed(f"{out} = rt.all_reduce([{parts}])  # {op_name(node.op)}", step,
+                         traced and (device, lane, op_name(node.op), node.id))
+                continue
             if node in free_moves:
                 em.emit(f"{out} = {em.expr(node.args[0])}  # {op_name(node.op)}: "
                         "a free move", step)
@@ -233,7 +238,8 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
                 continue  # (inside the chain: nothing reads it but the chain)
             kwargs = dict(node.kwargs)
             if "device" in kwargs and not eager_devices:
-                kwargs["device"] = torch_device
+                kwargs["device"] = torch.device("cpu") if device.startswith("cpu") else \
+                    torch.device(device)
             op = em.const(fast_call(node))
             args = ", ".join([em.expr(a) for a in node.args]
                              + [f"{k}={em.expr(v)}" for k, v in kwargs.items()])
@@ -253,6 +259,9 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
             em.emit(f"env[{dst}] = rt.send(env[{src}], {step.src!r}, {step.dst!r}, "
                     f"{step.event}, {step.value.id})  # {step.value!r} {step.src}->{step.dst}",
                     step)
+        elif isinstance(step, Record) and device == COMM:  # each item's event on its GPU
+            em.emit(f"rt.record_items({step.event}, {em.at(slots(step.value, device))})"
+                    f"  # {step.value!r} ready", step)
         elif isinstance(step, Record):
             em.emit(f"rt.record({step.event})  # {step.value!r} ready", step)
         elif isinstance(step, Wait):

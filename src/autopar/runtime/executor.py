@@ -51,6 +51,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..ir.collective import COMM, all_reduce
 from ..ir.graph import Node, op_name
 from ..ir.routing import GraphIndex, is_free_move, pool, route
 from ..schedule.steps import Free, Plan, Run, Send, Wait
@@ -92,6 +93,11 @@ def _is_cpu(device: str) -> bool:
     return device.startswith("cpu")
 
 
+def _is_gpu(device: str) -> bool:
+    """A GPU's program (not a CPU worker's, nor the collectives' lane :data:`COMM`)."""
+    return device.startswith("cuda")
+
+
 class _PerDevice:
     """Base of objects kept one per device for the whole process, made on first use."""
 
@@ -118,6 +124,7 @@ class _Streams(_PerDevice):
         self.d2h = torch.cuda.Stream(dev)
         self.peer = torch.cuda.Stream(dev)
         self.peer_in = torch.cuda.Stream(dev)
+        self.comm = torch.cuda.Stream(dev)  # collectives (:meth:`_Call.all_reduce`)
 
 
 class _Call:
@@ -145,7 +152,7 @@ class _Call:
     def begin(self, device: str, stream: Any = None) -> Any:
         """A start mark: the host clock, or an event on ``stream`` (default: ``device``'s
         compute stream; one thread may launch several GPUs' steps)."""
-        if _is_cpu(device):
+        if not _is_gpu(device):
             return time.perf_counter()
         stream = self.compute[device] if stream is None else stream
         ev = torch.cuda.Event(enable_timing=True)
@@ -209,6 +216,12 @@ class _Call:
         cev = self.cuda_events[event]
         if cev is None:
             return
+        if isinstance(cev, dict):  # a collective's items: this GPU's, on its comm stream
+            ev, item = cev[device]
+            stream = self.compute[device]
+            stream.wait_event(ev)
+            item.record_stream(stream)
+            return
         if _is_cpu(device):
             cev.synchronize()  # the host consumes GPU data: wait for that copy only
         else:
@@ -217,6 +230,38 @@ class _Call:
             value = env[slot]
             if isinstance(value, torch.Tensor):
                 value.record_stream(stream)  # allocated on a copy stream, used on compute
+
+    # -- collectives ------------------------------------------------------------------------
+    def all_reduce(self, parts: Sequence[Any]) -> tuple[Any, ...]:
+        """:func:`autopar.ir.collective.all_reduce` of ``parts`` (one per GPU): on each GPU's
+        ``comm`` stream, after everything issued on its compute stream so far (the part's
+        producer among it: the plan's Wait saw its Record), one NCCL all-reduce where torch
+        has NCCL, else the parts added in shard order on each GPU. Parts sharing a device
+        (CPU workers) are summed once, here."""
+        devices = [str(p.device) for p in parts]
+        if not all(map(_is_gpu, devices)) or len(set(devices)) != len(devices):
+            return all_reduce(*parts)
+        streams = [_Streams.of(d).comm for d in devices]
+        for d, side in zip(devices, streams):
+            side.wait_stream(self.compute[d])
+        if self.profiled:
+            with _range(f"autopar:all_reduce {len(parts)} x {tuple(parts[0].shape)}"):
+                return _all_reduce_on(parts, devices, streams)
+        return _all_reduce_on(parts, devices, streams)
+
+    def record_items(self, event: int, items: Sequence[Any]) -> None:
+        """A collective's value is ready: each GPU item's CUDA event on its comm stream (what
+        that GPU's consumers wait on: :meth:`wait`); CPU items need the flag only."""
+        marks = {}
+        for t in items:
+            d = str(t.device)
+            if _is_gpu(d) and d not in marks:
+                ev = torch.cuda.Event()
+                ev.record(_Streams.of(d).comm)
+                marks[d] = (ev, t)
+        if marks:
+            self.cuda_events[event] = marks
+        self.ready[event].set()
 
     # -- copies -----------------------------------------------------------------------------
     def _small(self, t: torch.Tensor) -> bool:
@@ -281,6 +326,46 @@ class _Call:
         ev.record(out_side)
         self.cuda_events[event] = ev
         return out
+
+
+def _all_reduce_on(parts: Sequence[Any], devices: Sequence[str],
+                   streams: Sequence[Any]) -> tuple[Any, ...]:
+    """The sum of ``parts`` on each of their GPUs, computed on ``streams`` (each already
+    ordered after its part): NCCL's all-reduce (every item the same bits), else each GPU adding
+    the parts in order (it waits for every other GPU's stream first)."""
+    outs = []
+    for p, d, side in zip(parts, devices, streams):
+        with torch.cuda.stream(side):
+            p.record_stream(side)
+            outs.append(torch.empty_like(p, memory_format=torch.contiguous_format))
+    inputs = [p.contiguous() if not p.is_contiguous() else p for p in parts]
+    if _nccl_works(inputs):
+        torch.cuda.nccl.all_reduce(inputs, outs, streams=list(streams))
+        return tuple(outs)
+    marks = []
+    for side in streams:
+        ev = torch.cuda.Event()
+        ev.record(side)
+        marks.append(ev)
+    for i, side in enumerate(streams):
+        for ev in marks:
+            side.wait_event(ev)
+        with torch.cuda.stream(side):
+            total = parts[0].to(devices[i], non_blocking=True)
+            for p in parts[1:]:
+                p.record_stream(side)
+                total = total + p.to(devices[i], non_blocking=True)
+            outs[i].copy_(total)
+    return tuple(outs)
+
+
+def _nccl_works(tensors: Sequence[Any]) -> bool:
+    """Can ``torch.cuda.nccl`` reduce these (a build with NCCL, dense contiguous tensors on
+    distinct GPUs)?"""
+    try:
+        return bool(torch.cuda.nccl.is_available(list(tensors)))
+    except (AttributeError, RuntimeError):
+        return False
 
 
 class _EventPool:
@@ -381,7 +466,7 @@ class _Worker(_PerDevice):
         self.thread.start()
 
     def _loop(self) -> None:
-        if not _is_cpu(self.device):
+        if _is_gpu(self.device):
             torch.cuda.set_device(torch.device(self.device))
         while True:
             fn = self.jobs.get()
@@ -418,7 +503,7 @@ def _planned_times(slots: dict[Any, Any]) -> Any:
 def graph_devices(devices: Sequence[str], cuda_graphs: Callable[[int, int, int], bool] | None
                   ) -> list[str]:
     """The devices whose programs may have segments replayed as CUDA graphs: the GPUs."""
-    return [] if cuda_graphs is None else [d for d in devices if not _is_cpu(d)]
+    return [] if cuda_graphs is None else [d for d in devices if _is_gpu(d)]
 
 
 _GRAPH_BACKEND = CudaGraphBackend()
@@ -495,7 +580,9 @@ class Executor:
             final[device] = steps
         # the host's program and every GPU's share the calling thread
         host = min((d for d in final if _is_cpu(d)), default=None)
-        gpus = sorted(d for d in final if not _is_cpu(d)) if interleaved else []
+        # (the collectives' lane with them: its steps only enqueue work on the GPUs' streams)
+        gpus = sorted((d for d in final if not _is_cpu(d)),
+                      key=lambda d: (d == COMM, d)) if interleaved else []
         lanes = gpus + ([host] if host is not None else [])
         merged = (interleave(final, host, gpus, _planned_times(placement.slots))
                   if gpus and len(lanes) > 1 else None)
@@ -519,7 +606,7 @@ class Executor:
         self.delivered = sorted({(self.slots(o, dev), dev, arrivals[(o.id, dev)])
                                  for o, dev in plan.outputs
                                  if isinstance(o, Node) and (o.id, dev) in arrivals})
-        self.gpus = sorted({d for d in plan.programs if not _is_cpu(d)}
+        self.gpus = sorted({d for d in plan.programs if _is_gpu(d)}
                            | {d for s in copies for d in (s.src, s.dst) if not _is_cpu(d)})
         for segment in self.segments:
             segment.peers = tuple(self.gpus)
@@ -534,7 +621,7 @@ class Executor:
         # one program and nothing to order: run it straight, without per-call machinery
         self.solo = self.inline if (len(self.programs) == 1 and not self.n_events
                                     and not trace) else None
-        self._solo_gpu = (None if self.solo is None or _is_cpu(self.solo)
+        self._solo_gpu = (None if self.solo is None or not _is_gpu(self.solo)
                           else torch.device(self.solo).index or 0)
         self._whole = (_whole_graph_region(final[self.solo], graph.inputs, plan.outputs)
                        if self.solo is not None and merged is None else None)
@@ -651,7 +738,7 @@ class Executor:
     def _run_program(self, device: str, call: _Call) -> None:
         program = self.programs[device]
         try:
-            if _is_cpu(device):
+            if not _is_gpu(device):
                 program.fn(call.env, call)
             else:
                 with torch.cuda.device(torch.device(device)), \

@@ -99,6 +99,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any, NamedTuple
 
+from ..ir.collective import COMM, is_collective
 from ..ir.graph import Graph, Node, op_name
 from ..ir.routing import (
     GraphIndex,
@@ -450,6 +451,8 @@ class _Schedule:
         return t
 
     def transfer(self, nbytes: int, src: str, dst: str) -> float:
+        if src == COMM or dst == COMM:  # a collective's part or item: an event, no copy
+            return 0.0
         key = (nbytes, src, dst)
         t = self._transfers.get(key)
         if t is None:
@@ -493,6 +496,8 @@ class _Schedule:
 
     def candidates(self, node: Node) -> list[str]:
         cands = self._candidates.get(node)
+        if cands is None and is_collective(node.op):
+            cands = self._candidates[node] = [COMM]
         if cands is None:
             cands = [d for d in self.devices if self.cost.can_run(node, d)]
             if not cands:
@@ -560,7 +565,9 @@ class _Schedule:
             if src == device:
                 t = ready[v]
             elif route(v, src, device, ix) == "event":
-                t = ready[v] + self.handoff  # another worker's thread must wake this one
+                # another worker's thread must wake this one (a collective's lane is run by
+                # the thread that launches the GPUs' work: a stream waits, no thread wakes)
+                t = ready[v] + (0.0 if COMM in (src, device) else self.handoff)
             else:
                 t = self.arrival.get((v, where))  # type: ignore[assignment]
                 if t is None:
@@ -921,7 +928,8 @@ def _eager_floor(sched: _Schedule) -> float:
     work: dict[str, float] = {}
     for n in sched.graph.ops:
         d = sched.eager[n]
-        if d is not None and n not in sched.moves and alias_base(n) is None:
+        if d is not None and n not in sched.moves and alias_base(n) is None \
+                and not is_collective(n.op):
             work[d] = work.get(d, 0.0) + sched.time(n, d)
     return max(work.values(), default=0.0)
 
@@ -1013,7 +1021,7 @@ def place(graph: Graph, cost: Any, policy: str = "heft", devices: Sequence[str] 
     if unknown or not chosen:
         raise ValueError(f"devices {chosen} must be a non-empty subset of machine "
                          f"{cost.machine.name!r}'s devices {names}")
-    stray = sorted({d for d in (pins or {}).values() if d not in names})
+    stray = sorted({d for d in (pins or {}).values() if d not in names and d != COMM})
     if stray:
         raise ValueError(f"pins name devices {stray} that machine {cost.machine.name!r} "
                          f"does not have (devices: {names})")

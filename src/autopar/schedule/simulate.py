@@ -4,7 +4,8 @@ Policy (a discrete-event loop; no threads, no CUDA)
 - Each device's program runs its steps in order on its lane (``cpu:N``, or ``cuda:N/compute``).
   A Run starts when the program reaches it and takes ``place.op_time``; a Wait holds the program
   until its event has fired; Record fires its event a thread hand-off after its value is ready
-  (``place.handoff_time``); Free takes no time.
+  (``place.handoff_time``; none on the collectives' lane, or where only that lane waits: its
+  program is run by the thread that launches the GPUs' work); Free takes no time.
 - A Send does not hold its program: the copy joins its copy lane (e.g. ``cuda:0/d2h``). Each copy
   lane serves its copies in event order, each from max(value ready, lane free), for
   :func:`~autopar.ir.routing.copy_time`; the copy's event fires when it lands.
@@ -33,6 +34,7 @@ import heapq
 from collections.abc import Sequence
 from typing import Any
 
+from ..ir.collective import COMM
 from ..ir.graph import Node, op_name
 from ..ir.routing import (
     GraphIndex,
@@ -86,6 +88,12 @@ class _Sim:
         self.issued: dict[int, tuple[Send, float]] = {}
         self.spans: list[Span] = []
         self.heap = [(0.0, d) for d in sorted(self.programs)]
+        readers: dict[int, set[str]] = {}
+        for d, steps in self.programs.items():
+            for s in steps:
+                if isinstance(s, Wait):
+                    readers.setdefault(s.event, set()).add(d)
+        self.no_handoff = {e for e, ds in readers.items() if ds == {COMM}}
 
     def run(self) -> Timeline:
         while self.heap:
@@ -120,8 +128,9 @@ class _Sim:
                 self.issued[step.event] = (step, ready)
                 self._serve(step.lane)
             elif isinstance(step, Record):
-                self._fire(step.event,
-                           self._value_ready(step.value, device, step) + self.handoff)
+                handoff = 0.0 if device == COMM or step.event in self.no_handoff \
+                    else self.handoff
+                self._fire(step.event, self._value_ready(step.value, device, step) + handoff)
             elif not isinstance(step, Free):
                 raise TypeError(f"unknown plan step {step!r} in the program of {device}")
             self.pc[device] += 1
@@ -164,9 +173,10 @@ def issue_s(plan: Plan, cost: Any) -> float:
     """Seconds the calling thread spends on a plan: the host's program (the first CPU
     worker's) and every GPU's run on that one thread (:mod:`autopar.runtime.interleave`), so
     a call takes at least its host ops' time plus the host time of every GPU op's launch
-    (``cost.host_s``) and of every copy and cross-stream wait it issues (:func:`send_issue_s`,
-    :func:`wait_issue_s`). :func:`simulate`'s lanes each count their own launches only: on
-    ``h200x8`` GPT-2 small's AdamW step split over the 8 GPUs simulated 29.7 ms while its GPU
+    (``cost.host_s``; a collective's covers its launches and its parts' events) and of every
+    copy and cross-stream wait it issues (:func:`send_issue_s`, :func:`wait_issue_s`: a GPU's
+    wait for a copy or a collective). :func:`simulate`'s lanes each count their own launches
+    only: on ``h200x8`` GPT-2 small's AdamW step split over the 8 GPUs simulated 29.7 ms while its GPU
     ops' launches alone add up to 36.6 ms."""
     copied = {s.event for steps in plan.programs.values() for s in steps
               if isinstance(s, Send)}
@@ -181,7 +191,8 @@ def issue_s(plan: Plan, cost: Any) -> float:
                     cost.node_time(step.node, device)
             elif isinstance(step, Send):
                 total += send_issue_s(cost, step)
-            elif gpu and isinstance(step, Wait) and step.event in copied:
+            elif gpu and isinstance(step, Wait) and (step.event in copied
+                                                     or step.src == COMM):
                 total += wait_issue_s(cost)
     return total
 

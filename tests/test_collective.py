@@ -1,0 +1,215 @@
+"""Collectives (autopar.ir.collective): a split step's gradient sums as one all-reduce per
+bucket over three or more GPUs, placed on the collectives' own lane, priced as a ring,
+planned, simulated and run; and an optimizer's update made on every GPU (no broadcast).
+
+The GPUs' graphs are captured on the CPU and relabelled; their arithmetic runs on the host
+(the collective's function adds the parts in order). The executor's path runs for real on two
+logical CPU workers with collectives forced; its NCCL path: tests/test_dataparallel_gpu.py.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+
+from _steps import mlp_inputs
+from autopar.bench.workloads import w6_train_step
+from autopar.capture.fake import relabel_devices
+from autopar.capture.state import find_state
+from autopar.capture.step import capture_step
+from autopar.cost.model import CostModel
+from autopar.ir.collective import COMM, all_reduce, take
+from autopar.ir.graph import op_name
+from autopar.machine.presets import preset
+from autopar.passes.shard import shard
+from autopar.runtime import Executor, SequentialRunner
+from autopar.schedule.place import place
+from autopar.schedule.plan import make_plan
+from autopar.schedule.simulate import issue_s, simulate
+from autopar.schedule.steps import Record, Run, Send, Wait
+
+GPUS = ["cuda:0", "cuda:1", "cuda:2"]
+
+
+def w6_on(devices, batch=12, **kw):
+    inputs = mlp_inputs(batch=batch)
+    step = capture_step(w6_train_step, inputs)
+    want = SequentialRunner(step.graph)([t.detach() for t in inputs])
+    if devices[0].startswith("cuda"):
+        relabel_devices(step.graph, "cpu", "cuda:0")
+    g = step.graph
+    s = shard(g, {g.inputs[4]: 0, g.inputs[5]: 0}, devices, updates=step.updates, **kw)
+    return inputs, step, want, s
+
+
+def ops(s, name):
+    return [n for n in s.graph.ops if op_name(n.op) == name]
+
+
+def run_relabelled_on_the_cpu(s, args):
+    """The sharded graph's arithmetic op by op, every GPU relabelled to the host."""
+    for dev in s.devices:
+        relabel_devices(s.graph, dev, "cpu")
+    return SequentialRunner(s.graph)(list(args) + [args[j].clone() for j, _ in s.replicas])
+
+
+def test_over_three_gpus_each_bucket_is_one_collective_on_its_lane():
+    """W6 over three GPUs: its four gradients in one bucket, reduced by one all_reduce of the
+    three shards' flattened partials (pinned to COMM), taken on each GPU; the loss's total
+    weight likewise; no partial sum is copied between GPUs. Two GPUs keep copies and adds."""
+    _, _, _, s = w6_on(GPUS)
+    reduces = ops(s, "all_reduce")
+    assert len(reduces) == 2 and all(s.pins[n] == COMM for n in reduces)
+    bucket = max(reduces, key=lambda n: n.meta[0].numel)
+    assert [p.device for p in bucket.args] == GPUS
+    assert [op_name(p.op) for p in bucket.args] == ["aten.cat"] * 3  # each shard's bucket
+    assert [m.device for m in bucket.meta] == GPUS
+    takes = [n for n in ops(s, "take") if n.args[0] is bucket]
+    assert sorted((n.args[1], s.pins[n], n.device) for n in takes) == [
+        (i, d, d) for i, d in enumerate(GPUS)]
+    moved = [n.args[0] for n in ops(s, "aten._to_copy")
+             if str(n.kwargs.get("device", "")).startswith("cuda:") and n.args[0].device
+             != str(n.kwargs["device"])]
+    assert {n.name.rsplit("_s", 1)[0] for n in moved} <= {"arg4_1", "arg5_1"}  # the batch
+    _, _, _, two = w6_on(GPUS[:2])
+    assert not ops(two, "all_reduce") and ops(two, "aten.add.Tensor")
+    _, _, _, off = w6_on(GPUS, collectives=False)
+    assert not ops(off, "all_reduce")
+
+
+def test_collective_graph_computes_eager_values_with_identical_replicas():
+    inputs, step, want, s = w6_on(GPUS, batch=13)
+    got = run_relabelled_on_the_cpu(s, [t.detach() for t in inputs])
+    for g, w in zip(got[:5], want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    updated = dict(zip(step.mutated, got[1:5]))
+    for (j, _), replica in zip(s.replica_outputs, got[5:], strict=True):
+        assert torch.equal(replica, updated[j])
+
+
+def test_collective_is_placed_on_its_lane_planned_and_simulated_as_placed():
+    _, _, _, s = w6_on(GPUS)
+    cost = CostModel(preset("h200x8"))
+    placed = place(s.graph, cost, pins=s.pins)
+    for n in ops(s, "all_reduce"):
+        assert placed.device[n] == COMM
+    plan = make_plan(placed)
+    comm = plan.programs[COMM]
+    kinds = [type(x).__name__ for x in comm]
+    assert kinds.count("Run") == 2 and kinds.count("Record") == 2
+    assert not any(isinstance(x, Send) for x in comm)
+    # each GPU waits on the bucket's collective (home on the loss's total weight's too);
+    # no partial crosses between GPUs by a copy
+    bucket = max(ops(s, "all_reduce"), key=lambda n: n.meta[0].numel)
+    for d in GPUS:
+        waits = {x.value for x in plan.programs[d] if isinstance(x, Wait) and x.src == COMM}
+        assert waits == (set(ops(s, "all_reduce")) if d == "cuda:0" else {bucket})
+    between = [x.value for x in plan.copies() if x.src in GPUS and x.dst in GPUS
+               and x.value.meta.shape]  # (the loss's total weight, 0-dim, goes to each GPU)
+    assert between and {v.name.rsplit("_s", 1)[0] for v in between} <= {"arg4_1", "arg5_1"}
+    timeline = simulate(plan, cost)
+    assert timeline.makespan == pytest.approx(placed.predicted_s)
+    assert "comm" in timeline.lanes()
+    off = w6_on(GPUS, collectives=False)[3]
+    off_plan = make_plan(place(off.graph, cost, pins=off.pins))
+    assert issue_s(plan, cost) < issue_s(off_plan, cost)
+
+
+def test_an_all_reduce_is_priced_as_a_ring_over_the_gpus():
+    """8 parts of 32 MB on h200x8: 14 steps of a 4 MB hop on the slowest link; the issuing
+    thread: per GPU a copy-kind launch and one and a half event waits. On CPU workers (one
+    memory): the parts added in order on the host."""
+    machine = preset("h200x8")
+    cost = CostModel(machine)
+    from autopar.ir.graph import Graph, TensorMeta
+
+    g = Graph("ring")
+    parts = [g.input(TensorMeta.make((8 << 20,), torch.float32, f"cuda:{i}"), f"p{i}")
+             for i in range(8)]
+    node = g.call(all_reduce, tuple(parts), meta=tuple(p.meta for p in parts), flops=0)
+    got = cost.op_cost(node, COMM)
+    hop = max(machine.profile.link(f"cuda:{i}", f"cuda:{(i + 1) % 8}").time(4 << 20)
+              for i in range(8))
+    assert got.device_s == pytest.approx(14 * hop)
+    per_gpu = machine.profile.device("cuda:0").launch("copy") + \
+        1.5 * machine.profile.event_wait_s
+    assert got.host_s == pytest.approx(8 * per_gpu)
+    assert cost.can_run(node, COMM) and not cost.can_run(node, "cuda:0")
+    item = g.call(take, (node, 3), meta=node.meta[3], flops=0)
+    assert cost.node_time(item, "cuda:3") == 0.0 and not cost.can_run(item, COMM)
+
+
+def test_collectives_run_through_the_executor_on_cpu_workers_like_eager():
+    """Collectives forced on two CPU workers (one memory: the lane adds the parts once): the
+    executor runs the lane's program with the host's and every step equals eager."""
+    inputs, step, want, s = w6_on(["cpu:0", "cpu:1"], batch=9, collectives=True)
+    assert ops(s, "all_reduce")
+    cost = CostModel(preset("cpu-only", cpu_workers=2))
+    plan = make_plan(place(s.graph, cost, pins=s.pins))
+    assert any(isinstance(x, Run) for x in plan.programs[COMM])
+    assert any(isinstance(x, Record) for x in plan.programs[COMM])
+    ex = Executor(plan)
+    assert ex.merged is not None and COMM in ex.merged
+    args = [t.detach() for t in inputs]
+    for _ in range(2):
+        got = ex(args)
+        for g, w in zip(got[:5], want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def adamw_step_on_gpus(k: int):
+    """A two-layer model's AdamW (foreach) step, captured on the CPU and relabelled to
+    cuda:0 with Adam's step counts kept on the host (what predict_step does), split over k."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad()
+    x, t = torch.randn(12, 6), torch.randint(0, 3, (12,))
+
+    def step(x, t):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), t)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    state = find_state(step, (x, t))
+    captured = capture_step(step, (x, t), state=state)
+    args = [x, t] + [v.detach().clone() for v in state.tensors] + list(captured.constants)
+    want = SequentialRunner(captured.graph)(args)
+    inputs = captured.graph.inputs
+    counts = [inputs[captured.n_args + j] for j in state.host_step_counts()]
+    made = inputs[len(inputs) - len(captured.constants):] if captured.constants else []
+    counts += [n for n in made if n.meta is not None and not n.meta.shape]
+    relabel_devices(captured.graph, "cpu", "cuda:0", keep=counts)
+    g = captured.graph
+    s = shard(g, {g.inputs[0]: 0, g.inputs[1]: 0}, [f"cuda:{i}" for i in range(k)],
+              updates=captured.updates)
+    return captured, s, args, want
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_an_optimizers_update_runs_on_every_gpu_reading_the_hosts_numbers(k):
+    """AdamW's bias corrections are numbers the host computes from its step counts: every
+    GPU reads them as they are, runs the update on its replicas and makes their next values
+    itself (no parameter or moment broadcast from home); the arithmetic gives eager's values
+    and every replica home's bits."""
+    captured, s, args, want = adamw_step_on_gpus(k)
+    host_reads = [n for n in s.graph.ops if op_name(n.op) == "aten._local_scalar_dense"]
+    assert len(host_reads) == len([n for n in captured.graph.ops
+                                   if op_name(n.op) == "aten._local_scalar_dense"])
+    n_real = len(s.graph.outputs) - len(s.replica_outputs)
+    for (_, device), nxt in zip(s.replica_outputs, s.graph.outputs[n_real:], strict=True):
+        made = nxt.args[0] if nxt.op is operator.getitem else nxt
+        assert s.pins.get(made) == device and made.device == device
+    got = run_relabelled_on_the_cpu(s, args)
+    for g, w in zip(got[:n_real], want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    updated = dict(zip(captured.mutated, got[captured.n_outputs + len(captured.grads):n_real]))
+    for (j, _), replica in zip(s.replica_outputs, got[n_real:], strict=True):
+        assert torch.equal(replica, updated[j])
