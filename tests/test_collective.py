@@ -144,7 +144,7 @@ def test_an_all_reduce_is_priced_as_a_ring_over_the_gpus():
 def test_collectives_run_through_the_executor_on_cpu_workers_like_eager():
     """Collectives forced on two CPU workers (one memory: the lane adds the parts once): the
     executor runs the lane's program with the host's and every step equals eager."""
-    inputs, step, want, s = w6_on(["cpu:0", "cpu:1"], batch=9, collectives=True)
+    inputs, _, want, s = w6_on(["cpu:0", "cpu:1"], batch=9, collectives=True)
     assert ops(s, "all_reduce")
     cost = CostModel(preset("cpu-only", cpu_workers=2))
     plan = make_plan(place(s.graph, cost, pins=s.pins))
@@ -213,3 +213,44 @@ def test_an_optimizers_update_runs_on_every_gpu_reading_the_hosts_numbers(k):
     updated = dict(zip(captured.mutated, got[captured.n_outputs + len(captured.grads):n_real]))
     for (j, _), replica in zip(s.replica_outputs, got[n_real:], strict=True):
         assert torch.equal(replica, updated[j])
+
+
+def test_under_graphs_a_collectives_sums_stay_in_place_and_segments_read_them_there(
+        monkeypatch):
+    """With segments replayed (a stand-in for CUDA graphs on CPU workers), each collective's
+    sums land in the same buffers every call, so the segments that read them (views of the
+    bucket: the gradients) take them in place, without copies, and stay captured; every
+    call equals eager."""
+    from autopar.passes.cudagraphs import capture_rule
+    from autopar.runtime import executor as executor_module
+    from test_cudagraphs import StandInGraphs
+
+    backend = StandInGraphs()
+    monkeypatch.setattr(executor_module, "graph_devices",
+                        lambda devices, rule: [] if rule is None else
+                        [d for d in devices if d != COMM])
+    monkeypatch.setattr(executor_module, "_GRAPH_BACKEND", backend)
+    inputs, _, want, s = w6_on(["cpu:0", "cpu:1"], batch=9, collectives=True)
+    cost = CostModel(preset("cpu-only", cpu_workers=2))
+    ex = Executor(make_plan(place(s.graph, cost, pins=s.pins)), cuda_graphs=capture_rule(True))
+    assert ex.keep_sums
+    node_of = {slot: s.graph.nodes[nid] for (nid, _), slot in ex.slots.index.items()}
+
+    def from_take(v) -> bool:  # an item of a collective, or a view of one
+        while v.op is not take and v.args and getattr(v.args[0], "op", None) is not None \
+                and v.aliases:
+            v = v.args[0]
+        return v.op is take
+
+    readers = [seg for seg in ex.segments
+               if any(from_take(node_of[seg.input_slots[k]]) for k in seg.in_place)]
+    assert readers
+    args = [t.detach() for t in inputs]
+    sums = []
+    for _ in range(4):
+        got = ex(args)
+        for g, w in zip(got[:5], want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+        sums.append({k: v[0].data_ptr() for k, v in ex._events.sums.items()})
+    assert sums[0] and all(x == sums[0] for x in sums)  # the same buffers every call
+    assert backend.captures and all(seg.status == "captured" for seg in readers)

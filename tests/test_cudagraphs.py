@@ -169,6 +169,48 @@ def test_segments_replay_with_static_buffers_and_equal_sequential(cost, stand_in
     assert [escapes for _, escapes in first.output_slots] == [False, True]  # b, c (recorded)
 
 
+def view_after_a_wait() -> Graph:
+    """cpu:0: ``a = x * 0.5``, ``v = a.t()`` (a view), then, after waiting for cpu:1's
+    ``h = exp(x)``, ``e = v @ h``; ``v`` is an output too."""
+    g = Graph("view_after_a_wait")
+    x = g.input(TensorMeta.make((4, 8)), "x")
+    a = g.call(aten.mul.Tensor, (x, 0.5), name="a")
+    v = g.call(aten.t.default, (a,), name="v")
+    h = g.call(aten.exp.default, (x,), name="h")
+    e = g.call(aten.mm.default, (v, h), name="e")
+    g.set_outputs([e, v])
+    return g
+
+
+def test_a_view_read_after_its_segment_is_made_again_after_each_replay(cost, stand_in):
+    """``v`` stays in the first segment (it used to end it): the segment hands out its root
+    ``a`` (cloned after each replay, since ``v`` leaves the call) and ``v`` is made again
+    from it after the replay; every call's outputs stay eager's after later replays."""
+    from autopar.ir.routing import GraphIndex
+    from autopar.schedule.segments import chosen_segments
+
+    g = view_after_a_wait()
+    plan = make_plan(by_hand(g, {"h": "cpu:1"}), cost)
+    steps = plan.programs["cpu:0"]
+    nodes = {n.name: n for n in g.nodes}
+    (first, _) = chosen_segments(steps, GraphIndex.of(g), set(g.output_nodes),
+                                 lambda v: True, lambda *_: True, lambda seg: 1)
+    assert shown(steps[first.start:first.end])[:2] == ["run a", "run v"]
+    assert first.again == (nodes["v"],) and first.outputs == (nodes["a"],)
+    assert first.escapes == {nodes["a"]}
+    backend = stand_in(StandInGraphs())
+    ex = Executor(plan, cuda_graphs=capture_rule(True))
+    outs = []
+    for k in range(4):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(k))
+        got = ex([x])
+        torch.testing.assert_close(got, SequentialRunner(g)([x]), rtol=0, atol=0)
+        outs.append((x, got))
+    assert backend.captures == 3 and all(s.status == "captured" for s in ex.segments)
+    for x, got in outs:
+        torch.testing.assert_close(got, SequentialRunner(g)([x]), rtol=0, atol=0)
+
+
 def test_a_failed_capture_stays_on_streams(cost, stand_in, caplog):
     backend = stand_in(StandInGraphs(fail="operation not permitted when stream is capturing"))
     g = split_chain()

@@ -147,7 +147,7 @@ class DataParallelStep:
             in_place, back = resident(step, choice.sharded, choice.graphs)
             run = Executor(plan, trace=bool(self.options.trace),
                            fuse=regions_to_fuse(plan, self.options.fuse),
-                           cuda_graphs=rule if choice.graphs else None,
+                           cuda_graphs=capture_rule(choice.graphs) if choice.graphs else None,
                            in_place=in_place, transient=back)
         except (Unsupported, NotShardable):
             raise

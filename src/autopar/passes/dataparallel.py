@@ -53,11 +53,11 @@ class Choice:
     timeline: Any = None  # the kept candidate's simulated Timeline, as predicted
     label: str = "unsplit"  # the kept candidate's key in ``predicted``
     pruned: dict[str, str] = field(default_factory=dict)  # candidate -> why it wasn't placed
-    graphs: bool = False  # the kept candidate replays its GPUs' segments as CUDA graphs
+    graphs: bool | str = False  # the cuda_graphs mode its GPUs' segments replay under
 
 
 def resident(step: StepGraph, sharded: Sharded | None,
-             graphs: bool) -> tuple[frozenset[int], frozenset[int]]:
+             graphs: bool | str) -> tuple[frozenset[int], frozenset[int]]:
     """By index, for a step's graph (``sharded``'s where split): the inputs that stay where they
     live between calls (the state's tensors: modules' parameters and buffers, optimizer
     state; parameters among the arguments; the trace's constants; the replicas), read in
@@ -118,16 +118,17 @@ def predicted_run(placed: Any, cost: Any, fusing: Sequence[str],
 
 def with_graphs(placed: Any, cost: Any, fusing: Sequence[str], step: StepGraph | None,
                 sharded: Sharded | None, cuda_graphs: bool | str = False,
-                graphed_devices: Sequence[str] = ()) -> tuple[Any, Any, float, float, bool]:
-    """:func:`predicted_run`'s answer and whether it replays segments as CUDA graphs (the
-    programs of ``graphed_devices``, under the ``cuda_graphs`` option): only where the
-    option's rule (:func:`~autopar.passes.cudagraphs.capture_rule`) chooses segments and the
-    prediction with them (their replays, the
-    outputs written back out of static buffers) is shorter than without (on ``h200x8`` GPT-2
-    small's step, fused, has segments of 1-3 launches between its reductions' cross-device
-    points: replaying them saves less than copying the .grads and replicas back costs);
-    ``cuda_graphs=True``: wherever segments are chosen; ``"auto"`` only where the issuing
-    thread is the bound (``GRAPHS_ISSUE_SHARE``)."""
+                graphed_devices: Sequence[str] = ()
+                ) -> tuple[Any, Any, float, float, bool | str]:
+    """:func:`predicted_run`'s answer and the ``cuda_graphs`` mode its executor replays
+    segments under (the programs of ``graphed_devices``; False: none): a mode is kept only
+    where its rule (:func:`~autopar.passes.cudagraphs.capture_rule`) chooses segments and the
+    prediction with them (their replays, the outputs written back out of static buffers) is
+    shorter than without. ``cuda_graphs=True``: wherever segments are chosen; ``"auto"`` only
+    where the issuing thread is the bound (``GRAPHS_ISSUE_SHARE``), and then the faster of
+    the ``"auto"`` rule's segments and every capturable one: the rule judges each segment
+    alone, and one it drops makes its outputs copies into the next, so on GPT-2 small's step
+    over 8 GPUs it dropped them all (57.7 ms predicted) where replaying all predicts 32.6."""
     plan = make_plan(placed, cost)
     fused = fused_regions(plan, fusing) if fusing else {}
     priced: Any = FusedCost(cost, fused) if fusing else cost
@@ -140,22 +141,24 @@ def with_graphs(placed: Any, cost: Any, fusing: Sequence[str], step: StepGraph |
 
     timeline, predicted, issue = run(priced, resident(step, sharded, False)[1]
                                      if step is not None else frozenset())
-    rule = capture_rule(cuda_graphs)
     forced = cuda_graphs is True
     on = [d for d in plan.programs if d in graphed_devices]
-    if rule is None or step is None or not on or \
+    if capture_rule(cuda_graphs) is None or step is None or not on or \
             (not forced and issue < GRAPHS_ISSUE_SHARE * timeline.makespan):
         return plan, timeline, predicted, issue, False
     in_place, back = resident(step, sharded, True)
     inputs = plan.graph.inputs
-    segs = graphed_segments(plan, on, rule, fused, frozenset(inputs[i] for i in in_place),
-                            frozenset(plan.outputs[i][0] for i in back))
-    if not any(segs.values()):
-        return plan, timeline, predicted, issue, False
-    g_timeline, g_predicted, g_issue = run(GraphedCost(priced, segs), back)
-    if forced or g_predicted < predicted:
-        return plan, g_timeline, g_predicted, g_issue, True
-    return plan, timeline, predicted, issue, False
+    best: tuple[Any, float, float, bool | str] = (timeline, predicted, issue, False)
+    for mode in (cuda_graphs, True) if cuda_graphs == "auto" else (cuda_graphs,):
+        segs = graphed_segments(plan, on, capture_rule(mode), fused,
+                                frozenset(inputs[i] for i in in_place),
+                                frozenset(plan.outputs[i][0] for i in back))
+        if not any(segs.values()):
+            continue
+        g_timeline, g_predicted, g_issue = run(GraphedCost(priced, segs), back)
+        if forced or g_predicted < best[1]:
+            best = (g_timeline, g_predicted, g_issue, mode)
+    return plan, *best
 
 
 def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence[str], *,
@@ -172,14 +175,20 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
     ``h200x2`` 11.81 against 11.96 ms; GPT-2 small's step on ``h200x8``, 73.0 and 72.4 ms,
     where 4 GPUs predict 44.3). A split over more devices than the last one placed is not
     placed (``Choice.pruned`` says why, and no larger k is tried) where its ops at the last
-    split's issue seconds per op already exceed the fastest prediction: more devices, more
+    split's issue seconds per op already exceed the fastest prediction, or where the last
+    split predicted slower than the one before it (ResNet-50's step on ``h200x8``: 31.3 ms
+    over 2 GPUs, 58.8 over 4; its batch norm's statistics cross between GPUs at every
+    layer): more devices, more
     launches on the one issuing thread (GPT-2 small's step on ``h200x8``: over 4 GPUs 24.1 ms
     of issue for 10,138 ops; over 8, 18,638 ops, an estimate of 44.3 ms and a prediction of
-    50.4, not placed; planning 16.3 s -> 12.0 on the 2-core VM). ``cuda_graphs`` (the
+    50.4, not placed; planning 16.3 s -> 12.0 on the 2-core VM); not where segments may
+    replay as CUDA graphs, which take launches off that thread. ``cuda_graphs`` (the
     option) and ``graphed_devices`` (the executor's devices for graphs): each candidate
     predicted with those programs' segments replayed too, the faster form kept
     (``Choice.graphs``; see :func:`with_graphs`)."""
     devices, same_kind = shard_devices(batch, cost, devices, shards)
+    # launches are no floor where segments may replay as CUDA graphs
+    replayable = capture_rule(cuda_graphs) is not None and bool(graphed_devices)
     n = len(same_kind)
     ks = sorted({k for k in (1 << i for i in range(n.bit_length())) if k <= n} | {n}) \
         if shards is None else [shards]  # powers of two and all: planning time stays bounded
@@ -190,7 +199,14 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
     at_once: tuple[str, list[str]] | None = None  # the chunked pair's label and devices
     pruned: dict[str, str] = {}
     per_op = 0.0  # the issuing thread's seconds per op of the last split placed
+    splits: list[float] = []  # the predictions of the splits placed, by k
     for k in ks:
+        if shards is None and len(splits) >= 2 and splits[-1] > splits[-2]:
+            label = ",".join(same_kind[:k])
+            pruned[label] = ("not placed: the last split predicted slower than the one before "
+                             f"it ({fmt_seconds(splits[-1])} against {fmt_seconds(splits[-2])})")
+            log.info("autopar: %s %s: %s", step.graph.name, label, pruned[label])
+            break  # more devices, more cross-device points: it only gets slower
         if k == 1:
             placed, sharded = place(step.graph, cost, policy=policy, devices=devices), None
             label = "unsplit"
@@ -210,7 +226,7 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
                 continue
             label = ",".join(same_kind[:k])
             floor = per_op * len(chunked.graph.ops)
-            if shards is None and floor > min(predicted.values()):
+            if shards is None and not replayable and floor > min(predicted.values()):
                 pruned[label] = (f"not placed: its launches alone, about {fmt_seconds(floor)} "
                                  "on the issuing thread, exceed the fastest candidate's "
                                  f"{fmt_seconds(min(predicted.values()))}")
@@ -225,6 +241,7 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
             placed_all.append((label, placed, sharded))
             if sharded is not None:  # the issuing thread's seconds per op of a split graph
                 per_op = issue / len(sharded.graph.ops)
+                splits.append(predicted[label])
     if at_once is not None and \
             predicted[at_once[0]] <= (1 + AT_ONCE_SLACK) * min(predicted.values()):
         label, pair = f"{at_once[0]} at once", at_once[1]

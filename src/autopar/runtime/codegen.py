@@ -47,9 +47,9 @@ import torch.utils._python_dispatch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from ..ir.collective import COMM, is_collective
 from ..ir.graph import Node, TensorMeta, op_name
 from ..ir.ops import PLAIN_VALUES
-from ..ir.collective import COMM, is_collective
 from ..ir.routing import compute_lane, pool
 from ..schedule.steps import Free, Record, Run, Send, Step, Wait
 from .fuse import Fused
@@ -221,8 +221,8 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
             out = em.at(slots(node, device))
             if device == COMM and is_collective(node.op):  # on the GPUs' comm streams
                 parts = ", ".join(em.expr(a) for a in node.args)
-                em.timed(f"{out} = rt.all_reduce([{parts}])  # {op_name(node.op)}", step,
-                         traced and (device, lane, op_name(node.op), node.id))
+                em.timed(f"{out} = rt.all_reduce([{parts}], {node.id})  # {op_name(node.op)}",
+                         step, traced and (device, lane, op_name(node.op), node.id))
                 continue
             if node in free_moves:
                 em.emit(f"{out} = {em.expr(node.args[0])}  # {op_name(node.op)}: "

@@ -40,7 +40,7 @@ from ..ir.graph import Node
 from ..ir.logs import first_line
 from ..ir.routing import GraphIndex
 from ..schedule.segments import chosen_segments, launches, step_ops, tuples_unpacked_at_once
-from ..schedule.steps import Free
+from ..schedule.steps import Free, Run
 from .codegen import Call, Program, SlotTable, build_program
 
 __all__ = ["CudaGraphBackend", "GraphSegment", "GraphedCall", "capture_segments"]
@@ -360,14 +360,19 @@ def capture_segments(device: str, steps: list[Any], slots: SlotTable,
         start, end = seg_of.start, seg_of.end
         seg = steps[start:end]
         name = f"segment {label}{device}#{seg_of.index} ({len(seg)} steps)"
-        program = build_program(device, list(seg), slots, source_of, moved)
+        # views read after it are made again from their roots: a root's Free waits for them
+        roots = {v.args[0] for v in seg_of.again}
+        later = [s for s in seg if isinstance(s, Free) and s.value in roots]
+        program = build_program(device, [s for s in seg if s not in later], slots, source_of,
+                                moved)
         segment = GraphSegment(
             program, slots,
             [slots(v, source_of(v, device)) for v in seg_of.inputs],
             [(slots(v, device), v in seg_of.escapes) for v in seg_of.outputs],
-            [slots(s.value, device) for s in seg if isinstance(s, Free)],
+            [slots(s.value, device) for s in seg if isinstance(s, Free) and s not in later],
             statics, backend, name, in_place=sorted(seg_of.read_in_place))
         out += steps[done:start]
         out.append(Call(segment, name, [n for s in seg for n in step_ops(s)][-1]))
+        out += [Run(v) for v in seg_of.again] + later
         done = end
     return out + steps[done:]

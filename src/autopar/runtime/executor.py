@@ -143,6 +143,7 @@ class _Call:
         self.lock = threading.Lock()
         self.trace = trace
         self.profiled = False  # under torch.profiler: programs and copies are named ranges
+        self.keep_sums = False  # collectives' sums in the event pool's buffers (CUDA graphs)
         self.names: dict[int, str] = {}  # ...and node id -> the value's name, for copies
         # traced calls: (lane, name, kind, start, end, node, bytes, src, dst); start/end are host
         # clock seconds on CPU lanes and CUDA events on GPU lanes
@@ -232,22 +233,42 @@ class _Call:
                 value.record_stream(stream)  # allocated on a copy stream, used on compute
 
     # -- collectives ------------------------------------------------------------------------
-    def all_reduce(self, parts: Sequence[Any]) -> tuple[Any, ...]:
+    def all_reduce(self, parts: Sequence[Any], node: int = -1) -> tuple[Any, ...]:
         """:func:`autopar.ir.collective.all_reduce` of ``parts`` (one per GPU): on each GPU's
         ``comm`` stream, after everything issued on its compute stream so far (the part's
-        producer among it: the plan's Wait saw its Record), one NCCL all-reduce where torch
-        has NCCL, else the parts added in shard order on each GPU. Parts sharing a device
-        (CPU workers) are summed once, here."""
+        producer among it, and every read of the last call's sums: the plan's Wait saw its
+        Record), one NCCL all-reduce where torch has NCCL, else the parts added in shard order
+        on each GPU. Under CUDA graphs (``keep_sums``) the sums land in the same buffers every
+        call (the event pool's, by node id), which graphs then read in place. Parts sharing a
+        device (CPU workers) are summed once, here."""
         devices = [str(p.device) for p in parts]
         if not all(map(_is_gpu, devices)) or len(set(devices)) != len(devices):
-            return all_reduce(*parts)
+            got = all_reduce(*parts)
+            kept = self.events.sums.get(node) if self.keep_sums else None
+            if kept is not None and all(k.shape == g.shape and k.dtype == g.dtype
+                                        and k.device == g.device for k, g in zip(kept, got)):
+                for k, g in zip(kept, got):
+                    if k is not g:
+                        k.copy_(g)
+                return kept
+            if self.keep_sums:
+                self.events.sums[node] = got
+            return got
         streams = [_Streams.of(d).comm for d in devices]
         for d, side in zip(devices, streams):
             side.wait_stream(self.compute[d])
+        outs = self.events.sums.get(node) if self.keep_sums else None
+        if outs is not None and any(o.shape != p.shape or o.dtype != p.dtype
+                                    for o, p in zip(outs, parts)):
+            outs = None
         if self.profiled:
             with _range(f"autopar:all_reduce {len(parts)} x {tuple(parts[0].shape)}"):
-                return _all_reduce_on(parts, devices, streams)
-        return _all_reduce_on(parts, devices, streams)
+                got = _all_reduce_on(parts, devices, streams, outs)
+        else:
+            got = _all_reduce_on(parts, devices, streams, outs)
+        if self.keep_sums:
+            self.events.sums[node] = got
+        return got
 
     def record_items(self, event: int, items: Sequence[Any]) -> None:
         """A collective's value is ready: each GPU item's CUDA event on its comm stream (what
@@ -328,16 +349,18 @@ class _Call:
         return out
 
 
-def _all_reduce_on(parts: Sequence[Any], devices: Sequence[str],
-                   streams: Sequence[Any]) -> tuple[Any, ...]:
+def _all_reduce_on(parts: Sequence[Any], devices: Sequence[str], streams: Sequence[Any],
+                   into: Sequence[Any] | None = None) -> tuple[Any, ...]:
     """The sum of ``parts`` on each of their GPUs, computed on ``streams`` (each already
-    ordered after its part): NCCL's all-reduce (every item the same bits), else each GPU adding
-    the parts in order (it waits for every other GPU's stream first)."""
-    outs = []
-    for p, d, side in zip(parts, devices, streams):
+    ordered after its part), into ``into`` (else new buffers): NCCL's all-reduce (every item
+    the same bits), else each GPU adding the parts in order (it waits for every other GPU's
+    stream first)."""
+    outs = list(into) if into is not None else []
+    for p, side in zip(parts, streams):
         with torch.cuda.stream(side):
             p.record_stream(side)
-            outs.append(torch.empty_like(p, memory_format=torch.contiguous_format))
+            if into is None:
+                outs.append(torch.empty_like(p, memory_format=torch.contiguous_format))
     inputs = [p.contiguous() if not p.is_contiguous() else p for p in parts]
     if _nccl_works(inputs):
         torch.cuda.nccl.all_reduce(inputs, outs, streams=list(streams))
@@ -377,6 +400,7 @@ class _EventPool:
     def __init__(self, n_events: int) -> None:
         self._done: list[Any] = [None] * n_events
         self._barriers: dict[str, Any] = {}
+        self.sums: dict[int, tuple[Any, ...]] = {}  # collective's node id -> its buffers
         self.lock = threading.Lock()  # held by the call using this pool
 
     def done(self, event: int) -> Any:
@@ -554,6 +578,9 @@ class Executor:
         moved = {n for n in graph.ops if is_free_move(n, device_of, ix.passthrough)}
         fusing = fuse or {}
         capturing = [] if trace else graph_devices(list(plan.programs), cuda_graphs)
+        #: collectives' sums stay in one set of buffers per event pool, read in place by
+        #: graphs (:mod:`autopar.schedule.segments`); the caller then copies out what it keeps
+        self.keep_sums = bool(capturing)
         outputs = set(graph.output_nodes)
         read_in_place = {self.inputs[i] for i in in_place}
         kept_outputs = [o for i, (o, _) in enumerate(plan.outputs) if i not in transient]
@@ -688,6 +715,7 @@ class Executor:
     def _call(self, args: Sequence[Any], compute: dict[str, Any],
               events: _EventPool | None, profiled: bool = False) -> list[Any]:
         call = _Call(len(self.slots), self.n_events, compute, trace=self.trace, events=events)
+        call.keep_sums = self.keep_sums
         if profiled:
             call.profiled = True
             call.names = {n.id: repr(n) for n in self.plan.graph.nodes}

@@ -740,7 +740,8 @@ def _graph_order(sched: _Schedule) -> list[Node]:
 
 
 def _rank_order(sched: _Schedule) -> list[Node]:
-    """Ops by decreasing upward rank (mean costs), ties in graph order."""
+    """Ops by decreasing upward rank (mean costs; a pinned op's on its device), ties in graph
+    order."""
     devices = sched.devices
     pairs = [(a, b) for a in devices for b in devices if a != b]
     mean_comm: dict[int, float] = {}
@@ -760,6 +761,8 @@ def _rank_order(sched: _Schedule) -> list[Node]:
             continue
         if alias_base(n) is not None or n.writes or is_pure_move(n):
             w = 0.0  # no choice to make: their place and time follow their base
+        elif n in sched.pins:  # (a split step's ops: all but a few; no mean to take)
+            w = sched.time(n, sched.pins[n])
         else:
             cands = sched.candidates(n)
             w = sum(sched.time(n, d) for d in cands) / len(cands)

@@ -15,15 +15,22 @@ Rules
   attention with ``dropout_p`` 0 draws none), ops that write into an input, ops that make no
   tensor or a host tensor, ops that sync with the host or have data-dependent output shapes,
   and ops reading a value from another memory pool (a host scalar would be baked in).
-- A view or tuple that would leave a segment runs after it, on the stream, and so does a
-  ``getitem`` of a tuple made before it (a fixpoint, as for fusion regions).
+- A view read after a segment is made again after each replay, from its root (the first
+  value of its chain of views that is none, or one the segment reads), which the segment
+  hands out in its place (:func:`_views_made_again`; ``Segment.again``): views split no
+  segment (GPT-2 small's step over 8 GPUs had ~160 segments a GPU, one every ~6 ops, when
+  each such view ran after its segment and ended it). A tuple, or a view of a tuple's item,
+  that would leave a segment runs after it, on the stream, and so does a ``getitem`` of a
+  tuple made before it (a fixpoint, as for fusion regions).
 - An output *escapes* (is cloned after each replay, the next replay overwriting its static
   buffer) where it is held past the call (a graph output, but one the caller consumes before
   its next call), read off the program (a later Send or Record), or the base of a later view
   that escapes so.
 - An input needs no copy into a static buffer where it is at the same address every call:
   read in place (the executor's ``in_place``), a non-escaping output of an earlier chosen
-  segment, or a view of either made on the stream (``Segment.read_in_place``).
+  segment, an item of a collective (the executor keeps each collective's sums in the same
+  buffers while it captures graphs: ``Executor.keep_sums``), or a view of any of them made
+  on the stream (``Segment.read_in_place``).
 - :func:`chosen_segments` starts from every segment and drops those ``pays`` refuses until
   none is dropped (a segment left out makes its outputs copies in later ones).
 """
@@ -38,6 +45,7 @@ from typing import Any
 
 import torch
 
+from ..ir.collective import take
 from ..ir.graph import Node, TensorMeta, op_name
 from ..ir.regions import is_view
 from ..ir.routing import GraphIndex, kind_of
@@ -201,9 +209,42 @@ def _boundary(seg: Sequence[Any], ix: GraphIndex,
     reads = [v for s in seg if _holds_ops(s)
              for v in (s.inputs if _is_region(s) else s.node.inputs)]
     inputs = list(dict.fromkeys(v for v in reads if v not in inside_values))
+    # (a random op's ordering-only input, the previous draw, is no value it reads)
     outputs = [v for v in made
-               if v in graph_outputs or any(u not in ops for u in ix.users[v])]
+               if v in graph_outputs or any(u not in ops and v in u.inputs for u in ix.users[v])]
     return inputs, outputs
+
+
+def _views_made_again(seg: Sequence[Any], outputs: list[Node]
+                      ) -> tuple[list[Node], list[Node], dict[Node, Node]]:
+    """(outputs, views made again, view -> its root) of a segment whose outputs include
+    views: a view read after the segment, with every view between it and its root (the
+    first value of the chain that is no view, or one the segment reads) made inside, is made
+    again after each replay from the root, which the segment hands out in its place (a
+    graph's static buffer, or its clone where a view escapes); an item of a tuple of views
+    (``split``) is made again with its tuple."""
+    made = {n for s in seg for n in step_ops(s)}
+    kept: list[Node] = []
+    again: dict[Node, None] = {}
+    root_of: dict[Node, Node] = {}
+    for v in outputs:
+        chain, x = [], v
+        while x in made and is_view(x):  # (an item of split's tuple: the split, then its base)
+            if not x.args or not isinstance(x.args[0], Node):
+                chain = []
+                break
+            chain.append(x)
+            x = x.args[0]
+        if not chain or (x in made and not isinstance(x.meta, TensorMeta)):
+            kept.append(v)
+            continue
+        again.update(dict.fromkeys(chain))
+        if x in made:
+            root_of[v] = x
+    for root in root_of.values():
+        if root not in kept:
+            kept.append(root)
+    return [v for v in kept if v not in again], list(again), root_of
 
 
 def _misfit(value: Node) -> bool:
@@ -228,6 +269,7 @@ class Segment:
     escapes: frozenset[Node]
     read_in_place: frozenset[int] = frozenset()  # indices of inputs at a fixed address
     copies: int = 0  # inputs copied into static buffers at each replay
+    again: tuple[Node, ...] = ()  # views read after it, made again after each replay
 
 
 def tuples_unpacked_at_once(steps: list[Any]) -> list[Any]:
@@ -283,29 +325,35 @@ def chosen_segments(steps: list[Any], ix: GraphIndex, graph_outputs: set[Node],
     def kept(step: Any) -> bool:
         return not (isinstance(step, Run) and step.node in left_out) and capturable(step)
 
-    while True:  # views and tuples leaving a segment run after it, on the stream
-        found = [(start, end, *_boundary(steps[start:end], ix, graph_outputs))
-                 for start, end in segments(steps, kept)]
-        misfits = {v for *_, outs in found for v in outs if _misfit(v)}
-        misfits |= {n for *_, ins, _ in found for v in ins
+    while True:  # tuples leaving a segment run after it, on the stream; views are made again
+        found = []
+        for start, end in segments(steps, kept):
+            inputs, outputs = _boundary(steps[start:end], ix, graph_outputs)
+            found.append((start, end, inputs, *_views_made_again(steps[start:end], outputs)))
+        misfits = {v for *_, outs, _, _ in found for v in outs if _misfit(v)}
+        misfits |= {n for _, _, ins, *_ in found for v in ins
                     if not isinstance(v.meta, TensorMeta) for n in ix.users[v]}
         if not misfits - left_out:
             break
         left_out |= misfits
     at = {n: i for i, step in enumerate(steps) for n in step_ops(step)}
-    whole = [(k, start, end, inputs, outputs,
-              escaping(steps[start:end], outputs, at, end, ix, graph_outputs, transient),
-              count(steps[start:end])) for k, (start, end, inputs, outputs) in enumerate(found)]
+    whole = []
+    for k, (start, end, inputs, outputs, again, root_of) in enumerate(found):
+        left = escaping(steps[start:end], [*outputs, *root_of], at, end, ix, graph_outputs,
+                        transient)
+        escapes = {root_of.get(v, v) for v in left} & set(outputs)
+        whole.append((k, start, end, inputs, outputs, escapes, count(steps[start:end]),
+                      tuple(sorted(again, key=at.__getitem__))))
     chosen = {k for k, *_ in whole}
     while True:  # from all of them: one left out makes its outputs copies in later ones
-        statics = {v for k, _, _, _, outputs, escapes, _ in whole if k in chosen
+        statics = {v for k, _, _, _, outputs, escapes, *_ in whole if k in chosen
                    for v in outputs if v not in escapes}
 
         def fixed(v: Node, statics: set[Node] = statics) -> bool:
             """At the same address every call: read in place, a static output, or a view
             of one made on the stream (a view op's first argument is its base)."""
             while True:
-                if in_place(v) or v in statics:
+                if in_place(v) or v in statics or v.op is take:
                     return True
                 base = v.args[0] if is_view(v) and v.args else None
                 if not isinstance(base, Node):
@@ -314,7 +362,7 @@ def chosen_segments(steps: list[Any], ix: GraphIndex, graph_outputs: set[Node],
 
         out: list[Segment] = []
         before = len(chosen)
-        for k, start, end, inputs, outputs, escapes, n_launch in whole:
+        for k, start, end, inputs, outputs, escapes, n_launch, again in whole:
             if k not in chosen:
                 continue
             at_home = frozenset(i for i, v in enumerate(inputs) if v not in statics and fixed(v))
@@ -325,6 +373,6 @@ def chosen_segments(steps: list[Any], ix: GraphIndex, graph_outputs: set[Node],
                 chosen.discard(k)
                 continue
             out.append(Segment(k, start, end, tuple(inputs), tuple(outputs),
-                               frozenset(escapes), at_home, copies))
+                               frozenset(escapes), at_home, copies, again))
         if len(chosen) == before:
             return out

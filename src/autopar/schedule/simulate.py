@@ -176,8 +176,8 @@ def issue_s(plan: Plan, cost: Any) -> float:
     (``cost.host_s``; a collective's covers its launches and its parts' events) and of every
     copy and cross-stream wait it issues (:func:`send_issue_s`, :func:`wait_issue_s`: a GPU's
     wait for a copy or a collective). :func:`simulate`'s lanes each count their own launches
-    only: on ``h200x8`` GPT-2 small's AdamW step split over the 8 GPUs simulated 29.7 ms while its GPU
-    ops' launches alone add up to 36.6 ms."""
+    only: on ``h200x8`` GPT-2 small's AdamW step split over the 8 GPUs simulated 29.7 ms
+    while its GPU ops' launches alone add up to 36.6 ms."""
     copied = {s.event for steps in plan.programs.values() for s in steps
               if isinstance(s, Send)}
     total = 0.0
