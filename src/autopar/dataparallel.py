@@ -66,6 +66,7 @@ from .capture.state import State, StateNotReady, find_state
 from .capture.step import StepGraph, capture_step
 from .choose import Trial
 from .cost.model import CostModel
+from .ir.collective import COMM
 from .ir.graph import Node
 from .ir.routing import cuda_indices
 from .machine.detect import load_machine
@@ -196,9 +197,13 @@ class DataParallelStep:
             if sh is None:
                 lines.append("  unsplit")
                 continue
-            pinned = sum(1 for d in sh.pins.values() if d != sh.devices[0])
+            pinned = sum(1 for d in sh.pins.values() if d not in (sh.devices[0], COMM))
+            reduced = sum(1 for d in sh.pins.values() if d == COMM)
             lines.append(f"  split over {', '.join(sh.devices)} (rows {list(sh.sizes)}); "
-                         f"{pinned} ops on the other shards; {len(sh.replicas)} replicas")
+                         f"{pinned} ops on the other shards; {len(sh.replicas)} replicas"
+                         + (f"; {reduced} all-reduces" if reduced else "")
+                         + (f"; GPU segments as CUDA graphs ({c.choice.graphs})"
+                            if c.choice.graphs else ""))
             by_name = {n.name: n for n in c.step.graph.nodes}
             for op, why in sh.unsplit.items():
                 node = by_name.get(op)
