@@ -56,6 +56,8 @@ Policy and invariants
   (an all-reduce: every device gets the same bits); views, elementwise ops, casts and fills of
   such values are repeated there. So a training step's parameter update runs on every device
   and the replicas' next values need no broadcast. Other whole values are copied by the plan.
+- A value of no elements (HF attention's empty constant, concatenated with each shard's keys)
+  is made on each device that reads it (``empty_strided``), never copied.
 - Devices. ``devices[0]`` is the home: where eager runs the graph and where results are
   gathered and reduced. Devices of the same memory (logical CPU workers) share one tensor: no
   replica and no copy, only the pin differs.
@@ -369,7 +371,19 @@ class _Builder:
         node itself (the plan copies it)."""
         lay = self.layout[src]
         assert isinstance(lay, Whole)
-        if shard == 0 or torch_device(self.devices[shard]) == self.home:
+        dev = torch_device(self.devices[shard])
+        node = lay.node
+        if isinstance(node, Node) and isinstance(node.meta, TensorMeta) \
+                and node.meta.numel == 0 and node.device != dev:
+            key = (src, shard)  # no elements: made where it is read, nothing to copy
+            if key not in self._local:
+                m = node.meta
+                self._local[key] = self.call(
+                    aten.empty_strided.default, (list(m.shape), list(m.stride)),
+                    {"dtype": m.dtype, "device": torch.device(dev)}, shard=shard, like=src,
+                    part="_empty")
+            return self._local[key]
+        if shard == 0 or dev == self.home:
             return self._resolve(lay)
         key = (src, shard)
         got = self._local.get(key)
