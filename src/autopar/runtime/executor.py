@@ -353,42 +353,55 @@ def _all_reduce_on(parts: Sequence[Any], devices: Sequence[str], streams: Sequen
                    into: Sequence[Any] | None = None) -> tuple[Any, ...]:
     """The sum of ``parts`` on each of their GPUs, computed on ``streams`` (each already
     ordered after its part), into ``into`` (else new buffers): NCCL's all-reduce (every item
-    the same bits), else each GPU adding the parts in order (it waits for every other GPU's
-    stream first)."""
+    the same bits), else each part copied to every other GPU on its own GPU's stream (as the
+    executor's peer copies go) and each GPU adding the parts in shard order."""
     outs = list(into) if into is not None else []
+    dense = []
     for p, side in zip(parts, streams):
         with torch.cuda.stream(side):
             p.record_stream(side)
+            dense.append(p if p.is_contiguous() else p.contiguous())
             if into is None:
                 outs.append(torch.empty_like(p, memory_format=torch.contiguous_format))
-    inputs = [p.contiguous() if not p.is_contiguous() else p for p in parts]
-    if _nccl_works(inputs):
-        torch.cuda.nccl.all_reduce(inputs, outs, streams=list(streams))
+    parts = dense
+    if _nccl_works(parts):
+        torch.cuda.nccl.all_reduce(list(parts), outs, streams=list(streams))
         return tuple(outs)
-    marks = []
-    for side in streams:
+    here: list[list[Any]] = [[None] * len(parts) for _ in parts]  # [dst][src]
+    for j, (p, src) in enumerate(zip(parts, streams)):
+        for i, (d, dst) in enumerate(zip(devices, streams)):
+            if i == j:
+                here[i][j] = p
+                continue
+            with torch.cuda.stream(dst), torch.cuda.stream(src):
+                here[i][j] = p.to(d, non_blocking=True)
+    landed = []
+    for src in streams:
         ev = torch.cuda.Event()
-        ev.record(side)
-        marks.append(ev)
-    for i, side in enumerate(streams):
-        for ev in marks:
-            side.wait_event(ev)
-        with torch.cuda.stream(side):
-            total = parts[0].to(devices[i], non_blocking=True)
-            for p in parts[1:]:
-                p.record_stream(side)
-                total = total + p.to(devices[i], non_blocking=True)
+        ev.record(src)
+        landed.append(ev)
+    for i, dst in enumerate(streams):
+        for j, ev in enumerate(landed):
+            if j != i:
+                dst.wait_event(ev)
+        with torch.cuda.stream(dst):
+            total = here[i][0]
+            for t in here[i][1:]:
+                total = total + t
             outs[i].copy_(total)
     return tuple(outs)
 
 
+_HAS_NCCL = hasattr(torch._C, "_nccl_all_reduce")
+
+
 def _nccl_works(tensors: Sequence[Any]) -> bool:
-    """Can ``torch.cuda.nccl`` reduce these (a build with NCCL, dense contiguous tensors on
-    distinct GPUs)?"""
-    try:
-        return bool(torch.cuda.nccl.is_available(list(tensors)))
-    except (AttributeError, RuntimeError):
-        return False
+    """Can ``torch.cuda.nccl`` reduce these: a build with NCCL, dense contiguous CUDA tensors
+    of one dtype and shape on distinct GPUs (``torch.cuda.nccl.is_available``'s test, without
+    its warning on every call)?"""
+    return _HAS_NCCL and len({t.get_device() for t in tensors}) == len(tensors) and all(
+        t.is_cuda and not t.is_sparse and t.is_contiguous() and t.dtype == tensors[0].dtype
+        and t.shape == tensors[0].shape for t in tensors)
 
 
 class _EventPool:
