@@ -20,12 +20,13 @@ from typing import Any
 from ..ir.graph import Node
 from ..ir.routing import is_free_move
 from ..schedule.place import index_of
-from ..schedule.segments import chosen_segments, launches, step_ops, tuples_unpacked_at_once
+from ..schedule.segments import chosen_segments_each, launches, step_ops, tuples_unpacked_at_once
 from ..schedule.simulate import host_time
 from ..schedule.steps import Plan
 from .fusion import reads_locally
 
-__all__ = ["REPLAY_S", "GraphedCost", "capture_rule", "graphed_segments", "pays"]
+__all__ = ["REPLAY_S", "GraphedCost", "capture_rule", "graphed_segments", "graphed_segments_each",
+           "pays"]
 
 REPLAY_S = 5e-6
 """Host seconds of one graph replay (``cudaGraphLaunch`` and the replay's Python): about one
@@ -55,24 +56,36 @@ def graphed_segments(plan: Plan, devices: Sequence[str], rule: Callable[[int, in
     """The segments of the programs of ``devices`` the executor would capture under ``rule``
     (the same :func:`chosen_segments`, on the plan's steps; a region of ``fused`` counts one
     launch): per device, each segment's ops, input copies and output clones."""
+    return graphed_segments_each(plan, devices, [rule], fused, in_place, transient)[0]
+
+
+def graphed_segments_each(plan: Plan, devices: Sequence[str],
+                          rules: Sequence[Callable[[int, int, int], bool]],
+                          fused: dict[str, list[list[Node]]] | None = None,
+                          in_place: frozenset[Node] = frozenset(),
+                          transient: frozenset[Node] = frozenset()
+                          ) -> list[dict[str, list[tuple[list[Node], int, int]]]]:
+    """:func:`graphed_segments` under each of ``rules``, each program's segments found
+    once."""
     graph = plan.graph
     device_of = plan.placement.device
     ix = index_of(plan.placement, graph)
     outputs = set(graph.output_nodes)
     moved = {n for n in graph.ops if is_free_move(n, device_of, ix.passthrough)}
-    found: dict[str, list[tuple[list[Node], int, int]]] = {}
+    found: list[dict[str, list[tuple[list[Node], int, int]]]] = [{} for _ in rules]
     for device in devices:
         steps = plan.programs.get(device)
         if not steps:
             continue
         steps = tuples_unpacked_at_once(steps)
         region = {n: k for k, group in enumerate((fused or {}).get(device, ())) for n in group}
-        chosen = chosen_segments(steps, ix, outputs, reads_locally(device, device_of, ix), rule,
-                                 lambda seg, region=region: launches(seg, moved, region),
-                                 label=device, transient=transient.__contains__,
-                                 in_place=in_place.__contains__)
-        found[device] = [([n for step in steps[c.start:c.end] for n in step_ops(step)],
-                          c.copies, len(c.escapes)) for c in chosen]
+        each = chosen_segments_each(
+            steps, ix, outputs, reads_locally(device, device_of, ix), rules,
+            lambda seg, region=region: launches(seg, moved, region), label=device,
+            transient=transient.__contains__, in_place=in_place.__contains__)
+        for got, chosen in zip(found, each, strict=True):
+            got[device] = [([n for step in steps[c.start:c.end] for n in step_ops(step)],
+                            c.copies, len(c.escapes)) for c in chosen]
     return found
 
 

@@ -25,7 +25,7 @@ from ..machine.model import GiB
 from ..schedule.place import index_of, memory_limits, place
 from ..schedule.plan import make_plan
 from ..schedule.simulate import issue_s, peak_memory, simulate
-from .cudagraphs import GraphedCost, capture_rule, graphed_segments
+from .cudagraphs import GraphedCost, capture_rule, graphed_segments_each
 from .fusion import FusedCost, fused_regions
 from .shard import NotShardable, Sharded, shard
 
@@ -149,10 +149,11 @@ def with_graphs(placed: Any, cost: Any, fusing: Sequence[str], step: StepGraph |
     in_place, back = resident(step, sharded, True)
     inputs = plan.graph.inputs
     best: tuple[Any, float, float, bool | str] = (timeline, predicted, issue, False)
-    for mode in (cuda_graphs, True) if cuda_graphs == "auto" else (cuda_graphs,):
-        segs = graphed_segments(plan, on, capture_rule(mode), fused,
-                                frozenset(inputs[i] for i in in_place),
-                                frozenset(plan.outputs[i][0] for i in back))
+    modes = (cuda_graphs, True) if cuda_graphs == "auto" else (cuda_graphs,)
+    each = graphed_segments_each(plan, on, [capture_rule(m) for m in modes], fused,
+                                 frozenset(inputs[i] for i in in_place),
+                                 frozenset(plan.outputs[i][0] for i in back))
+    for mode, segs in zip(modes, each, strict=True):
         if not any(segs.values()):
             continue
         g_timeline, g_predicted, g_issue = run(GraphedCost(priced, segs), back)

@@ -132,9 +132,15 @@ def regions(steps: Sequence[Step], can_fuse: Callable[[Node], bool],
             min_ops: int = MIN_FUSED_OPS) -> list[list[Node]]:
     """The regions of one program worth compiling, each a list of nodes in program order."""
     left_out: set[Node] = set()
+    known: dict[Node, bool] = {}  # can_fuse, asked once a node (the loop below asks again)
 
     def ok(n: Node) -> bool:
-        return n not in left_out and can_fuse(n)
+        if n in left_out:
+            return False
+        got = known.get(n)
+        if got is None:
+            got = known[n] = can_fuse(n)
+        return got
 
     while True:
         groups = _groups(steps, ok)

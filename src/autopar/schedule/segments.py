@@ -309,6 +309,18 @@ def chosen_segments(steps: list[Any], ix: GraphIndex, graph_outputs: set[Node],
     ``in_place``, left in its static buffer by an earlier chosen segment, or a view of either
     (read where it lives: ``Segment.read_in_place``; see the module docstring). Those left
     out are logged at debug level."""
+    return chosen_segments_each(steps, ix, graph_outputs, local, [pays], count, label,
+                                transient, in_place)[0]
+
+
+def chosen_segments_each(steps: list[Any], ix: GraphIndex, graph_outputs: set[Node],
+                         local: Callable[[Node], bool],
+                         rules: Sequence[Callable[[int, int, int], bool]],
+                         count: Callable[[Sequence[Any]], int], label: str = "",
+                         transient: Callable[[Node], bool] = lambda v: False,
+                         in_place: Callable[[Node], bool] = lambda v: False
+                         ) -> list[list[Segment]]:
+    """:func:`chosen_segments` under each of ``rules``, the segments found once."""
     known: dict[int, bool] = {}  # id(step) -> capturable (asked again in each pass below)
 
     def capturable(step: Any) -> bool:
@@ -344,6 +356,11 @@ def chosen_segments(steps: list[Any], ix: GraphIndex, graph_outputs: set[Node],
         escapes = {root_of.get(v, v) for v in left} & set(outputs)
         whole.append((k, start, end, inputs, outputs, escapes, count(steps[start:end]),
                       tuple(sorted(again, key=at.__getitem__))))
+    return [_paying(whole, pays, label, in_place) for pays in rules]
+
+
+def _paying(whole: list[tuple], pays: Callable[[int, int, int], bool], label: str,
+            in_place: Callable[[Node], bool]) -> list[Segment]:
     chosen = {k for k, *_ in whole}
     while True:  # from all of them: one left out makes its outputs copies in later ones
         statics = {v for k, _, _, _, outputs, escapes, *_ in whole if k in chosen
