@@ -19,7 +19,7 @@ from autopar.bench.workloads import w6_train_step
 from autopar.capture.fake import relabel_devices
 from autopar.capture.state import find_state
 from autopar.capture.step import capture_step
-from autopar.cost.model import CostModel
+from autopar.cost.model import COLLECTIVE_LATENCY_S, CostModel
 from autopar.ir.collective import COMM, all_reduce, take
 from autopar.ir.graph import op_name
 from autopar.machine.presets import preset
@@ -118,9 +118,9 @@ def test_collective_is_placed_on_its_lane_planned_and_simulated_as_placed():
 
 
 def test_an_all_reduce_is_priced_as_a_ring_over_the_gpus():
-    """8 parts of 32 MB on h200x8: 14 steps of a 4 MB hop on the slowest link; the issuing
-    thread: per GPU a copy-kind launch and one and a half event waits. On CPU workers (one
-    memory): the parts added in order on the host."""
+    """8 parts of 32 MB on h200x8: 2 * 7/8 of 32 MB at the slowest link's bandwidth, plus the
+    collective's fixed latency; the issuing thread: per GPU a copy-kind launch and one and a
+    half event waits."""
     machine = preset("h200x8")
     cost = CostModel(machine)
     from autopar.ir.graph import Graph, TensorMeta
@@ -130,9 +130,9 @@ def test_an_all_reduce_is_priced_as_a_ring_over_the_gpus():
              for i in range(8)]
     node = g.call(all_reduce, tuple(parts), meta=tuple(p.meta for p in parts), flops=0)
     got = cost.op_cost(node, COMM)
-    hop = max(machine.profile.link(f"cuda:{i}", f"cuda:{(i + 1) % 8}").time(4 << 20)
-              for i in range(8))
-    assert got.device_s == pytest.approx(14 * hop)
+    bandwidth = min(machine.profile.link(f"cuda:{i}", f"cuda:{(i + 1) % 8}").bandwidth
+                    for i in range(8))
+    assert got.device_s == pytest.approx(COLLECTIVE_LATENCY_S + 2 * 7 / 8 * (32 << 20) / bandwidth)
     per_gpu = machine.profile.device("cuda:0").launch("copy") + \
         1.5 * machine.profile.event_wait_s
     assert got.host_s == pytest.approx(8 * per_gpu)

@@ -65,7 +65,8 @@ from autopar.machine.model import (
     check_envelope,
 )
 
-__all__ = ["CostModel", "History", "HistoryStats", "OpCost", "reads_to_host"]
+__all__ = ["COLLECTIVE_LATENCY_S", "CostModel", "History", "HistoryStats", "OpCost",
+           "reads_to_host"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +292,13 @@ def _tf32_flags() -> tuple[bool, bool]:
     return matmul, conv
 
 
+COLLECTIVE_LATENCY_S = 20e-6
+"""An all-reduce's fixed time over one machine's GPUs, whatever its size: NCCL's small-message
+all-reduce over 8 NVLink GPUs takes tens of microseconds (its LL protocols). An assumption, not
+calibrated: no machine with two GPUs was lent to measure it (``autopar calibrate`` measures
+links, not collectives)."""
+
+
 # -- the model -------------------------------------------------------------------------------
 class CostModel:
     """Predicted seconds of nodes on devices and of bytes over links, for one machine.
@@ -352,11 +360,13 @@ class CostModel:
     def collective_cost(self, node: Node) -> OpCost:
         """An all-reduce of k parts of ``n`` bytes each. Over GPUs of their own memory: a ring
         (NCCL's algorithm for big messages), ``2 (k-1)`` steps that each move ``n / k`` bytes
-        over every neighbouring link at once, the slowest link setting the pace; the launching
-        thread pays, per GPU, the collective's launch and its stream's wait for the part (an
-        event: ``event_wait_s``) and half an event for the item its consumers wait on. Parts
-        sharing one memory (CPU workers): the parts added in order once, on the host (the
-        lane's thread computes it)."""
+        over every neighbouring link at once, pipelined in one kernel, so ``2 (k-1) / k * n``
+        bytes at the slowest link's bandwidth, plus :data:`COLLECTIVE_LATENCY_S` (not a copy's
+        latency per step: a step is no launch); the launching thread pays, per GPU, the
+        collective's launch and its stream's wait for the part (an event: ``event_wait_s``) and
+        half an event for the item its consumers wait on. Parts sharing one memory (CPU
+        workers): the parts added in order once, on the host (the lane's thread computes
+        it)."""
         metas = [p.meta for p in node.args]
         k, n = len(metas), metas[0].nbytes
         devices = [_machine_name(m.device) for m in metas]
@@ -366,10 +376,11 @@ class CostModel:
             threads = self.machine.cpu_threads
             adds = (k - 1) * (dp.read_time(2 * n, threads) + dp.write_time(n, threads))
             return OpCost(adds, 0.0, "collective")
-        ring = max(prof.link(a, b).time(n / k)
-                   for a, b in zip(devices, devices[1:] + devices[:1]))
+        bandwidth = min(prof.link(a, b).bandwidth
+                        for a, b in zip(devices, devices[1:] + devices[:1]))
         per_gpu = prof.device(devices[0]).launch("copy") + 1.5 * prof.event_wait_s
-        return OpCost(k * per_gpu, 2 * (k - 1) * ring, "collective")
+        return OpCost(k * per_gpu, COLLECTIVE_LATENCY_S + 2 * (k - 1) / k * n / bandwidth,
+                      "collective")
 
     def _twin_of(self, dev: Device) -> str:
         """The first device seen whose roofline is ``dev``'s: of its kind, with an equal
