@@ -18,6 +18,18 @@ def mlp_inputs(batch: int = 7, d_in: int = 6, hidden: int = 5, classes: int = 3,
     return (*(p.requires_grad_() for p in params), x, t)
 
 
+def module_step(model: torch.nn.Module, opt: torch.optim.Optimizer):
+    """A training step as users write it over ``model`` and ``opt``: cross-entropy of
+    ``model(x)`` against labels ``y``, ``backward()``, ``opt.step()``."""
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    return step
+
+
 def bn_step(w, gamma, beta, x):
     """A linear layer, batch norm over the batch (training mode), SGD on all three."""
     h = F.batch_norm(x @ w.t(), None, None, gamma, beta, training=True)

@@ -14,12 +14,13 @@ import operator
 import pytest
 import torch
 
-from _steps import mlp_inputs
+from _steps import mlp_inputs, module_step
 from autopar.bench.workloads import w6_train_step
 from autopar.capture.fake import relabel_devices
 from autopar.capture.state import find_state
 from autopar.capture.step import capture_step
 from autopar.cost.model import COLLECTIVE_LATENCY_S, CostModel
+from autopar.dataparallel import relabel_step
 from autopar.ir.collective import COMM, all_reduce, take
 from autopar.ir.graph import op_name
 from autopar.machine.presets import preset
@@ -80,13 +81,10 @@ def test_over_three_gpus_each_bucket_is_one_collective_on_its_lane():
 
 
 def test_collective_graph_computes_eager_values_with_identical_replicas():
+    from test_shard import run_on_the_cpu_like_eager
+
     inputs, step, want, s = w6_on(GPUS, batch=13)
-    got = run_relabelled_on_the_cpu(s, [t.detach() for t in inputs])
-    for g, w in zip(got[:5], want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
-    updated = dict(zip(step.mutated, got[1:5]))
-    for (j, _), replica in zip(s.replica_outputs, got[5:], strict=True):
-        assert torch.equal(replica, updated[j])
+    run_on_the_cpu_like_eager(s, step, inputs, want)
 
 
 def test_collective_is_placed_on_its_lane_planned_and_simulated_as_placed():
@@ -171,22 +169,12 @@ def adamw_step_on_gpus(k: int):
     opt.zero_grad()
     x, t = torch.randn(12, 6), torch.randint(0, 3, (12,))
 
-    def step(x, t):
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), t)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
+    step = module_step(model, opt)
     state = find_state(step, (x, t))
     captured = capture_step(step, (x, t), state=state)
-    args = [x, t] + [v.detach().clone() for v in state.tensors] + list(captured.constants)
+    args = [x, t, *(v.detach().clone() for v in state.tensors), *captured.constants]
     want = SequentialRunner(captured.graph)(args)
-    inputs = captured.graph.inputs
-    counts = [inputs[captured.n_args + j] for j in state.host_step_counts()]
-    made = inputs[len(inputs) - len(captured.constants):] if captured.constants else []
-    counts += [n for n in made if n.meta is not None and not n.meta.shape]
-    relabel_devices(captured.graph, "cpu", "cuda:0", keep=counts)
+    relabel_step(captured, state, "cuda:0")
     g = captured.graph
     s = shard(g, {g.inputs[0]: 0, g.inputs[1]: 0}, [f"cuda:{i}" for i in range(k)],
               updates=captured.updates)

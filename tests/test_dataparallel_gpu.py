@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import autopar
-from _steps import bn_inputs, bn_step, mlp_inputs
+from _steps import bn_inputs, bn_step, mlp_inputs, module_step
 from autopar.bench.workloads import w6_train_step
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -92,36 +92,26 @@ def test_cost_model_choice_runs_and_equals_eager():
     assert_same(mine, ref)
 
 
+def net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
+                               torch.nn.Linear(64, 8)).to("cuda:0")
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd-momentum"])
 def test_module_steps_with_cuda_graphs_over_two_gpus_equal_eager_on_one(optimizer):
     """Each GPU's segments replayed as CUDA graphs (``cuda_graphs=True``): parameters,
     replicas and optimizer state read where they live, .grads, new values and replicas' next
     values written back out of the graphs' memory; ten steps equal eager's on one GPU, and
     the segments are captured."""
-    import torch.nn.functional as F
-
-    def net() -> torch.nn.Module:
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
-                                   torch.nn.Linear(64, 8)).to("cuda:0")
-
     def make_opt(ps):
         return torch.optim.AdamW(ps, lr=1e-2) if optimizer == "adamw" else \
             torch.optim.SGD(ps, lr=1e-2, momentum=0.9)
 
-    def step_of(model, opt):
-        def step(x, y):
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            return loss.detach()
-        return step
-
     model, ref = net(), net()
     opt, ref_opt = make_opt(model.parameters()), make_opt(ref.parameters())
-    step = autopar.data_parallel(step_of(model, opt), devices=GPUS, shards=2, cuda_graphs=True)
-    ref_step = step_of(ref, ref_opt)
+    step = autopar.data_parallel(module_step(model, opt), devices=GPUS, shards=2, cuda_graphs=True)
+    ref_step = module_step(ref, ref_opt)
     g = torch.Generator(device="cuda:0").manual_seed(1)
     for _ in range(10):
         x = torch.randn(64, 32, device="cuda:0", generator=g)
@@ -168,28 +158,11 @@ def test_gradient_sums_as_collectives_over_two_gpus_equal_eager_with_identical_r
 
 @pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 GPUs")
 def test_module_step_over_three_gpus_reduces_by_collectives_and_equals_eager():
-    import torch.nn.functional as F
-
-    def net() -> torch.nn.Module:
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
-                                   torch.nn.Linear(64, 8)).to("cuda:0")
-
     ref, mine = net(), net()
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, mine)]
     x, t = torch.randn(97, 32, device="cuda:0"), torch.randint(0, 8, (97,), device="cuda:0")
-
-    def stepper(model, opt):
-        def step(x, t):
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x), t)
-            loss.backward()
-            opt.step()
-            return loss.detach()
-        return step
-
-    eager, split = stepper(ref, opts[0]), autopar.data_parallel(
-        stepper(mine, opts[1]), devices="cuda:0,cuda:1,cuda:2", shards=3)
+    eager, split = module_step(ref, opts[0]), autopar.data_parallel(
+        module_step(mine, opts[1]), devices="cuda:0,cuda:1,cuda:2", shards=3)
     for _ in range(5):
         torch.testing.assert_close(split(x, t), eager(x, t), rtol=1e-4, atol=1e-4)
     assert_same(list(mine.parameters()), list(ref.parameters()))

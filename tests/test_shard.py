@@ -357,11 +357,11 @@ def test_small_partial_sums_are_reduced_at_once():
 
 
 def run_on_the_cpu_like_eager(s, step, inputs, want) -> None:
-    """Run the two-GPU sharded graph op by op with both GPUs relabelled to the host: eager's
+    """Run the GPUs' sharded graph op by op with every GPU relabelled to the host: eager's
     values, and each replica's next value the same bits as home's (all-reduced)."""
     from autopar.runtime import SequentialRunner
 
-    for dev in ("cuda:0", "cuda:1"):
+    for dev in s.devices:
         relabel_devices(s.graph, dev, "cpu")
     args = [t.detach() for t in inputs]
     got = SequentialRunner(s.graph)(args + [args[j].clone() for j, _ in s.replicas])

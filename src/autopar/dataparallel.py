@@ -404,6 +404,17 @@ class StepPrediction:
         return self.choice.predicted[self.choice.label]
 
 
+def relabel_step(step: StepGraph, state: State, device: str) -> None:
+    """``step``'s graph, traced on CPU tensors, made to live on ``device``, as if its tensors
+    had been there: but for what torch.optim keeps on the host (its step counts) and the
+    0-dim tensors the trace made (``torch.tensor(beta)`` in torch.optim)."""
+    inputs = step.graph.inputs
+    counts = [inputs[step.n_args + j] for j in state.host_step_counts()]
+    made = inputs[len(inputs) - len(step.constants):] if step.constants else ()
+    counts += [n for n in made if n.meta is not None and not n.meta.shape]
+    relabel_devices(step.graph, "cpu", device, keep=counts)
+
+
 def predict_step(fn: Callable, args: Sequence[Any], machine: Any,
                  inputs_on: str | None = "cuda:0", batch_argnums: Sequence[int] | None = None,
                  shards: int | None = None, fuse: bool | str = "auto",
@@ -416,13 +427,8 @@ def predict_step(fn: Callable, args: Sequence[Any], machine: Any,
     if inputs_on is not None and inputs_on.startswith("cuda"):
         state.foreach = True  # torch.optim's default for CUDA tensors
     step = capture_step(fn, args, state=state)
-    if inputs_on is not None:  # torch.optim keeps step counts on the host
-        inputs = step.graph.inputs
-        counts = [inputs[step.n_args + j] for j in state.host_step_counts()]
-        # ...and so are 0-dim tensors the trace made (torch.tensor(beta) in torch.optim)
-        made = inputs[len(inputs) - len(step.constants):] if step.constants else ()
-        counts += [n for n in made if n.meta is not None and not n.meta.shape]
-        relabel_devices(step.graph, "cpu", inputs_on, keep=counts)
+    if inputs_on is not None:
+        relabel_step(step, state, inputs_on)
     cost = CostModel(load_machine(machine))
     devices = [d.name for d in cost.machine.devices]
     fusing = fusion_devices(devices, fuse)
