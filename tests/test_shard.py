@@ -445,3 +445,33 @@ def test_capture_step_drops_what_nothing_reads_but_keeps_random_draws():
     ops = [op_name(n.op) for n in capture_step(step, (torch.randn(4),)).graph.ops]
     assert "aten.mul.Tensor" not in ops and not any("empty" in o for o in ops)
     assert "aten.rand" in ops and "aten.add.Tensor" in ops
+
+
+def test_on_gpus_batch_norms_factors_are_made_on_each_gpu_from_the_sums():
+    """Over two GPUs, each GPU makes the batch's mean and ``invstd`` (and backward's
+    per-channel factors) from the reduced sums and its parameter replicas, as home does,
+    instead of receiving them: nothing but the batch's rows, the loss's parts and the sums'
+    partials crosses; the step equals eager with the replicas' bits home's."""
+    from autopar.runtime import SequentialRunner
+
+    inputs = bn_inputs(batch=9)
+    step = capture_step(bn_step, inputs)
+    want = SequentialRunner(step.graph)([t.detach() for t in inputs])
+    relabel_devices(step.graph, "cpu", "cuda:0")
+    s = shard(step.graph, {step.graph.inputs[3]: 0}, ["cuda:0", "cuda:1"],
+              updates=step.updates)
+    # cuda:1's ops read only what is on cuda:1 (the pass's own moves bring the rest): no
+    # value of home's is read across, which the plan would copy every step
+    far = [(n, v) for n in s.graph.ops if s.pins.get(n) == "cuda:1"
+           and op_name(n.op) != "aten._to_copy"
+           for v in n.inputs if v.device not in (None, "cuda:1")]
+    assert not far
+    for dev in s.devices:
+        relabel_devices(s.graph, dev, "cpu")
+    args = [t.detach() for t in inputs]
+    got = SequentialRunner(s.graph)(args + [args[j].clone() for j, _ in s.replicas])
+    for g, w in zip(got[:len(want)], want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    updated = dict(zip(step.mutated, got[1:len(want)]))
+    for (j, _), replica in zip(s.replica_outputs, got[len(want):], strict=True):
+        assert torch.equal(replica, updated[j])

@@ -208,6 +208,7 @@ class _Builder:
         self._chunks: dict[Node, tuple[Node, ...]] = {}  # cat of reduced chunks -> the chunks
         self.reduce_chunks: int | None = None  # at most this many chunks (None: the default)
         self.batch_inputs: dict[Node, Node] = {}  # split graph input -> the whole input
+        self.source_inputs: dict[Node, Node] = {}  # this graph's input -> the source's
         self._can_local: dict[Node, bool] = {}
         self.users = src.users()
 
@@ -402,6 +403,8 @@ class _Builder:
             return node
         if src.is_input:
             return self._replica(src, self.devices[shard])
+        if src.op is operator.getitem and isinstance(self.layout.get(src.args[0]), Items):
+            return self.local_value(node, shard)  # a rule's item (batch norm's mean, invstd)
         if not self._localizable(src):
             return node
         # the home copy runs on home's device too: the same kernels on the same kind of device
@@ -459,6 +462,9 @@ class _Builder:
             return self.local(node, shard)
         if shard == 0 or torch_device(self.devices[shard]) == self.home:
             return node
+        source = self.source_inputs.get(node)
+        if source is not None and isinstance(self.layout.get(source), Whole):
+            return self.local(source, shard)  # a graph input read whole: its replica
         key = (node, shard)
         got = self._local_new.get(key)
         if got is None:
@@ -1400,6 +1406,7 @@ def shard(graph: Graph, batch: dict[Node, int], devices: Sequence[str],
     b.reduce_chunks = reduce_chunks
     b.bucket_bytes = bucket_bytes
     inputs = {x: b.out.input(x.meta, x.name) for x in graph.inputs}
+    b.source_inputs = {new: x for x, new in inputs.items()}
     for x in graph.inputs:
         b.layout[x] = Whole(inputs[x])
     for x, dim in batch.items():
