@@ -403,7 +403,8 @@ class _Builder:
             return node
         if src.is_input:
             return self._replica(src, self.devices[shard])
-        if src.op is operator.getitem and isinstance(self.layout.get(src.args[0]), Items):
+        if isinstance(node, Node) and src.op is operator.getitem \
+                and isinstance(self.layout.get(src.args[0]), Items):
             return self.local_value(node, shard)  # a rule's item (batch norm's mean, invstd)
         if not self._localizable(src):
             return node

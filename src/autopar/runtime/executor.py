@@ -277,7 +277,7 @@ class _Call:
         for t in items:
             d = str(t.device)
             if _is_gpu(d) and d not in marks:
-                ev = torch.cuda.Event()
+                ev = self.events.item(event, d)
                 ev.record(_Streams.of(d).comm)
                 marks[d] = (ev, t)
         if marks:
@@ -414,6 +414,7 @@ class _EventPool:
         self._done: list[Any] = [None] * n_events
         self._barriers: dict[str, Any] = {}
         self.sums: dict[int, tuple[Any, ...]] = {}  # collective's node id -> its buffers
+        self._items: dict[tuple[int, str], Any] = {}  # (plan event, GPU) -> its CUDA event
         self.lock = threading.Lock()  # held by the call using this pool
 
     def done(self, event: int) -> Any:
@@ -421,6 +422,13 @@ class _EventPool:
         ev = self._done[event]
         if ev is None:
             ev = self._done[event] = torch.cuda.Event()
+        return ev
+
+    def item(self, event: int, device: str) -> Any:
+        """The event that marks plan event ``event`` (a collective's value) on ``device``."""
+        ev = self._items.get((event, device))
+        if ev is None:
+            ev = self._items[(event, device)] = torch.cuda.Event()
         return ev
 
     def barrier(self, device: str, stream: Any) -> Any:
