@@ -451,7 +451,8 @@ def test_on_gpus_batch_norms_factors_are_made_on_each_gpu_from_the_sums():
     """Over two GPUs, each GPU makes the batch's mean and ``invstd`` (and backward's
     per-channel factors) from the reduced sums and its parameter replicas, as home does,
     instead of receiving them: nothing but the batch's rows, the loss's parts and the sums'
-    partials crosses; the step equals eager with the replicas' bits home's."""
+    partials crosses, each direction's pair of sums as one value; the step equals eager with
+    the replicas' bits home's."""
     from autopar.runtime import SequentialRunner
 
     inputs = bn_inputs(batch=9)
@@ -466,6 +467,13 @@ def test_on_gpus_batch_norms_factors_are_made_on_each_gpu_from_the_sums():
            and op_name(n.op) != "aten._to_copy"
            for v in n.inputs if v.device not in (None, "cuda:1")]
     assert not far
+    # each direction's two per-channel sums (mean and mean square; Σdy·x̂ and Σdy) cross as
+    # one value: home's partial pair, concatenated
+    moved = [n.args[0].name for n in ops_named(s.graph, "aten._to_copy")
+             if n.kwargs.get("device") == torch.device("cuda:1")
+             and op_name(n.args[0].op) == "aten.cat" and n.args[0].meta.shape == (8,)]
+    assert sorted(moved) == ["_native_batch_norm_legit_moments_0_s0",
+                             "native_batch_norm_backward_dsums_0_s0"]
     for dev in s.devices:
         relabel_devices(s.graph, dev, "cpu")
     args = [t.detach() for t in inputs]

@@ -551,7 +551,8 @@ def _is_foreach(op: Any) -> bool:
 
 
 _REMADE = frozenset({aten.div.Tensor, aten.add.Tensor, aten.mul.Tensor, aten.sub.Tensor,
-                     aten.neg.default, aten.rsqrt.default, aten._to_copy.default})
+                     aten.neg.default, aten.rsqrt.default, aten._to_copy.default,
+                     aten.slice.Tensor})
 """Ops :meth:`_Builder.local_value` makes again on a shard from values it has (a rule's
 arithmetic on reduced sums): the same op on the same values gives the same bits there."""
 
@@ -1169,10 +1170,9 @@ def _batch_norm(b: _Builder, node: Node) -> Layout | None:
         sq = b.call(aten.addcmul.default, (v64, m64, m64), shard=i, like=node, part="_ex2")
         squares.append(b.call(aten.mul.Tensor, (sq, n_i), shard=i, like=node, part="_sq"))
     home = 0
-    mean64 = b.call(aten.div.Tensor, (b.reduce(sums, pin=True), count), shard=home,
-                    like=node, part="_mean64")
-    ex2 = b.call(aten.div.Tensor, (b.reduce(squares, pin=True), count), shard=home,
-                 like=node, part="_ex2all")
+    total_sum, total_sq = _reduced_together(b, node, sums, squares, "_moments")
+    mean64 = b.call(aten.div.Tensor, (total_sum, count), shard=home, like=node, part="_mean64")
+    ex2 = b.call(aten.div.Tensor, (total_sq, count), shard=home, like=node, part="_ex2all")
     var64 = b.call(aten.sub.Tensor, (ex2, b.call(aten.mul.Tensor, (mean64, mean64),
                                                  shard=home, like=node, part="_m2")),
                    shard=home, like=node, part="_var64")
@@ -1205,6 +1205,21 @@ def _batch_norm(b: _Builder, node: Node) -> Layout | None:
     if functional and len(running) != 2:
         return None
     return Items((Split(0, tuple(outs)), Whole(mean), Whole(invstd), *running))
+
+
+def _reduced_together(b: _Builder, node: Node, firsts: Sequence[Node], seconds: Sequence[Node],
+                      part: str) -> tuple[Node, Node]:
+    """The sums of two per-channel partials of each shard (one vector each, one dtype), reduced
+    as one: each shard's pair concatenated, one reduction (one collective, or one copy and add
+    a GPU), the two sums sliced out on home (made again where a shard reads them). Batch
+    norm reduces two such sums a layer in each direction."""
+    n = firsts[0].meta.shape[0]
+    both = [b.call(aten.cat.default, ([f, s], 0), shard=i, like=node, part=f"{part}_{i}")
+            for i, (f, s) in enumerate(zip(firsts, seconds, strict=True))]
+    total = b.reduce(both, pin=True)
+    return (b.call(aten.slice.Tensor, (total, 0, 0, n), shard=0, like=node, part=f"{part}_a"),
+            b.call(aten.slice.Tensor, (total, 0, n, 2 * n), shard=0, like=node,
+                   part=f"{part}_b"))
 
 
 def _bn_args(node: Node) -> tuple:
@@ -1246,7 +1261,7 @@ def _batch_norm_backward(b: _Builder, node: Node) -> Layout | None:
                     [False, True, True]), shard=i, like=node, part="_sums")
         sum_gx.append(b.item(r, 1, i))
         sum_g.append(b.item(r, 2, i))
-    total_gx, total_g = b.reduce(sum_gx, pin=True), b.reduce(sum_g, pin=True)
+    total_gx, total_g = _reduced_together(b, node, sum_gx, sum_g, "_dsums")
     items: list[Split | Whole] = [Whole(None), Whole(total_gx if mask[1] else None),
                                   Whole(total_g if mask[2] else None)]
     if not mask[0]:
