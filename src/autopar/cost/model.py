@@ -57,6 +57,7 @@ import torch
 
 from autopar.ir.collective import COMM, is_collective, take
 from autopar.ir.graph import Node, TensorMeta, op_name
+from autopar.ir.routing import home_device, pool
 from autopar.machine.model import (
     Device,
     DeviceProfile,
@@ -369,9 +370,9 @@ class CostModel:
         it)."""
         metas = [p.meta for p in node.args]
         k, n = len(metas), metas[0].nbytes
-        devices = [_machine_name(m.device) for m in metas]
+        devices = [home_device(m.device) for m in metas]
         prof = self.machine.profile
-        if len({"cpu" if d.startswith("cpu") else d for d in devices}) < k:
+        if len({pool(d) for d in devices}) < k:
             dp = prof.device(devices[0])
             threads = self.machine.cpu_threads
             adds = (k - 1) * (dp.read_time(2 * n, threads) + dp.write_time(n, threads))
@@ -488,11 +489,6 @@ class CostModel:
             if allowed and "tf32" in self.machine.profile.device(dev.name).flops:
                 return "tf32"
         return dtype
-
-
-def _machine_name(torch_device: str) -> str:
-    """A machine's device name for a torch device string (``cpu`` -> ``cpu:0``)."""
-    return "cpu:0" if torch_device.startswith("cpu") else _cuda_name(torch_device)
 
 
 def _cuda_name(torch_device: str) -> str:

@@ -353,6 +353,13 @@ def handoff_time(cost: Any) -> float:
     return float(getattr(cost, "event_wait_s", 0.0))
 
 
+def hands_off(src: str, dst: str) -> bool:
+    """Does a reader on ``dst`` of a value ``src`` marked ready wait a thread hand-off
+    (:func:`handoff_time`)? Not where the collectives' lane is either end: the thread that
+    launches the GPUs' work runs it, and a stream waits, no thread wakes."""
+    return src != COMM and dst != COMM
+
+
 def delivery_needed(value: Node, src: str, home: str) -> bool:
     """A graph output produced on ``src`` must be copied to its eager device ``home``."""
     return bool(value.tensor_metas) and pool(src) != pool(home)

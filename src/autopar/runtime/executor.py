@@ -242,30 +242,26 @@ class _Call:
         call (the event pool's, by node id), which graphs then read in place. Parts sharing a
         device (CPU workers) are summed once, here."""
         devices = [str(p.device) for p in parts]
+        kept = self.events.sums.get(node) if self.keep_sums else None
+        if kept is not None and any(k.shape != p.shape or k.dtype != p.dtype
+                                    or k.device != p.device for k, p in zip(kept, parts)):
+            kept = None  # (another layout than the last call's: new buffers)
         if not all(map(_is_gpu, devices)) or len(set(devices)) != len(devices):
             got = all_reduce(*parts)
-            kept = self.events.sums.get(node) if self.keep_sums else None
-            if kept is not None and all(k.shape == g.shape and k.dtype == g.dtype
-                                        and k.device == g.device for k, g in zip(kept, got)):
+            if kept is not None:
                 for k, g in zip(kept, got):
                     if k is not g:
                         k.copy_(g)
-                return kept
-            if self.keep_sums:
-                self.events.sums[node] = got
-            return got
-        streams = [_Streams.of(d).comm for d in devices]
-        for d, side in zip(devices, streams):
-            side.wait_stream(self.compute[d])
-        outs = self.events.sums.get(node) if self.keep_sums else None
-        if outs is not None and any(o.shape != p.shape or o.dtype != p.dtype
-                                    for o, p in zip(outs, parts)):
-            outs = None
-        if self.profiled:
-            with _range(f"autopar:all_reduce {len(parts)} x {tuple(parts[0].shape)}"):
-                got = _all_reduce_on(parts, devices, streams, outs)
+                got = kept
         else:
-            got = _all_reduce_on(parts, devices, streams, outs)
+            streams = [_Streams.of(d).comm for d in devices]
+            for d, side in zip(devices, streams):
+                side.wait_stream(self.compute[d])
+            if self.profiled:
+                with _range(f"autopar:all_reduce {len(parts)} x {tuple(parts[0].shape)}"):
+                    got = _all_reduce_on(parts, devices, streams, kept)
+            else:
+                got = _all_reduce_on(parts, devices, streams, kept)
         if self.keep_sums:
             self.events.sums[node] = got
         return got

@@ -118,6 +118,7 @@ from ..ir.routing import (
     free_move_on,
     gc_paused,
     handoff_time,
+    hands_off,
     is_free_move,
     is_pure_move,
     is_tiny,
@@ -571,9 +572,8 @@ class _Schedule:
             if src == device:
                 t = ready[v]
             elif route(v, src, device, ix) == "event":
-                # another worker's thread must wake this one (a collective's lane is run by
-                # the thread that launches the GPUs' work: a stream waits, no thread wakes)
-                t = ready[v] + (0.0 if COMM in (src, device) else self.handoff)
+                # another worker's thread must wake this one
+                t = ready[v] + (self.handoff if hands_off(src, device) else 0.0)
             else:
                 t = self.arrival.get((v, where))  # type: ignore[assignment]
                 if t is None:
@@ -805,9 +805,7 @@ def _hurry(part: Node, rank: dict[Node, float], sched: _Schedule) -> None:
             if not i.is_input and i not in feeds:
                 heapq.heappush(todo, (-i.id, i))
     for x in sorted(feeds, key=lambda x: x.id):
-        tops = [rank[i] for i in sched.ins[x] if not i.is_input and i not in feeds]
-        tops += [rank[i] for i in sched.ins[x] if i in feeds]
-        top = min(tops, default=math.inf)
+        top = min((rank[i] for i in sched.ins[x] if not i.is_input), default=math.inf)
         if top != math.inf:
             rank[x] = max(rank[x], top * (1 - 1e-9))
 

@@ -42,6 +42,7 @@ from ..ir.routing import (
     copy_time,
     gc_paused,
     handoff_time,
+    hands_off,
     home_device,
     is_pure_move,
     op_time,
@@ -93,7 +94,10 @@ class _Sim:
             for s in steps:
                 if isinstance(s, Wait):
                     readers.setdefault(s.event, set()).add(d)
-        self.no_handoff = {e for e, ds in readers.items() if ds == {COMM}}
+        # events no reader waits a thread hand-off for (as placement times them)
+        self.no_handoff = {s.event for d, steps in self.programs.items() for s in steps
+                           if isinstance(s, Record) and readers.get(s.event)
+                           and not any(hands_off(d, r) for r in readers[s.event])}
 
     def run(self) -> Timeline:
         while self.heap:
@@ -128,8 +132,7 @@ class _Sim:
                 self.issued[step.event] = (step, ready)
                 self._serve(step.lane)
             elif isinstance(step, Record):
-                handoff = 0.0 if device == COMM or step.event in self.no_handoff \
-                    else self.handoff
+                handoff = 0.0 if step.event in self.no_handoff else self.handoff
                 self._fire(step.event, self._value_ready(step.value, device, step) + handoff)
             elif not isinstance(step, Free):
                 raise TypeError(f"unknown plan step {step!r} in the program of {device}")
