@@ -507,6 +507,8 @@ class _Builder:
                 got = False
             elif self._read_as_is(node):
                 got = True
+            elif src.op is operator.getitem and isinstance(self.layout.get(src.args[0]), Items):
+                got = True  # a rule's item (batch norm's reduced sums): see _make_local
             elif _is_foreach(src.op) and not src.writes:
                 # an optimizer's update runs on every shard: an input no shard can make
                 # (GPT-2's position-embedding gradient, from embedding_dense_backward) is
