@@ -211,6 +211,62 @@ def test_a_view_read_after_its_segment_is_made_again_after_each_replay(cost, sta
         torch.testing.assert_close(got, SequentialRunner(g)([x]), rtol=0, atol=0)
 
 
+def test_a_view_of_a_static_buffer_is_made_once_and_equals_eager_every_call(cost, stand_in):
+    """As above with ``v`` read only inside the call: its root ``a`` stays in its static
+    buffer (no clone), so ``v`` is the same view every call (made at the first, an identity
+    check after), and every call's output is eager's."""
+    from autopar.ir.routing import GraphIndex
+    from autopar.passes.cudagraphs import MADE_ONCE_S, GraphedCost, graphed_segments_each
+    from autopar.schedule.segments import chosen_segments, views_made_once
+
+    g = view_after_a_wait()
+    g.set_outputs(g.outputs[:1])
+    plan = make_plan(by_hand(g, {"h": "cpu:1"}), cost)
+    steps = plan.programs["cpu:0"]
+    nodes = {n.name: n for n in g.nodes}
+    chosen = chosen_segments(steps, GraphIndex.of(g), set(g.output_nodes), lambda v: True,
+                             lambda *_: True, lambda seg: 1)
+    assert chosen[0].again == (nodes["v"],) and not chosen[0].escapes
+    assert views_made_once(steps, chosen) == {nodes["v"]}
+    graphed = graphed_segments_each(plan, ["cpu:0"], [capture_rule(True)])[0]
+    assert graphed.once["cpu:0"] == {nodes["v"]}  # the prediction: one identity check
+    assert GraphedCost(cost, *graphed).host_s(nodes["v"], "cpu:0") == MADE_ONCE_S
+    stand_in(StandInGraphs())
+    ex = Executor(plan, cuda_graphs=capture_rule(True))
+    assert any("(made once)" in p.source for p in ex.programs.values())
+    for k in range(4):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(k))
+        torch.testing.assert_close(ex([x]), SequentialRunner(g)([x]), rtol=0, atol=0)
+    assert all(s.status == "captured" for s in ex.segments)
+
+
+def test_a_view_made_once_is_made_again_when_its_base_is_another_tensor():
+    """The generated line keeps the view with the tensor it was made of: the same base gives
+    the same view object, another base (a segment back on streams hands out new tensors) a
+    new view of it."""
+    from autopar.runtime.codegen import SlotTable, build_program
+
+    g = Graph("once")
+    a = g.input(TensorMeta.make((2, 3)), "a")
+    v = g.call(aten.t.default, (a,), name="v")
+    g.set_outputs([v])
+    slots = SlotTable()
+    program = build_program("cpu:0", [Run(v)], slots, lambda n, d: d, set(),
+                             once=frozenset({(v, "cpu:0")}))
+    env = [None] * len(slots)
+    base = torch.arange(6.0).view(2, 3)
+    env[slots(a, "cpu:0")] = base
+    program.fn(env, None)
+    first = env[slots(v, "cpu:0")]
+    program.fn(env, None)
+    assert env[slots(v, "cpu:0")] is first and torch.equal(first, base.t())
+    other = torch.ones(2, 3)
+    env[slots(a, "cpu:0")] = other
+    program.fn(env, None)
+    got = env[slots(v, "cpu:0")]
+    assert got is not first and got._base is other and torch.equal(got, other.t())
+
+
 def test_a_failed_capture_stays_on_streams(cost, stand_in, caplog):
     backend = stand_in(StandInGraphs(fail="operation not permitted when stream is capturing"))
     g = split_chain()

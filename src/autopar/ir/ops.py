@@ -15,7 +15,7 @@ from .graph import LOCAL_SCALAR_DENSE
 PLAIN_VALUES = (int, float, bool, str, type(None))
 """Python values that stand for themselves: passed to an op, keyed or checked by value."""
 
-__all__ = ["SCALAR_FUNCTIONS", "SCALAR_OPS", "SIZE_OPS", "known_number"]
+__all__ = ["SCALAR_FUNCTIONS", "SCALAR_OPS", "SIZE_OPS", "always_a_view", "known_number"]
 
 _aten = torch.ops.aten
 SCALAR_OPS = frozenset({LOCAL_SCALAR_DENSE, _aten._assert_scalar.default,
@@ -32,6 +32,24 @@ SCALAR_FUNCTIONS = frozenset({
     operator.or_, operator.not_, math.floor, math.ceil, math.trunc, torch.sym_max,
     torch.sym_min, torch.sym_float, torch.sym_int, torch.sym_not, torch.sym_ite})
 """Python arithmetic dynamo records on numbers read from tensors."""
+
+
+_ALWAYS_A_VIEW: dict[Any, bool] = {}
+
+
+def always_a_view(op: Any) -> bool:
+    """Does ``op`` return one tensor that is always a view of its first argument (never a
+    copy)? An ATen view op with a kernel of its own: ``reshape``, ``contiguous`` and
+    ``flatten`` (composite: they copy where strides don't allow a view) are not, nor ``split``
+    (a list)."""
+    got = _ALWAYS_A_VIEW.get(op)
+    if got is None:
+        got = _ALWAYS_A_VIEW[op] = (
+            isinstance(op, torch._ops.OpOverload) and op.is_view
+            and not op.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd)
+            and len(op._schema.returns) == 1
+            and isinstance(op._schema.returns[0].type, torch.TensorType))
+    return got
 
 
 def known_number(value: Any) -> int | float | bool | None:

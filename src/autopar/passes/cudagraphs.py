@@ -8,29 +8,43 @@ Policy
   captures every capturable segment; ``False`` none.
 - Prediction (:class:`GraphedCost`): the ops of a captured segment cost the GPU their device
   time and the issuing thread nothing, but the segment's first op carries the replay
-  (``REPLAY_S``) and a launch per input copied and output cloned.
+  (``REPLAY_S``) and a launch per input copied and output cloned; a view made again after a
+  replay costs what it costs on streams, and a view made once (outside segments too)
+  ``MADE_ONCE_S``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..ir.graph import Node
 from ..ir.routing import is_free_move
 from ..schedule.place import index_of
-from ..schedule.segments import chosen_segments_each, launches, step_ops, tuples_unpacked_at_once
+from ..schedule.segments import (
+    chosen_segments_each,
+    launches,
+    step_ops,
+    tuples_unpacked_at_once,
+    views_made_once,
+)
 from ..schedule.simulate import host_time
 from ..schedule.steps import Plan
 from .fusion import reads_locally
 
-__all__ = ["REPLAY_S", "GraphedCost", "capture_rule", "graphed_segments", "graphed_segments_each",
-           "pays"]
+__all__ = ["MADE_ONCE_S", "REPLAY_S", "Graphed", "GraphedCost", "capture_rule", "graphed_segments",
+           "graphed_segments_each", "pays"]
 
 REPLAY_S = 5e-6
 """Host seconds of one graph replay (``cudaGraphLaunch`` and the replay's Python): about one
 kernel launch's (7.4 us on the H200 preset), less than a launch per op it replaces."""
+
+
+MADE_ONCE_S = 0.1e-6
+"""Host seconds of a view made once (:func:`~autopar.schedule.segments.views_made_once`),
+at each call after the first: an identity check in the generated program (0.05 us on the
+2-core VM; a view op is 0.4-2 us there, 2.4 us on the H200 preset)."""
 
 
 def pays(mode: bool | str, n_launches: int, n_copies: int, n_clones: int) -> bool:
@@ -48,6 +62,16 @@ def capture_rule(mode: bool | str) -> Callable[[int, int, int], bool] | None:
     return None if mode is False else partial(pays, mode)
 
 
+class Graphed(NamedTuple):
+    """What the executor replays under one rule, per device: each segment's ops, input copies
+    and output clones; the views made again after a replay (``Segment.again``); the views
+    made once (:func:`~autopar.schedule.segments.views_made_once`)."""
+
+    segments: dict[str, list[tuple[list[Node], int, int]]]
+    again: dict[str, frozenset[Node]]
+    once: dict[str, frozenset[Node]]
+
+
 def graphed_segments(plan: Plan, devices: Sequence[str], rule: Callable[[int, int, int], bool],
                      fused: dict[str, list[list[Node]]] | None = None,
                      in_place: frozenset[Node] = frozenset(),
@@ -56,23 +80,22 @@ def graphed_segments(plan: Plan, devices: Sequence[str], rule: Callable[[int, in
     """The segments of the programs of ``devices`` the executor would capture under ``rule``
     (the same :func:`chosen_segments`, on the plan's steps; a region of ``fused`` counts one
     launch): per device, each segment's ops, input copies and output clones."""
-    return graphed_segments_each(plan, devices, [rule], fused, in_place, transient)[0]
+    return graphed_segments_each(plan, devices, [rule], fused, in_place, transient)[0].segments
 
 
 def graphed_segments_each(plan: Plan, devices: Sequence[str],
                           rules: Sequence[Callable[[int, int, int], bool]],
                           fused: dict[str, list[list[Node]]] | None = None,
                           in_place: frozenset[Node] = frozenset(),
-                          transient: frozenset[Node] = frozenset()
-                          ) -> list[dict[str, list[tuple[list[Node], int, int]]]]:
-    """:func:`graphed_segments` under each of ``rules``, each program's segments found
-    once."""
+                          transient: frozenset[Node] = frozenset()) -> list[Graphed]:
+    """What the executor replays under each of ``rules`` (see :class:`Graphed`), each
+    program's segments found once."""
     graph = plan.graph
     device_of = plan.placement.device
     ix = index_of(plan.placement, graph)
     outputs = set(graph.output_nodes)
     moved = {n for n in graph.ops if is_free_move(n, device_of, ix.passthrough)}
-    found: list[dict[str, list[tuple[list[Node], int, int]]]] = [{} for _ in rules]
+    found = [Graphed({}, {}, {}) for _ in rules]
     for device in devices:
         steps = plan.programs.get(device)
         if not steps:
@@ -84,8 +107,10 @@ def graphed_segments_each(plan: Plan, devices: Sequence[str],
             lambda seg, region=region: launches(seg, moved, region), label=device,
             transient=transient.__contains__, in_place=in_place.__contains__)
         for got, chosen in zip(found, each, strict=True):
-            got[device] = [([n for step in steps[c.start:c.end] for n in step_ops(step)],
-                            c.copies, len(c.escapes)) for c in chosen]
+            got.segments[device] = [([n for step in steps[c.start:c.end] for n in step_ops(step)],
+                                     c.copies, len(c.escapes)) for c in chosen]
+            got.again[device] = frozenset(v for c in chosen for v in c.again)
+            got.once[device] = views_made_once(steps, chosen)
     return found
 
 
@@ -96,7 +121,9 @@ class GraphedCost:
     and a launch per input copied and output cloned."""
 
     def __init__(self, cost: Any,
-                 segments: dict[str, list[tuple[list[Node], int, int]]]) -> None:
+                 segments: dict[str, list[tuple[list[Node], int, int]]],
+                 again: Mapping[str, frozenset[Node]] | None = None,
+                 once: Mapping[str, frozenset[Node]] | None = None) -> None:
         self.cost = cost
         self._host: dict[tuple[Node, str], float] = {}
         prof = cost.machine.profile
@@ -106,6 +133,10 @@ class GraphedCost:
                 for n in nodes:
                     self._host[(n, device)] = 0.0
                 self._host[(nodes[0], device)] = REPLAY_S + (copies + clones) * launch
+            for v in (again or {}).get(device, ()):  # run again after the replay
+                self._host[(v, device)] = host_time(cost, v, device)
+            for v in (once or {}).get(device, ()):
+                self._host[(v, device)] = MADE_ONCE_S
 
     def _device_s(self, node: Node, device: str) -> float:
         device_s = getattr(self.cost, "device_s", None)

@@ -153,10 +153,10 @@ def with_graphs(placed: Any, cost: Any, fusing: Sequence[str], step: StepGraph |
     each = graphed_segments_each(plan, on, [capture_rule(m) for m in modes], fused,
                                  frozenset(inputs[i] for i in in_place),
                                  frozenset(plan.outputs[i][0] for i in back))
-    for mode, segs in zip(modes, each, strict=True):
-        if not any(segs.values()):
+    for mode, graphed in zip(modes, each, strict=True):
+        if not any(graphed.segments.values()):
             continue
-        g_timeline, g_predicted, g_issue = run(GraphedCost(priced, segs), back)
+        g_timeline, g_predicted, g_issue = run(GraphedCost(priced, *graphed), back)
         if forced or g_predicted < best[1]:
             best = (g_timeline, g_predicted, g_issue, mode)
     return plan, *best

@@ -178,7 +178,8 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
                   entry: tuple[list[int], list[tuple[str, Any]]] | None = None,
                   step_devices: list[str] | None = None,
                   failed: Callable[[list, BaseException], Any] | None = None,
-                  profiled: Callable[[list], Any] | None = None) -> Program:
+                  profiled: Callable[[list], Any] | None = None,
+                  once: frozenset[tuple[Node, str]] = frozenset()) -> Program:
     """Compile ``steps`` of ``device`` into a Python function ``program(env, rt)``.
 
     ``source_of(value, device)``: the device whose slot a reader on ``device`` takes ``value``
@@ -197,6 +198,11 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
     (raised again, annotated, or another way's result), inside the program, so that a caller
     can call ``program(args)`` itself; and ``profiled(args)``: the call under
     ``torch.profiler`` (its ranges around ``program(args, True)``).
+    ``once``: (view, device) pairs whose view is the same tensor every call
+    (:func:`~autopar.schedule.segments.views_made_once`): made at the first call and kept in a
+    cell of the program with the base it was made of; a later call whose base is that very
+    tensor takes the kept view (one tuple per cell, replaced whole: calls from several threads
+    never pair a view with another base).
     """
     em = _Emitter(device, slots, source_of)
     chains = _slice_chains(steps, entry, slots, source_of, device) if entry is not None else {}
@@ -244,7 +250,13 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
             args = ", ".join([em.expr(a) for a in node.args]
                              + [f"{k}={em.expr(v)}" for k, v in kwargs.items()])
             note = f"  # {op_name(node.op)}" + (f" {node.source}" if node.source else "")
-            em.timed(f"{out} = {op}({args}){note}", step, traced and (
+            call = f"{op}({args})"
+            if (node, device) in once and not traced:
+                cell, base = em.const([None]), em.expr(node.args[0])
+                call = (f"_m[1] if (_m := {cell}[0]) is not None and _m[0] is {base} "
+                        f"else {em.const(_kept)}({cell}, {base}, {call})")
+                note += " (made once)"
+            em.timed(f"{out} = {call}{note}", step, traced and (
                 device, lane, op_name(node.op), node.id))
         elif isinstance(step, Fused):
             ins = ", ".join(em.expr(v) for v in step.inputs)
@@ -303,6 +315,12 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
     exec(compile(source, filename, "exec"), namespace)
     return Program(program_device, namespace["program"], source, filename, em.steps_by_line,
                    inline)
+
+
+def _kept(cell: list, base: Any, view: Any) -> Any:
+    """A view made once: kept in ``cell`` with its base (see ``build_program``'s ``once``)."""
+    cell[0] = (base, view)
+    return view
 
 
 _SLICE = torch.ops.aten.slice.Tensor

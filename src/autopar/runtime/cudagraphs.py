@@ -39,7 +39,13 @@ from ..ir.compare import outputs_differ
 from ..ir.graph import Node
 from ..ir.logs import first_line
 from ..ir.routing import GraphIndex
-from ..schedule.segments import chosen_segments, launches, step_ops, tuples_unpacked_at_once
+from ..schedule.segments import (
+    chosen_segments,
+    launches,
+    step_ops,
+    tuples_unpacked_at_once,
+    views_made_once,
+)
 from ..schedule.steps import Free, Run
 from .codegen import Call, Program, SlotTable, build_program
 
@@ -343,12 +349,14 @@ def capture_segments(device: str, steps: list[Any], slots: SlotTable,
                      graph_outputs: set[Node], local: Callable[[Node], bool],
                      pays: Callable[[int, int, int], bool], backend: Any,
                      label: str = "", in_place: Callable[[Node], bool] = lambda v: False,
-                     transient: Callable[[Node], bool] = lambda v: False) -> list[Any]:
+                     transient: Callable[[Node], bool] = lambda v: False
+                     ) -> tuple[list[Any], frozenset[Node]]:
     """``steps`` with every segment :func:`~autopar.passes.cudagraphs.chosen_segments` picks
     replaced by one :class:`Call` step; ``statics`` are shared by the program's segments (a
     static output one graph hands the next is not copied). ``in_place``: inputs the graphs
     read where they live (see :class:`GraphSegment`); ``transient``: graph outputs the caller
-    consumes before the next call (not cloned)."""
+    consumes before the next call (not cloned). Also the views of the steps left on streams
+    that are made once (:func:`~autopar.schedule.segments.views_made_once`)."""
     out: list[Any] = []
     statics: dict[int, Any] = {}
     done = 0
@@ -375,4 +383,4 @@ def capture_segments(device: str, steps: list[Any], slots: SlotTable,
         out.append(Call(segment, name, [n for s in seg for n in step_ops(s)][-1]))
         out += [Run(v) for v in seg_of.again] + later
         done = end
-    return out + steps[done:]
+    return out + steps[done:], views_made_once(steps, chosen)

@@ -606,6 +606,7 @@ class Executor:
         self.fused: list[Fused] = []
         self.segments: list[GraphSegment] = []
         final: dict[str, list[Any]] = {}
+        once: set[tuple[Node, str]] = set()  # views made at the first call (segments')
         for device, steps in plan.programs.items():
             if not steps:
                 continue
@@ -615,12 +616,12 @@ class Executor:
                                      label=f"{graph.name}/")
                 self.fused += [s for s in steps if isinstance(s, Fused)]
             if device in capturing:
-                steps = capture_segments(device, steps, self.slots, source_of, moved, ix,
-                                         outputs, local, cuda_graphs, _GRAPH_BACKEND,
-                                         label=f"{graph.name}/",
-                                         in_place=read_in_place.__contains__,
-                                         transient=consumed.__contains__)
+                steps, made_once = capture_segments(
+                    device, steps, self.slots, source_of, moved, ix, outputs, local, cuda_graphs,
+                    _GRAPH_BACKEND, label=f"{graph.name}/", in_place=read_in_place.__contains__,
+                    transient=consumed.__contains__)
                 self.segments += [s.fn for s in steps if isinstance(s, Call)]
+                once |= {(n, device) for n in made_once}
             final[device] = steps
         # the host's program and every GPU's share the calling thread
         host = min((d for d in final if _is_cpu(d)), default=None)
@@ -635,11 +636,11 @@ class Executor:
             if merged is not None and device in lanes:
                 continue
             self.programs[device] = build_program(device, steps, self.slots, source_of, moved,
-                                                  traced=trace)
+                                                  traced=trace, once=frozenset(once))
         if merged is not None:
             self.programs[gpus[0]] = build_program(
                 gpus[0], [s for _, s in merged], self.slots, source_of, moved, traced=trace,
-                step_devices=[d for d, _ in merged])
+                step_devices=[d for d, _ in merged], once=frozenset(once))
         self.output_slots = [
             ("slot", self.slots(o, dev)) if isinstance(o, Node) else ("const", o)
             for o, dev in plan.outputs
