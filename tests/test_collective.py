@@ -9,7 +9,9 @@ logical CPU workers with collectives forced; its NCCL path: tests/test_dataparal
 
 from __future__ import annotations
 
+import dataclasses
 import operator
+from typing import Any
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ from autopar.capture.state import find_state
 from autopar.capture.step import capture_step
 from autopar.cost.model import COLLECTIVE_LATENCY_S, CostModel
 from autopar.dataparallel import relabel_step
-from autopar.ir.collective import COMM, all_reduce, take
+from autopar.ir.collective import COMM, all_reduce, inline, take
 from autopar.ir.graph import op_name
 from autopar.machine.presets import preset
 from autopar.passes.shard import shard
@@ -126,6 +128,8 @@ def test_an_all_reduce_is_priced_as_a_ring_over_the_gpus():
     g = Graph("ring")
     parts = [g.input(TensorMeta.make((8 << 20,), torch.float32, f"cuda:{i}"), f"p{i}")
              for i in range(8)]
+    small = [g.input(TensorMeta.make((4096,), torch.float64, f"cuda:{i}"), f"s{i}")
+             for i in range(8)]
     node = g.call(all_reduce, tuple(parts), meta=tuple(p.meta for p in parts), flops=0)
     got = cost.op_cost(node, COMM)
     bandwidth = min(machine.profile.link(f"cuda:{i}", f"cuda:{(i + 1) % 8}").bandwidth
@@ -137,6 +141,39 @@ def test_an_all_reduce_is_priced_as_a_ring_over_the_gpus():
     assert cost.can_run(node, COMM) and not cost.can_run(node, "cuda:0")
     item = g.call(take, (node, 3), meta=node.meta[3], flops=0)
     assert cost.node_time(item, "cuda:3") == 0.0 and not cost.can_run(item, COMM)
+    # a small one (batch norm's sums of 2 x 2048 channels in float64: 32 KB) runs on the
+    # compute streams: per GPU its launch alone, no event on either side
+    assert inline(small[0].meta.nbytes) and not inline(parts[0].meta.nbytes)
+    node = g.call(all_reduce, tuple(small), meta=tuple(p.meta for p in small), flops=0)
+    got = cost.op_cost(node, COMM)
+    assert got.host_s == pytest.approx(8 * machine.profile.device("cuda:0").launch("copy"))
+    assert got.device_s == pytest.approx(COLLECTIVE_LATENCY_S + 2 * 7 / 8 * 32768 / bandwidth)
+
+
+def test_a_gpus_wait_for_a_small_collective_costs_the_thread_nothing(monkeypatch):
+    """W6 over three GPUs: the loss's total weight (a few bytes) is reduced on the compute
+    streams, so the GPUs' waits for it issue no event; the gradient bucket's (on the comm
+    streams, here where the bound is set below its size) each cost half an event record and
+    wait."""
+    import autopar.ir.collective
+
+    monkeypatch.setattr(autopar.ir.collective, "INLINE_BYTES", 64)
+    _, _, _, s = w6_on(GPUS)
+    cost = CostModel(preset("h200x8"))
+    plan = make_plan(place(s.graph, cost, pins=s.pins))
+    waits = [(d, x) for d in GPUS for x in plan.programs[d]
+             if isinstance(x, Wait) and x.src == COMM]
+    small = [w for w in waits if inline(w[1].value.args[0].meta.nbytes)]
+    assert small and len(small) < len(waits)
+    half = cost.machine.profile.event_wait_s / 2
+
+    def without(which) -> Any:  # the plan with those waits left out of its programs
+        gone = {id(x) for _, x in which}
+        return dataclasses.replace(plan, programs={
+            d: [x for x in steps if id(x) not in gone] for d, steps in plan.programs.items()})
+    assert issue_s(without(small), cost) == pytest.approx(issue_s(plan, cost))
+    big = [w for w in waits if w not in small]
+    assert issue_s(without(big), cost) == pytest.approx(issue_s(plan, cost) - len(big) * half)
 
 
 def test_collectives_run_through_the_executor_on_cpu_workers_like_eager():
@@ -226,6 +263,14 @@ def test_batch_norms_parameter_gradients_are_taken_on_every_gpu_for_its_update(k
     far = [(n, v) for n in updates for v in n.inputs if v.device not in ("cpu", s.pins[n])]
     assert not far
     n_real = len(s.graph.outputs) - len(s.replica_outputs)
+    # every op home's value lives on runs there: batch norm's num_batches_tracked += 1 (a
+    # GPU scalar) is not sent to the host and back, which HEFT chose with home's lane busy
+    assert all(s.pins.get(n) == ("comm" if n.op is all_reduce else "cuda:0")
+               for n in s.graph.ops if n.device == "cuda:0")
+    cost = CostModel(preset("h200x8"))
+    placed = place(s.graph, cost, pins=s.pins)
+    assert not [n for n in s.graph.ops if placed.device[n].startswith("cpu")
+                and n.device != "cpu"]
     got = run_relabelled_on_the_cpu(s, args)
     for g, w in zip(got[:n_real], want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

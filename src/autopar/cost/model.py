@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from autopar.ir.collective import COMM, is_collective, take
+from autopar.ir.collective import COMM, inline, is_collective, take
 from autopar.ir.graph import Node, TensorMeta, op_name
 from autopar.ir.routing import home_device, pool
 from autopar.machine.model import (
@@ -364,8 +364,9 @@ class CostModel:
         over every neighbouring link at once, pipelined in one kernel, so ``2 (k-1) / k * n``
         bytes at the slowest link's bandwidth, plus :data:`COLLECTIVE_LATENCY_S` (not a copy's
         latency per step: a step is no launch); the launching thread pays, per GPU, the
-        collective's launch and its stream's wait for the part (an event: ``event_wait_s``) and
-        half an event for the item its consumers wait on. Parts sharing one memory (CPU
+        collective's launch and, on comm streams, its stream's wait for the part (an event:
+        ``event_wait_s``) and half an event for the item its consumers wait on (none on the
+        compute streams: :func:`~autopar.ir.collective.inline`). Parts sharing one memory (CPU
         workers): the parts added in order once, on the host (the lane's thread computes
         it)."""
         metas = [p.meta for p in node.args]
@@ -379,7 +380,8 @@ class CostModel:
             return OpCost(adds, 0.0, "collective")
         bandwidth = min(prof.link(a, b).bandwidth
                         for a, b in zip(devices, devices[1:] + devices[:1]))
-        per_gpu = prof.device(devices[0]).launch("copy") + 1.5 * prof.event_wait_s
+        per_gpu = prof.device(devices[0]).launch("copy") + \
+            (0.0 if inline(n) else 1.5 * prof.event_wait_s)
         return OpCost(k * per_gpu, COLLECTIVE_LATENCY_S + 2 * (k - 1) / k * n / bandwidth,
                       "collective")
 

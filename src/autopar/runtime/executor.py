@@ -51,7 +51,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..ir.collective import COMM, all_reduce
+from ..ir.collective import COMM, all_reduce, inline
 from ..ir.graph import Node, op_name
 from ..ir.routing import GraphIndex, is_free_move, pool, route
 from ..schedule.steps import Free, Plan, Run, Send, Wait
@@ -237,10 +237,11 @@ class _Call:
         """:func:`autopar.ir.collective.all_reduce` of ``parts`` (one per GPU): on each GPU's
         ``comm`` stream, after everything issued on its compute stream so far (the part's
         producer among it, and every read of the last call's sums: the plan's Wait saw its
-        Record), one NCCL all-reduce where torch has NCCL, else the parts added in shard order
-        on each GPU. Under CUDA graphs (``keep_sums``) the sums land in the same buffers every
-        call (the event pool's, by node id), which graphs then read in place. Parts sharing a
-        device (CPU workers) are summed once, here."""
+        Record), or on the compute streams themselves for a small one
+        (:func:`~autopar.ir.collective.inline`), one NCCL all-reduce where torch has NCCL, else
+        the parts added in shard order on each GPU. Under CUDA graphs (``keep_sums``) the sums
+        land in the same buffers every call (the event pool's, by node id), which graphs then
+        read in place. Parts sharing a device (CPU workers) are summed once, here."""
         devices = [str(p.device) for p in parts]
         kept = self.events.sums.get(node) if self.keep_sums else None
         if kept is not None and any(k.shape != p.shape or k.dtype != p.dtype
@@ -253,6 +254,8 @@ class _Call:
                     if k is not g:
                         k.copy_(g)
                 got = kept
+        elif inline(parts[0].nbytes):  # on the compute streams: ordered as they are
+            streams = [self.compute[d] for d in devices]
         else:
             streams = [_Streams.of(d).comm for d in devices]
             for d, side in zip(devices, streams):
@@ -268,9 +271,10 @@ class _Call:
 
     def record_items(self, event: int, items: Sequence[Any]) -> None:
         """A collective's value is ready: each GPU item's CUDA event on its comm stream (what
-        that GPU's consumers wait on: :meth:`wait`); CPU items need the flag only."""
+        that GPU's consumers wait on: :meth:`wait`); CPU items, and items made on the compute
+        streams (:func:`~autopar.ir.collective.inline`), need the flag only."""
         marks = {}
-        for t in items:
+        for t in items if not inline(items[0].nbytes) else ():
             d = str(t.device)
             if _is_gpu(d) and d not in marks:
                 ev = self.events.item(event, d)

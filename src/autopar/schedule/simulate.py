@@ -34,7 +34,7 @@ import heapq
 from collections.abc import Sequence
 from typing import Any
 
-from ..ir.collective import COMM
+from ..ir.collective import COMM, inline
 from ..ir.graph import Node, op_name
 from ..ir.routing import (
     GraphIndex,
@@ -194,8 +194,9 @@ def issue_s(plan: Plan, cost: Any) -> float:
                     cost.node_time(step.node, device)
             elif isinstance(step, Send):
                 total += send_issue_s(cost, step)
-            elif gpu and isinstance(step, Wait) and (step.event in copied
-                                                     or step.src == COMM):
+            elif gpu and isinstance(step, Wait) and (
+                    step.event in copied or (step.src == COMM and not inline(
+                        step.value.args[0].meta.nbytes))):  # (inline: the same stream)
                 total += wait_issue_s(cost)
     return total
 
