@@ -170,6 +170,25 @@ def test_host_read_of_a_gpu_value_waits_for_the_device():
     assert cost.host_s == pytest.approx(10e-6 + 5e-6 + 5e-6)  # launch, kernel, sync
 
 
+def test_arithmetic_on_python_numbers_costs_a_generated_lines_time():
+    """AdamW's bias corrections: ``.item()`` of its step count, then Python arithmetic on the
+    number (what the executor runs as one generated line each: 0.03 us on the 2-core VM), not
+    a CPU kernel's launch (1.5 us on the presets)."""
+    import operator
+
+    from autopar.cost.model import PYTHON_NUMBER_OP_S
+    from autopar.ir.graph import ScalarMeta
+
+    g = Graph("bias_correction")
+    step = g.input(TensorMeta.make(()))
+    n = g.call(aten._local_scalar_dense.default, (step,), meta=ScalarMeta("float"))
+    power = g.call(operator.pow, (0.9, n), meta=ScalarMeta("float"))
+    cm = CostModel(preset("h200x2"))
+    for device in ("cpu:0", "cuda:0"):
+        assert cm.op_cost(power, device) == OpCost(PYTHON_NUMBER_OP_S, 0.0, "python")
+    assert cm.op_cost(n, "cpu:0").host_s > 10 * PYTHON_NUMBER_OP_S  # a kernel's
+
+
 def test_inputs_and_tuple_items_are_free_and_views_cost_host_time_only():
     g = Graph("views")
     x = g.input(TensorMeta.make((4, 6), device="cuda:0"))
