@@ -243,7 +243,7 @@ def test_a_view_of_a_static_buffer_is_made_once_and_equals_eager_every_call(cost
 def test_a_view_made_once_is_made_again_when_its_base_is_another_tensor():
     """The generated line keeps the view with the tensor it was made of: the same base gives
     the same view object, another base (a segment back on streams hands out new tensors) a
-    new view of it."""
+    new view of it; a base that keeps changing ends the keeping."""
     from autopar.runtime.codegen import SlotTable, build_program
 
     g = Graph("once")
@@ -265,6 +265,16 @@ def test_a_view_made_once_is_made_again_when_its_base_is_another_tensor():
     program.fn(env, None)
     got = env[slots(v, "cpu:0")]
     assert got is not first and got._base is other and torch.equal(got, other.t())
+    # a base new at every call: after two more misses the cell keeps nothing (no call's
+    # tensor outlives its call), and every view is still its base's
+    cell = next(c for c in program.fn.__globals__.values()
+                if isinstance(c, list) and len(c) == 2 and isinstance(c[0], tuple))
+    for k in range(3):
+        fresh = torch.full((2, 3), float(k))
+        env[slots(a, "cpu:0")] = fresh
+        program.fn(env, None)
+        assert env[slots(v, "cpu:0")]._base is fresh
+    assert not any(isinstance(x, torch.Tensor) for x in cell[0])
 
 
 def test_a_failed_capture_stays_on_streams(cost, stand_in, caplog):

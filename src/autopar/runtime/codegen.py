@@ -202,7 +202,8 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
     (:func:`~autopar.schedule.segments.views_made_once`): made at the first call and kept in a
     cell of the program with the base it was made of; a later call whose base is that very
     tensor takes the kept view (one tuple per cell, replaced whole: calls from several threads
-    never pair a view with another base).
+    never pair a view with another base); a base that keeps changing ends the keeping
+    (``_kept``).
     """
     em = _Emitter(device, slots, source_of)
     chains = _slice_chains(steps, entry, slots, source_of, device) if entry is not None else {}
@@ -252,7 +253,7 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
             note = f"  # {op_name(node.op)}" + (f" {node.source}" if node.source else "")
             call = f"{op}({args})"
             if (node, device) in once and not traced:
-                cell, base = em.const([None]), em.expr(node.args[0])
+                cell, base = em.const([None, 0]), em.expr(node.args[0])
                 call = (f"_m[1] if (_m := {cell}[0]) is not None and _m[0] is {base} "
                         f"else {em.const(_kept)}({cell}, {base}, {call})")
                 note += " (made once)"
@@ -317,8 +318,23 @@ def build_program(device: str, steps: list[Step | Fused | Call], slots: SlotTabl
                    inline)
 
 
+_INERT = (object(), None)  # a cell that gave up: no base is this object
+_MISSES = 2
+
+
 def _kept(cell: list, base: Any, view: Any) -> Any:
-    """A view made once: kept in ``cell`` with its base (see ``build_program``'s ``once``)."""
+    """A view made once: kept in ``cell`` (``[(base, view), misses]``) with its base (see
+    ``build_program``'s ``once``). A base that keeps changing (its segment back on streams
+    hands out new tensors) is a miss each call: after ``_MISSES`` misses past the first
+    (the capture's call makes the static buffers) the cell keeps nothing, so that no call's
+    tensor outlives its call."""
+    if cell[0] is _INERT:
+        return view
+    if cell[0] is not None:
+        cell[1] += 1
+        if cell[1] > _MISSES:
+            cell[0] = _INERT
+            return view
     cell[0] = (base, view)
     return view
 
