@@ -25,9 +25,11 @@ Policy and invariants
   latency, which its consumers wait for anyway, and each GPU is spared the comm stream's wait
   for its part and its consumers' wait for the item's event (an event record and wait each,
   ``event_wait_s``: 10 us calibrated on the H200 host, more than the all-reduce's launch).
-  A GPU whose part is ready first holds its compute stream until the others' parts are (not
-  simulated: shards are even). A big one (a gradient bucket) runs on each GPU's comm stream,
-  beside backward's compute.
+  A big one (a gradient bucket) runs on each GPU's comm stream, beside backward's compute.
+  Both kinds share one communicator, whose operations NCCL serializes in issue order whatever
+  their streams (it adds the events; NVIDIA/nccl#574): the lane runs them one after another,
+  as the simulation does. Not simulated: a compute stream that reaches a small all-reduce is
+  held until the others' parts are ready and the lane's earlier collectives are done.
 """
 
 from __future__ import annotations
