@@ -250,6 +250,28 @@ def test_a_split_whose_launches_alone_exceed_the_fastest_is_not_placed():
     assert not forced.pruned
 
 
+def test_once_a_split_pays_the_largest_is_placed_next_and_a_share_too_slow_is_not():
+    """W6 at full size on h200x8: two GPUs beat unsplit, so all eight are placed next; four
+    are then not placed, their share of the unsplit prediction (1/4 of it) already slower
+    than eight's prediction, and forced they predict slower still (the share is a floor)."""
+    from autopar.bench.workloads import _w6_inputs
+
+    cost = CostModel(preset("h200x8"))
+    devices = [d.name for d in cost.machine.devices]
+    big = capture_step(w6_train_step, _w6_inputs(["cpu"], "full"))
+    relabel_devices(big.graph, "cpu", "cuda:0")
+    choice = choose(big, batch_of(big), cost, devices)
+    gpus = [d for d in devices if d.startswith("cuda")]
+    four, eight = ",".join(gpus[:4]), ",".join(gpus)
+    assert list(choice.predicted) == ["unsplit", "cuda:0,cuda:1", eight]
+    assert choice.label == eight and list(choice.pruned) == [four]
+    assert "its share of the unsplit prediction (1/4 of" in choice.pruned[four]
+    share = choice.predicted["unsplit"] / 4
+    assert share >= choice.predicted[eight]
+    forced = choose(big, batch_of(big), cost, devices, shards=4).predicted[four]
+    assert forced >= share
+
+
 def test_the_at_once_form_is_placed_only_where_the_chunked_one_is_near_the_fastest(
         monkeypatch):
     """The pair's form with every sum reduced at once is a second placement of the same

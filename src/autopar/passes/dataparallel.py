@@ -183,10 +183,14 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
     launches on the one issuing thread (GPT-2 small's step on ``h200x8``: over 4 GPUs 24.1 ms
     of issue for 10,138 ops; over 8, 18,638 ops, an estimate of 44.3 ms and a prediction of
     50.4, not placed; planning 16.3 s -> 12.0 on the 2-core VM); not where segments may
-    replay as CUDA graphs, which take launches off that thread. ``cuda_graphs`` (the
-    option) and ``graphed_devices`` (the executor's devices for graphs): each candidate
-    predicted with those programs' segments replayed too, the faster form kept
-    (``Choice.graphs``; see :func:`with_graphs`)."""
+    replay as CUDA graphs, which take launches off that thread. Once the first split (two
+    devices) predicts faster than unsplit, the largest is placed next, then fewer devices,
+    each only while 1/k of the unsplit prediction is below the fastest so far (no split of
+    the presets' steps beats its share: 1.27-3.2x it): GPT-2 small's step on ``h200x8``
+    places 8 GPUs after 2 and not 4 (26.5 ms against 116.4 / 4), a second off its planning.
+    ``cuda_graphs`` (the option) and ``graphed_devices`` (the executor's devices for
+    graphs): each candidate predicted with those programs' segments replayed too, the faster
+    form kept (``Choice.graphs``; see :func:`with_graphs`)."""
     devices, same_kind = shard_devices(batch, cost, devices, shards)
     # launches are no floor where segments may replay as CUDA graphs
     replayable = capture_rule(cuda_graphs) is not None and bool(graphed_devices)
@@ -201,13 +205,22 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
     pruned: dict[str, str] = {}
     per_op = 0.0  # the issuing thread's seconds per op of the last split placed
     splits: list[float] = []  # the predictions of the splits placed, by k
-    for k in ks:
-        if shards is None and len(splits) >= 2 and splits[-1] > splits[-2]:
+    down = False  # the splits after the first that paid: the largest first, then fewer
+    order = list(ks)
+    for at, k in enumerate(order):
+        if shards is None and not down and len(splits) >= 2 and splits[-1] > splits[-2]:
             label = ",".join(same_kind[:k])
             pruned[label] = ("not placed: the last split predicted slower than the one before "
                              f"it ({fmt_seconds(splits[-1])} against {fmt_seconds(splits[-2])})")
             log.info("autopar: %s %s: %s", step.graph.name, label, pruned[label])
             break  # more devices, more cross-device points: it only gets slower
+        if down and predicted["unsplit"] / k >= min(predicted.values()):
+            label = ",".join(same_kind[:k])
+            pruned[label] = (f"not placed: its share of the unsplit prediction (1/{k} of "
+                             f"{fmt_seconds(predicted['unsplit'])}) is no faster than the "
+                             f"fastest candidate's {fmt_seconds(min(predicted.values()))}")
+            log.info("autopar: %s %s: %s", step.graph.name, label, pruned[label])
+            break  # fewer devices, a larger share
         if k == 1:
             placed, sharded = place(step.graph, cost, policy=policy, devices=devices), None
             label = "unsplit"
@@ -232,6 +245,8 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
                                  "on the issuing thread, exceed the fastest candidate's "
                                  f"{fmt_seconds(min(predicted.values()))}")
                 log.info("autopar: %s %s: %s", step.graph.name, label, pruned[label])
+                if down:
+                    continue  # fewer devices next: fewer launches
                 break  # more devices, more launches
             candidates = [(label + suffix, place(s.graph, cost, policy=policy, devices=devices,
                                                  pins=s.pins), s) for suffix, s in forms]
@@ -243,6 +258,12 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
             if sharded is not None:  # the issuing thread's seconds per op of a split graph
                 per_op = issue / len(sharded.graph.ops)
                 splits.append(predicted[label])
+        if shards is None and not down and k > 1 and at + 2 < len(order) and \
+                min(splits) < predicted["unsplit"]:
+            # the first split paid: the largest next, then fewer devices while their share
+            # of the unsplit prediction could still beat the fastest (see the docstring)
+            order[at + 1:] = sorted(order[at + 1:], reverse=True)
+            down = True
     if at_once is not None and \
             predicted[at_once[0]] <= (1 + AT_ONCE_SLACK) * min(predicted.values()):
         label, pair = f"{at_once[0]} at once", at_once[1]
