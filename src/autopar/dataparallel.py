@@ -21,9 +21,10 @@ Policy and invariants
   a module's parameter may hold one (the step zeroes it, sets it to None or adds into it, as
   traced). After the call every ``.grad`` is what eager leaves.
 - The first call whose optimizer makes its state (Adam's moments, SGD's momentum buffers)
-  runs eagerly; the next call is traced. A param group's float values (``lr``) are part of
-  the signature: a scheduler that changes a float ``lr`` makes a new capture per value; a
-  tensor ``lr`` is an input (no new capture).
+  runs eagerly; the next call is traced. A param group's ``lr`` (float or tensor) is an input
+  of the trace: a scheduler stepped outside the step needs no new capture (2026-12-05; a
+  float ``lr`` had been baked in, one capture and plan per value). Its other values
+  (``betas``, ``weight_decay``, ...) are part of the signature.
 - Batch inputs: ``batch_argnums`` (positions of tensor arguments, batch dim 0), else every
   tensor argument that doesn't require grad and whose dim 0 equals the first such one's. A step
   with no parameters (inference) must name them.

@@ -16,14 +16,18 @@ Policy and invariants
   argument's fake).
 - Tensors, in order: each module's parameters then buffers, then parameters an optimizer steps
   that no module holds, then tensors among param groups' values (a tensor ``lr``, which a
-  scheduler may change without a new capture), then each optimizer's state tensors, then the
-  ``.grad`` each parameter holds on entry (the step may zero it, set it to None or add into it:
-  all three are traced).
+  scheduler may change without a new capture), then each group's float ``lr`` as a 0-dim
+  float64 tensor made for the call (:attr:`State.lifted`), then each optimizer's state
+  tensors, then the ``.grad`` each parameter holds on entry (the step may zero it, set it to
+  None or add into it: all three are traced).
+- A float ``lr`` is an input of the trace, not a constant in it: the optimizer sees the
+  ``.item()`` of its tensor (a Python number the graph computes on, the very double eager
+  uses), so a scheduler stepped outside the step (linear warm-up, cosine: a new value every
+  step) needs no new capture. Every other param group value is baked in.
 - :attr:`State.signature` keys the compiled graph: every tensor's metadata and whether each
   parameter holds a ``.grad``, each module's ``training`` flags, every param group's non-tensor
-  values (``lr``, ``betas``,
-  ``weight_decay``, ``foreach``, ...) and the keys of each optimizer's state. A changed learning
-  rate is a new signature, captured again.
+  values but a float ``lr`` (``betas``, ``weight_decay``, ``foreach``, ...) and the keys of
+  each optimizer's state.
 - An optimizer left at ``foreach=None`` is traced on the path eager takes for the real
   parameters (foreach on CUDA), not the per-tensor loop its fake tensors would select.
 - The trace runs with ``torch.compiler.is_compiling()`` true, as ``torch.export``'s non-strict
@@ -75,6 +79,8 @@ class State:
     grad_of: dict[int, int] = field(default_factory=dict)  # grad's index -> its parameter's
     schedulers: list[Any] = field(default_factory=list)  # restored after a trace
     foreach: bool | None = None  # a group's foreach=None in the trace (None: eager's choice)
+    # (optimizer, param group, tensor index) of each float lr lifted into a tensor input
+    lifted: list[tuple[int, int, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.modules or self.optimizers)
@@ -83,8 +89,10 @@ class State:
     def signature(self) -> tuple:
         metas = tuple((tuple(t.shape), t.dtype, str(t.device), t.requires_grad)
                       for t in self.tensors)
-        groups = tuple(tuple(tuple(sorted(g.items())) for g in _group_values(opt))
-                       for _, opt in self.optimizers)
+        values = [_group_values(opt) for _, opt in self.optimizers]
+        for o, i, _ in self.lifted:  # an input: its value is no part of the signature
+            values[o][i]["lr"] = "input"
+        groups = tuple(tuple(tuple(sorted(g.items())) for g in v) for v in values)
         states = tuple(tuple(tuple(sorted(s)) for s in opt.state.values())
                        for _, opt in self.optimizers)
         # train() / eval() changes what a module computes (batch norm, dropout): baked in
@@ -126,6 +134,8 @@ class State:
                     fake[id(p)]: {k: fake.get(id(v), v) if isinstance(v, torch.Tensor) else v
                                   for k, v in s.items()}
                     for p, s in state.items()})
+            for o, i, j in self.lifted:  # the optimizer reads the input's number
+                self.optimizers[o][1].param_groups[i]["lr"] = fakes[j].item()
             values = [_group_values(opt) for _, opt in self.optimizers]  # foreach chosen
             for g, p in self.grad_of.items():
                 fakes[p].grad = fakes[g]
@@ -219,6 +229,8 @@ def _group_values(opt: Optimizer) -> list[dict[str, Any]]:
 def _plain(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
         return ("tensor", tuple(v.shape), v.dtype, str(v.device))
+    if isinstance(v, torch.SymFloat | torch.SymInt):  # a lifted lr in the trace: by identity
+        return ("traced", id(v))
     if isinstance(v, list | tuple):
         return tuple(_plain(x) for x in v)
     return v
@@ -292,6 +304,12 @@ def find_state(fn: Callable, args: Sequence[Any]) -> State:
             for key, v in g.items():
                 if isinstance(v, torch.Tensor):
                     add(v, f"{var}.param_groups[{i}][{key!r}]")
+    for o, (var, opt) in enumerate(state.optimizers):
+        for i, g in enumerate(opt.param_groups):
+            if type(g.get("lr")) is float:  # an input of the trace (see the module docstring)
+                state.lifted.append((o, i, len(state.tensors)))
+                state.tensors.append(torch.tensor(g["lr"], dtype=torch.float64))
+                state.names.append(f"{var}.param_groups[{i}]['lr']")
     for var, opt in state.optimizers:
         for p, s in opt.state.items():
             for key, v in s.items():
