@@ -143,6 +143,37 @@ def test_a_scheduler_stepped_outside_the_step_is_followed_by_one_capture(name):
     assert sum(c is not None for c in step._compiled.values()) == 1
 
 
+def test_past_the_signature_limit_new_signatures_run_unsplit_and_say_so(monkeypatch, caplog):
+    """A float argument that changes every call is baked into each capture: past
+    MAX_SIGNATURES captures, a new one runs unsplit (one warning, in explain too) and every
+    step still equals eager's."""
+    import autopar.dataparallel
+
+    monkeypatch.setattr(autopar.dataparallel, "MAX_SIGNATURES", 2)
+    model, ref = _net(), _net()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9) for m in (model, ref))
+
+    def scaled(model, opt):
+        def step(x, y, scale):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y) * scale
+            loss.backward()
+            opt.step()
+            return loss.detach()
+        return step
+
+    step = autopar.data_parallel(scaled(model, opt), devices=CPUS, shards=2)
+    ref_step = scaled(ref, ref_opt)
+    with caplog.at_level(logging.WARNING, logger="autopar"):
+        for k, (x, y) in enumerate(_batches(6)):
+            scale = 1.0 + k / 8
+            torch.testing.assert_close(step(x, y, scale), ref_step(x, y, scale), **TOL)
+    assert_same_training(model, ref, opt, ref_opt)
+    assert len(step._compiled) == 2
+    full = [r for r in caplog.records if "2 signatures captured" in r.getMessage()]
+    assert len(full) == 1 and "2 signatures captured" in step.explain()
+
+
 def test_a_tensor_learning_rate_is_an_input_not_a_new_capture():
     model, ref = _net(), _net()
     opt = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1), momentum=0.9)

@@ -49,6 +49,10 @@ Policy and invariants
   autocast: the trace bakes them in). Anything that can't be captured or sharded runs
   unsplit through :func:`autopar.compile`, with one warning on the ``autopar`` logger (the
   first call that makes an optimizer's state: as written). Never a wrong result.
+- At most :data:`MAX_SIGNATURES` signatures are captured and planned (as dynamo's
+  ``recompile_limit``): a value that changes every call and is baked in (a scheduler's
+  ``momentum`` or ``betas``, a float argument) would make a capture, a plan and replicas a
+  call, and keep them all. Past the limit a new signature runs unsplit, said once.
 """
 
 from __future__ import annotations
@@ -83,6 +87,9 @@ from .schedule.place import place
 __all__ = ["DataParallelStep", "StepPrediction", "batch_inputs", "predict_step"]
 
 log = logging.getLogger("autopar.dataparallel")
+
+MAX_SIGNATURES = 8
+"""Signatures a step captures at most (see the module docstring)."""
 
 
 def _signature(leaves: Sequence[Any], spec: Any) -> tuple:
@@ -130,6 +137,7 @@ class DataParallelStep:
         self._replicas: dict[tuple[int, str], tuple[torch.Tensor, int, int]] = {}
         self.last: _Compiled | None = None
         self.refused: str | None = None  # why every call runs unsplit, once known
+        self.full: str | None = None  # why new signatures run unsplit, once known
 
     # -- compiling --------------------------------------------------------------------------
     def _compile(self, fn: Callable, args: Sequence[Any], state: State) -> _Compiled:
@@ -180,7 +188,7 @@ class DataParallelStep:
         name = self.name
         if not self._compiled:
             return f"{name}: not called yet"
-        lines = []
+        lines = [f"{name}: {self.full}"] if self.full else []
         for k, c in enumerate(self._compiled.values()):
             if c is None:
                 lines.append(f"{name} [{k}]: runs unsplit, through autopar.compile (see the "
@@ -242,6 +250,14 @@ class DataParallelStep:
             return None, None
         # the trace bakes the caller's grad mode and autocast in: they are part of the key
         key = (_signature(leaves, spec), state.signature, CallerState.capture())
+        if key not in self._compiled and len(self._compiled) >= MAX_SIGNATURES:
+            if self.full is None:
+                self.full = (f"{MAX_SIGNATURES} signatures captured, and this call's is "
+                             "another: a value baked into the trace changes from call to call "
+                             "(a float argument, a param group's momentum or betas that a "
+                             "scheduler steps?); new signatures run unsplit")
+                log.warning("autopar: %s: %s", self.name, self.full)
+            return None, None
         if key not in self._compiled:
             try:
                 self._compiled[key] = self._compile(fn, args, state)
