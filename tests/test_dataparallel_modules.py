@@ -143,6 +143,31 @@ def test_a_scheduler_stepped_outside_the_step_is_followed_by_one_capture(name):
     assert sum(c is not None for c in step._compiled.values()) == 1
 
 
+def test_a_step_returning_loss_item_splits_and_returns_eagers_numbers():
+    """``return loss.item(), k``, as hand-written loops log the loss: the graph reads the loss
+    on the host, the step returns a Python float (and the constant), and it is split."""
+    model, ref = _net(), _net()
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+
+    def logged(model, opt):
+        def step(x, y):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss.item(), 3
+        return step
+
+    step = autopar.data_parallel(logged(model, opt), devices=CPUS, shards=2)
+    ref_step = logged(ref, ref_opt)
+    for x, y in _batches(5):
+        (got, k), (want, _) = step(x, y), ref_step(x, y)
+        assert type(got) is float and k == 3
+        assert got == pytest.approx(want, rel=1e-5)
+    assert_same_training(model, ref, opt, ref_opt)
+    assert "split over cpu:0, cpu:1" in step.explain()
+
+
 def test_past_the_signature_limit_new_signatures_run_unsplit_and_say_so(monkeypatch, caplog):
     """A float argument that changes every call is baked into each capture: past
     MAX_SIGNATURES captures, a new one runs unsplit (one warning, in explain too) and every

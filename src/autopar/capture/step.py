@@ -35,7 +35,8 @@ class StepGraph:
 
     The graph's inputs are the step's tensor arguments (``n_args`` of them) followed by the
     :class:`~autopar.capture.state.State`'s tensors. ``graph.outputs`` are, in order: the
-    step's own outputs (``n_outputs`` of them, flattened), the ``.grad`` of each index in
+    step's own outputs (``n_outputs`` of them, flattened: tensors, and Python numbers such as
+    ``loss.item()`` that the graph reads on the host), the ``.grad`` of each index in
     ``grads``, and the new value of each index in ``mutated``; each index in ``cleared`` held a
     ``.grad`` the step set to None. ``constants`` (tensors made during the trace) are the
     graph's last inputs.
@@ -108,17 +109,18 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
             out = fn(*tree_unflatten(full, spec))
             after = {j: fs[j].grad for j in params}
         outs, out_spec = tree_flatten(out)
-        bad = [o for o in outs if not isinstance(o, torch.Tensor)]
+        bad = [o for o in outs if not isinstance(o, (torch.Tensor, *_NUMBERS))]
         if bad:
-            raise Unsupported(f"the step returns a {type(bad[0]).__name__}; only tensors are "
-                              "captured")
+            raise Unsupported(f"the step returns a {type(bad[0]).__name__}; only tensors and "
+                              "numbers (loss.item()) are captured")
         grads = [j for j in params if after[j] is not None
                  and (j not in holds or after[j] is not fs[holds[j]])]
         cleared = [j for j in holds if after[j] is None]
         found.update(n=len(outs), spec=out_spec, grads=grads, cleared=cleared)
         if not functional:
-            return [o.detach() for o in outs] + [after[j] for j in grads]
-        results = [_unwrapped(o).detach() for o in outs] + [_unwrapped(after[j]) for j in grads]
+            return [_detached(o) for o in outs] + [after[j] for j in grads]
+        results = [_detached(_unwrapped(o)) for o in outs] + \
+            [_unwrapped(after[j]) for j in grads]
         with torch.no_grad():  # what the step wrote into its inputs, written back last
             for j, (t, f) in enumerate(zip(ts, fs)):
                 if torch._functionalize_has_metadata_mutation(f.elem):
@@ -198,10 +200,22 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
                      found["cleared"], constants)
 
 
-def _unwrapped(t: torch.Tensor) -> torch.Tensor:
-    """The traced tensor a functional one stands for, its pending updates applied."""
+_NUMBERS = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
+"""What a step may return besides tensors: Python numbers (``loss.item()``: the graph reads
+it on the host, as eager does) and constants."""
+
+
+def _unwrapped(t: Any) -> Any:
+    """The traced tensor a functional one stands for, its pending updates applied (a number
+    as it is)."""
+    if not isinstance(t, torch.Tensor):
+        return t
     torch._sync(t)
     return torch._from_functional_tensor(t.elem)
+
+
+def _detached(x: Any) -> Any:
+    return x.detach() if isinstance(x, torch.Tensor) else x
 
 
 def _held_outside(fn: Callable, constants: Sequence[torch.Tensor]) -> list[torch.Tensor]:
