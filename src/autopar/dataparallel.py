@@ -423,10 +423,12 @@ class StepPrediction:
 
 def relabel_step(step: StepGraph, state: State, device: str) -> None:
     """``step``'s graph, traced on CPU tensors, made to live on ``device``, as if its tensors
-    had been there: but for what torch.optim keeps on the host (its step counts) and the
-    0-dim tensors the trace made (``torch.tensor(beta)`` in torch.optim)."""
+    had been there: but for what torch.optim keeps on the host (its step counts), the float
+    learning rates lifted into inputs (made on the host each call) and the 0-dim tensors the
+    trace made (``torch.tensor(beta)`` in torch.optim)."""
     inputs = step.graph.inputs
     counts = [inputs[step.n_args + j] for j in state.host_step_counts()]
+    counts += [inputs[step.n_args + j] for _, _, j in state.lifted]
     made = inputs[len(inputs) - len(step.constants):] if step.constants else ()
     counts += [n for n in made if n.meta is not None and not n.meta.shape]
     relabel_devices(step.graph, "cpu", device, keep=counts)

@@ -308,7 +308,7 @@ def find_state(fn: Callable, args: Sequence[Any]) -> State:
         for i, g in enumerate(opt.param_groups):
             if type(g.get("lr")) is float:  # an input of the trace (see the module docstring)
                 state.lifted.append((o, i, len(state.tensors)))
-                state.tensors.append(torch.tensor(g["lr"], dtype=torch.float64))
+                state.tensors.append(torch.tensor(g["lr"], dtype=torch.float64, device="cpu"))
                 state.names.append(f"{var}.param_groups[{i}]['lr']")
     for var, opt in state.optimizers:
         for p, s in opt.state.items():
