@@ -347,6 +347,7 @@ def test_data_parallel_with_collectives_on_cpu_workers_equals_eager_and_says_so(
     for m, r in zip(mine[:4], ref[:4], strict=True):
         torch.testing.assert_close(m, r, rtol=1e-5, atol=1e-6)
     assert "; 2 all-reduces" in step.explain()
+    assert "cpu:0,cpu:1 bound: of its " in step.explain()
 
 
 def test_a_buckets_collective_starts_while_backward_goes_on():

@@ -17,6 +17,7 @@ from autopar.capture.fake import relabel_devices
 from autopar.capture.step import capture_step
 from autopar.cost.model import CostModel
 from autopar.ir.graph import Graph, TensorMeta, op_name
+from autopar.ir.units import fmt_seconds
 from autopar.machine.presets import preset
 from autopar.passes.dataparallel import choose
 from autopar.passes.shard import NotShardable, even_sizes, shard
@@ -268,6 +269,12 @@ def test_once_a_split_pays_the_largest_is_placed_next_and_a_share_too_slow_is_no
     assert "its share of the unsplit prediction (1/4 of" in choice.pruned[four]
     share = choice.predicted["unsplit"] / 4
     assert share >= choice.predicted[eight]
+    # explain's line: the issuing thread's seconds and the busiest lane's, the kept
+    # prediction at least either
+    assert 0 < choice.issue_s <= choice.predicted[eight]
+    assert choice.bound().startswith(f"of its {fmt_seconds(choice.predicted[eight])}: "
+                                     "the issuing thread ")
+    assert "the busiest lane (cuda:" in choice.bound()
     forced = choose(big, batch_of(big), cost, devices, shards=4).predicted[four]
     assert forced >= share
 

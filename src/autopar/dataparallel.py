@@ -200,6 +200,7 @@ class DataParallelStep:
                    None: "trial in progress"}[c.way]
             lines.append(f"{name} [{k}]: {len(c.step.graph.ops)} ops; predicted {predicted}; "
                          f"runs {way}")
+            lines.append(f"  {c.choice.label} bound: {c.choice.bound()}")
             for label, why in [*c.choice.refused.items(), *c.choice.pruned.items()]:
                 lines.append(f"  not chosen: {label}: {why}")
             sh = c.sharded

@@ -54,6 +54,21 @@ class Choice:
     label: str = "unsplit"  # the kept candidate's key in ``predicted``
     pruned: dict[str, str] = field(default_factory=dict)  # candidate -> why it wasn't placed
     graphs: bool | str = False  # the cuda_graphs mode its GPUs' segments replay under
+    issue_s: float = 0.0  # the kept candidate's seconds on the one issuing thread
+
+    def bound(self) -> str:
+        """What the kept candidate's prediction is bound by: the issuing thread's seconds and
+        the busiest device lane's (the larger binds; neither, the chain of dependencies)."""
+        if self.timeline is None:
+            return ""
+        busy = {lane: self.timeline.busy(lane) for lane in self.timeline.lanes()
+                if lane.endswith("/compute") or lane.startswith("cpu:")}
+        lane = max(busy, key=busy.__getitem__, default=None)
+        total = self.predicted[self.label]
+        parts = [f"the issuing thread {fmt_seconds(self.issue_s)}"]
+        if lane is not None:
+            parts.append(f"the busiest lane ({lane}) {fmt_seconds(busy[lane])}")
+        return f"of its {fmt_seconds(total)}: " + ", ".join(parts)
 
 
 def resident(step: StepGraph, sharded: Sharded | None,
@@ -198,6 +213,7 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
     ks = sorted({k for k in (1 << i for i in range(n.bit_length())) if k <= n} | {n}) \
         if shards is None else [shards]  # powers of two and all: planning time stays bounded
     predicted: dict[str, float] = {}
+    issues: dict[str, float] = {}  # label -> its issuing thread's seconds
     runs: dict[str, tuple[Any, Any]] = {}  # label -> (plan, timeline)
     graphed: dict[str, bool] = {}  # label -> predicted with its segments replayed
     placed_all: list[tuple[str, Any, Sharded | None]] = []
@@ -253,7 +269,7 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
         for label, placed, sharded in candidates:
             plan, timeline, predicted[label], issue, graphed[label] = with_graphs(
                 placed, cost, fusing, step, sharded, cuda_graphs, graphed_devices)
-            runs[label] = plan, timeline
+            runs[label], issues[label] = (plan, timeline), issue
             placed_all.append((label, placed, sharded))
             if sharded is not None:  # the issuing thread's seconds per op of a split graph
                 per_op = issue / len(sharded.graph.ops)
@@ -269,7 +285,7 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
         label, pair = f"{at_once[0]} at once", at_once[1]
         sharded = shard(step.graph, batch, pair, updates=step.updates, reduce_chunks=1)
         placed = place(sharded.graph, cost, policy=policy, devices=devices, pins=sharded.pins)
-        plan, timeline, predicted[label], _, graphed[label] = with_graphs(
+        plan, timeline, predicted[label], issues[label], graphed[label] = with_graphs(
             placed, cost, fusing, step, sharded, cuda_graphs, graphed_devices)
         runs[label] = plan, timeline
         placed_all.append((label, placed, sharded))
@@ -279,12 +295,12 @@ def choose(step: StepGraph, batch: dict[Node, int], cost: Any, devices: Sequence
         why = _does_not_fit(*runs[label], cost)
         if why is None:
             return Choice(placed, sharded, predicted, refused, *runs[label], label, pruned,
-                          graphed[label])
+                          graphed[label], issues[label])
         refused[label] = why
         log.info("autopar: %s %s: %s", step.graph.name, label, why)
     label, placed, sharded = ranked[0]  # nothing fits (eager's own form neither): the fastest
     return Choice(placed, sharded, predicted, refused, *runs[label], label, pruned,
-                  graphed[label])
+                  graphed[label], issues[label])
 
 
 def _does_not_fit(plan: Any, timeline: Any, cost: Any) -> str | None:
