@@ -35,15 +35,18 @@ OPTIMIZERS = {
 }
 
 
-def _step_of(model, opt, clip: float | None = 1.0, set_to_none: bool = True):
-    def step(x, y):
+def _step_of(model, opt, clip: float | None = 1.0, set_to_none: bool = True,
+             out=torch.Tensor.detach):
+    def step(x, y, scale: float = 1.0):
         opt.zero_grad(set_to_none=set_to_none)
         loss = F.cross_entropy(model(x), y)
+        if scale != 1.0:
+            loss = loss * scale
         loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
-        return loss.detach()
+        return out(loss)
     return step
 
 
@@ -150,13 +153,7 @@ def test_a_step_returning_loss_item_splits_and_returns_eagers_numbers():
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
 
     def logged(model, opt):
-        def step(x, y):
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            return loss.item(), 3
-        return step
+        return _step_of(model, opt, clip=None, out=lambda loss: (loss.item(), 3))
 
     step = autopar.data_parallel(logged(model, opt), devices=CPUS, shards=2)
     ref_step = logged(ref, ref_opt)
@@ -178,17 +175,8 @@ def test_past_the_signature_limit_new_signatures_run_unsplit_and_say_so(monkeypa
     model, ref = _net(), _net()
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9) for m in (model, ref))
 
-    def scaled(model, opt):
-        def step(x, y, scale):
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x), y) * scale
-            loss.backward()
-            opt.step()
-            return loss.detach()
-        return step
-
-    step = autopar.data_parallel(scaled(model, opt), devices=CPUS, shards=2)
-    ref_step = scaled(ref, ref_opt)
+    step = autopar.data_parallel(_step_of(model, opt, clip=None), devices=CPUS, shards=2)
+    ref_step = _step_of(ref, ref_opt, clip=None)
     with caplog.at_level(logging.WARNING, logger="autopar"):
         for k, (x, y) in enumerate(_batches(6)):
             scale = 1.0 + k / 8
