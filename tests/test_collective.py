@@ -225,12 +225,13 @@ def step_on_gpus(model: torch.nn.Module, opt: torch.optim.Optimizer, k: int):
 
 
 def test_a_lifted_learning_rate_stays_on_the_host_when_the_step_moves_to_a_gpu():
-    """``relabel_step`` (what predict_step does) keeps AdamW's float ``lr`` input on the host,
-    where the call makes it: its ``.item()`` is a host read, not a GPU sync."""
+    """``relabel_step`` (what predict_step does) keeps AdamW's float ``lr`` and ``betas``
+    inputs on the host, where the call makes them: their ``.item()`` is a host read, not a
+    GPU sync."""
     _, s, _, _ = adamw_step_on_gpus(2)
     reads = [n for n in s.graph.ops if op_name(n.op) == "aten._local_scalar_dense"]
-    lr = [n.args[0] for n in reads if n.args[0].meta.dtype == torch.float64]
-    assert len(lr) == 1 and lr[0].is_input and lr[0].device == "cpu"
+    lifted = [n.args[0] for n in reads if n.args[0].meta.dtype == torch.float64]
+    assert len(lifted) == 3 and all(x.is_input and x.device == "cpu" for x in lifted)
     assert all(r.args[0].device == "cpu" for r in reads)
 
 

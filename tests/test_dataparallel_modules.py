@@ -146,6 +146,26 @@ def test_a_scheduler_stepped_outside_the_step_is_followed_by_one_capture(name):
     assert sum(c is not None for c in step._compiled.values()) == 1
 
 
+def test_one_cycle_learning_rate_and_betas_need_one_capture():
+    """``OneCycleLR`` steps AdamW's ``lr`` and its ``beta1`` every step (cycle_momentum):
+    both are inputs of the trace, one capture serves every step, equal to eager's."""
+    model, ref = _net(), _net()
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    sched, ref_sched = (torch.optim.lr_scheduler.OneCycleLR(o, max_lr=2e-2, total_steps=10)
+                        for o in (opt, ref_opt))
+    step = autopar.data_parallel(_step_of(model, opt), devices=CPUS, shards=2)
+    ref_step = _step_of(ref, ref_opt)
+    betas = set()
+    for x, y in _batches(7):
+        betas.add(opt.param_groups[0]["betas"])
+        torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
+        sched.step()
+        ref_sched.step()
+    assert len(betas) == 7
+    assert_same_training(model, ref, opt, ref_opt)
+    assert sum(c is not None for c in step._compiled.values()) == 1
+
+
 def test_a_step_returning_loss_item_splits_and_returns_eagers_numbers():
     """``return loss.item(), k``, as hand-written loops log the loss: the graph reads the loss
     on the host, the step returns a Python float (and the constant), and it is split."""

@@ -21,10 +21,10 @@ Policy and invariants
   a module's parameter may hold one (the step zeroes it, sets it to None or adds into it, as
   traced). After the call every ``.grad`` is what eager leaves.
 - The first call whose optimizer makes its state (Adam's moments, SGD's momentum buffers)
-  runs eagerly; the next call is traced. A param group's ``lr`` (float or tensor) is an input
-  of the trace: a scheduler stepped outside the step needs no new capture (2026-12-05; a
-  float ``lr`` had been baked in, one capture and plan per value). Its other values
-  (``betas``, ``weight_decay``, ...) are part of the signature.
+  runs eagerly; the next call is traced. A param group's ``lr`` and ``betas`` (floats or
+  tensors) are inputs of the trace: a scheduler stepped outside the step needs no new
+  capture (2026-12-05; a float had been baked in, one capture and plan per value). Its other
+  values (``momentum``, ``weight_decay``, ...) are part of the signature.
 - Batch inputs: ``batch_argnums`` (positions of tensor arguments, batch dim 0), else every
   tensor argument that doesn't require grad and whose dim 0 equals the first such one's. A step
   with no parameters (inference) must name them.
@@ -51,7 +51,7 @@ Policy and invariants
   first call that makes an optimizer's state: as written). Never a wrong result.
 - At most :data:`MAX_SIGNATURES` signatures are captured and planned (as dynamo's
   ``recompile_limit``): a value that changes every call and is baked in (a scheduler's
-  ``momentum`` or ``betas``, a float argument) would make a capture, a plan and replicas a
+  SGD ``momentum``, a float argument) would make a capture, a plan and replicas a
   call, and keep them all. Past the limit a new signature runs unsplit, said once.
 """
 
@@ -255,7 +255,7 @@ class DataParallelStep:
             if self.full is None:
                 self.full = (f"{MAX_SIGNATURES} signatures captured, and this call's is "
                              "another: a value baked into the trace changes from call to call "
-                             "(a float argument, a param group's momentum or betas that a "
+                             "(a float argument, a param group's momentum that a "
                              "scheduler steps?); new signatures run unsplit")
                 log.warning("autopar: %s: %s", self.name, self.full)
             return None, None
@@ -429,7 +429,7 @@ def relabel_step(step: StepGraph, state: State, device: str) -> None:
     trace made (``torch.tensor(beta)`` in torch.optim)."""
     inputs = step.graph.inputs
     counts = [inputs[step.n_args + j] for j in state.host_step_counts()]
-    counts += [inputs[step.n_args + j] for _, _, j in state.lifted]
+    counts += [inputs[step.n_args + j] for *_, j in state.lifted]
     made = inputs[len(inputs) - len(step.constants):] if step.constants else ()
     counts += [n for n in made if n.meta is not None and not n.meta.shape]
     relabel_devices(step.graph, "cpu", device, keep=counts)

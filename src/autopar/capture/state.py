@@ -16,18 +16,19 @@ Policy and invariants
   argument's fake).
 - Tensors, in order: each module's parameters then buffers, then parameters an optimizer steps
   that no module holds, then tensors among param groups' values (a tensor ``lr``, which a
-  scheduler may change without a new capture), then each group's float ``lr`` as a 0-dim
-  float64 tensor made for the call (:attr:`State.lifted`), then each optimizer's state
+  scheduler may change without a new capture), then each group's float ``lr`` and ``betas``
+  as 0-dim float64 tensors made for the call (:attr:`State.lifted`), then each optimizer's state
   tensors, then the ``.grad`` each parameter holds on entry (the step may zero it, set it to
   None or add into it: all three are traced).
-- A float ``lr`` is an input of the trace, not a constant in it: the optimizer sees the
-  ``.item()`` of its tensor (a Python number the graph computes on, the very double eager
-  uses), so a scheduler stepped outside the step (linear warm-up, cosine: a new value every
-  step) needs no new capture. Every other param group value is baked in.
+- A float ``lr`` (and each float of ``betas``: :data:`_LIFTED`) is an input of the trace, not
+  a constant in it: the optimizer sees the ``.item()`` of its tensor (a Python number the
+  graph computes on, the very double eager uses), so a scheduler stepped outside the step
+  (linear warm-up, cosine, one-cycle: a new value every step) needs no new capture. Every
+  other param group value is baked in.
 - :attr:`State.signature` keys the compiled graph: every tensor's metadata and whether each
   parameter holds a ``.grad``, each module's ``training`` flags, every param group's non-tensor
-  values but a float ``lr`` (``betas``, ``weight_decay``, ``foreach``, ...) and the keys of
-  each optimizer's state.
+  values but the lifted ones (``momentum``, ``weight_decay``, ``foreach``, ...) and the keys
+  of each optimizer's state.
 - An optimizer left at ``foreach=None`` is traced on the path eager takes for the real
   parameters (foreach on CUDA), not the per-tensor loop its fake tensors would select.
 - The trace runs with ``torch.compiler.is_compiling()`` true, as ``torch.export``'s non-strict
@@ -79,8 +80,9 @@ class State:
     grad_of: dict[int, int] = field(default_factory=dict)  # grad's index -> its parameter's
     schedulers: list[Any] = field(default_factory=list)  # restored after a trace
     foreach: bool | None = None  # a group's foreach=None in the trace (None: eager's choice)
-    # (optimizer, param group, tensor index) of each float lr lifted into a tensor input
-    lifted: list[tuple[int, int, int]] = field(default_factory=list)
+    # (optimizer, param group, key, position in a tuple or None, tensor index) of each float
+    # group value lifted into a tensor input (see _LIFTED)
+    lifted: list[tuple[int, int, str, int | None, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.modules or self.optimizers)
@@ -90,8 +92,8 @@ class State:
         metas = tuple((tuple(t.shape), t.dtype, str(t.device), t.requires_grad)
                       for t in self.tensors)
         values = [_group_values(opt) for _, opt in self.optimizers]
-        for o, i, _ in self.lifted:  # an input: its value is no part of the signature
-            values[o][i]["lr"] = "input"
+        for o, i, key, _, _ in self.lifted:  # an input: its value is no part of the signature
+            values[o][i][key] = "input"
         groups = tuple(tuple(tuple(sorted(g.items())) for g in v) for v in values)
         states = tuple(tuple(tuple(sorted(s)) for s in opt.state.values())
                        for _, opt in self.optimizers)
@@ -134,8 +136,10 @@ class State:
                     fake[id(p)]: {k: fake.get(id(v), v) if isinstance(v, torch.Tensor) else v
                                   for k, v in s.items()}
                     for p, s in state.items()})
-            for o, i, j in self.lifted:  # the optimizer reads the input's number
-                self.optimizers[o][1].param_groups[i]["lr"] = fakes[j].item()
+            for o, i, key, at, j in self.lifted:  # the optimizer reads the input's number
+                g = self.optimizers[o][1].param_groups[i]
+                g[key] = fakes[j].item() if at is None else \
+                    (*g[key][:at], fakes[j].item(), *g[key][at + 1:])
             values = [_group_values(opt) for _, opt in self.optimizers]  # foreach chosen
             for g, p in self.grad_of.items():
                 fakes[p].grad = fakes[g]
@@ -202,6 +206,12 @@ class State:
         where = {id(p): k for k, p in enumerate(p for g in opt.param_groups for p in g["params"])}
         for p, s in opt.state.items():
             yield where.get(id(p), -1), set(s)
+
+
+_LIFTED = ("lr", "betas")
+"""Param group values a scheduler steps that are inputs of the trace where they are floats
+(``betas``: each of them, as ``OneCycleLR`` cycles Adam's ``beta1``). Not ``momentum``:
+SGD branches on ``momentum != 0``, which a traced number can't decide."""
 
 
 def _restore(opt: Optimizer, groups: list[dict], state: Any) -> None:
@@ -306,10 +316,16 @@ def find_state(fn: Callable, args: Sequence[Any]) -> State:
                     add(v, f"{var}.param_groups[{i}][{key!r}]")
     for o, (var, opt) in enumerate(state.optimizers):
         for i, g in enumerate(opt.param_groups):
-            if type(g.get("lr")) is float:  # an input of the trace (see the module docstring)
-                state.lifted.append((o, i, len(state.tensors)))
-                state.tensors.append(torch.tensor(g["lr"], dtype=torch.float64, device="cpu"))
-                state.names.append(f"{var}.param_groups[{i}]['lr']")
+            for key in _LIFTED:  # inputs of the trace (see the module docstring)
+                v = g.get(key)
+                floats = [(None, v)] if type(v) is float else \
+                    list(enumerate(v)) if type(v) is tuple and all(
+                        type(x) is float for x in v) else []
+                for pos, x in floats:
+                    state.lifted.append((o, i, key, pos, len(state.tensors)))
+                    state.tensors.append(torch.tensor(x, dtype=torch.float64, device="cpu"))
+                    state.names.append(f"{var}.param_groups[{i}][{key!r}]"
+                                       + ("" if pos is None else f"[{pos}]"))
     for var, opt in state.optimizers:
         for p, s in opt.state.items():
             for key, v in s.items():
