@@ -176,6 +176,44 @@ def test_a_gpus_wait_for_a_small_collective_costs_the_thread_nothing(monkeypatch
     assert issue_s(without(big), cost) == pytest.approx(issue_s(plan, cost) - len(big) * half)
 
 
+def test_on_gpus_a_small_all_reduce_runs_on_the_compute_streams_a_big_one_on_the_comm(
+        monkeypatch):
+    """The executor's GPU path, its CUDA pieces stood in for: parts of at most INLINE_BYTES
+    are reduced on each GPU's compute stream with no stream ordered after another; bigger
+    ones on each GPU's comm stream, ordered after its compute stream. Either way the sums
+    come back (a small one's had been left unset)."""
+    import types
+
+    from autopar.ir.collective import INLINE_BYTES
+    from autopar.runtime import executor as ex
+
+    class Stream:
+        def __init__(self, name):
+            self.name, self.waited = name, []
+
+        def wait_stream(self, other):
+            self.waited.append(other.name)
+
+    comm = {d: Stream(f"{d}/comm") for d in GPUS}
+    monkeypatch.setattr(ex._Streams, "of", classmethod(
+        lambda cls, d: types.SimpleNamespace(comm=comm[d])))
+    reduced = []
+
+    def on(parts, devices, streams, into):
+        reduced.append([s.name for s in streams])
+        return tuple(f"sum on {d}" for d in devices)
+
+    monkeypatch.setattr(ex, "_all_reduce_on", on)
+    compute = {d: Stream(f"{d}/compute") for d in GPUS}
+    call = ex._Call(0, 0, compute)
+    for nbytes, lane in ((INLINE_BYTES, "compute"), (INLINE_BYTES + 1, "comm")):
+        parts = [types.SimpleNamespace(device=d, nbytes=nbytes, shape=(1,)) for d in GPUS]
+        assert call.all_reduce(parts) == tuple(f"sum on {d}" for d in GPUS)
+        assert reduced.pop() == [f"{d}/{lane}" for d in GPUS]
+    assert all(not s.waited for s in compute.values())
+    assert [s.waited for s in comm.values()] == [[f"{d}/compute"] for d in GPUS]
+
+
 def test_collectives_run_through_the_executor_on_cpu_workers_like_eager():
     """Collectives forced on two CPU workers (one memory: the lane adds the parts once): the
     executor runs the lane's program with the host's and every step equals eager."""

@@ -254,12 +254,13 @@ class _Call:
                     if k is not g:
                         k.copy_(g)
                 got = kept
-        elif inline(parts[0].nbytes):  # on the compute streams: ordered as they are
-            streams = [self.compute[d] for d in devices]
         else:
-            streams = [_Streams.of(d).comm for d in devices]
-            for d, side in zip(devices, streams):
-                side.wait_stream(self.compute[d])
+            if inline(parts[0].nbytes):  # on the compute streams: ordered as they are
+                streams = [self.compute[d] for d in devices]
+            else:
+                streams = [_Streams.of(d).comm for d in devices]
+                for d, side in zip(devices, streams):
+                    side.wait_stream(self.compute[d])
             if self.profiled:
                 with _range(f"autopar:all_reduce {len(parts)} x {tuple(parts[0].shape)}"):
                     got = _all_reduce_on(parts, devices, streams, kept)
