@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import types
+from typing import Any
 
 import pytest
 import torch
@@ -120,50 +121,48 @@ def test_held_gradients_zeroed_in_place_are_traced():
     assert_same_training(model, ref, opt, ref_opt)
 
 
+def _followed_by_one_capture(make_opt, make_sched, steps: int, key: str) -> tuple[set, Any]:
+    """``steps`` steps split on two CPU workers and eagerly, ``make_sched(opt)`` stepped
+    outside the step after each: every step equal to eager's, training equal after, one
+    capture. The values of param group 0's ``key`` the steps saw, and the optimizer."""
+    model, ref = _net(), _net()
+    opt, ref_opt = make_opt(model.parameters()), make_opt(ref.parameters())
+    sched, ref_sched = make_sched(opt), make_sched(ref_opt)
+    step = autopar.data_parallel(_step_of(model, opt), devices=CPUS, shards=2)
+    ref_step = _step_of(ref, ref_opt)
+    seen = set()
+    for x, y in _batches(steps):
+        seen.add(opt.param_groups[0][key])
+        torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
+        sched.step()
+        ref_sched.step()
+    assert_same_training(model, ref, opt, ref_opt)
+    assert sum(c is not None for c in step._compiled.values()) == 1
+    return seen, opt
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_a_scheduler_stepped_outside_the_step_is_followed_by_one_capture(name):
     """Linear warm-up then decay, a new float ``lr`` every step (what Hugging Face's trainer
     steps): the ``lr`` is an input of the trace, so one capture serves every value, and every
     step equals eager's."""
-    model, ref = _net(), _net()
-    opt, ref_opt = OPTIMIZERS[name](model.parameters()), OPTIMIZERS[name](ref.parameters())
-
     def warm_then_decay(k: int) -> float:
         return (k + 1) / 3 if k < 3 else 0.9 ** (k - 2)
 
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warm_then_decay)
-    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, warm_then_decay)
-    step = autopar.data_parallel(_step_of(model, opt), devices=CPUS, shards=2)
-    ref_step = _step_of(ref, ref_opt)
-    rates = set()
-    for x, y in _batches(8):
-        rates.add(opt.param_groups[0]["lr"])
-        torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
-        sched.step()
-        ref_sched.step()
+    rates, opt = _followed_by_one_capture(
+        OPTIMIZERS[name], lambda o: torch.optim.lr_scheduler.LambdaLR(o, warm_then_decay), 8,
+        "lr")
     assert len(rates) == 8 and type(opt.param_groups[0]["lr"]) is float
-    assert_same_training(model, ref, opt, ref_opt)
-    assert sum(c is not None for c in step._compiled.values()) == 1
 
 
 def test_one_cycle_learning_rate_and_betas_need_one_capture():
     """``OneCycleLR`` steps AdamW's ``lr`` and its ``beta1`` every step (cycle_momentum):
     both are inputs of the trace, one capture serves every step, equal to eager's."""
-    model, ref = _net(), _net()
-    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
-    sched, ref_sched = (torch.optim.lr_scheduler.OneCycleLR(o, max_lr=2e-2, total_steps=10)
-                        for o in (opt, ref_opt))
-    step = autopar.data_parallel(_step_of(model, opt), devices=CPUS, shards=2)
-    ref_step = _step_of(ref, ref_opt)
-    betas = set()
-    for x, y in _batches(7):
-        betas.add(opt.param_groups[0]["betas"])
-        torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
-        sched.step()
-        ref_sched.step()
+    betas, _ = _followed_by_one_capture(
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+        lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=2e-2, total_steps=10), 7,
+        "betas")
     assert len(betas) == 7
-    assert_same_training(model, ref, opt, ref_opt)
-    assert sum(c is not None for c in step._compiled.values()) == 1
 
 
 def test_a_step_returning_loss_item_splits_and_returns_eagers_numbers():

@@ -425,8 +425,8 @@ class StepPrediction:
 def relabel_step(step: StepGraph, state: State, device: str) -> None:
     """``step``'s graph, traced on CPU tensors, made to live on ``device``, as if its tensors
     had been there: but for what torch.optim keeps on the host (its step counts), the float
-    learning rates lifted into inputs (made on the host each call) and the 0-dim tensors the
-    trace made (``torch.tensor(beta)`` in torch.optim)."""
+    param group values lifted into inputs (``lr``, ``betas``: made on the host each call)
+    and the 0-dim tensors the trace made (``torch.tensor(beta)`` in torch.optim)."""
     inputs = step.graph.inputs
     counts = [inputs[step.n_args + j] for j in state.host_step_counts()]
     counts += [inputs[step.n_args + j] for *_, j in state.lifted]

@@ -239,7 +239,7 @@ def _group_values(opt: Optimizer) -> list[dict[str, Any]]:
 def _plain(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
         return ("tensor", tuple(v.shape), v.dtype, str(v.device))
-    if isinstance(v, torch.SymFloat | torch.SymInt):  # a lifted lr in the trace: by identity
+    if isinstance(v, torch.SymFloat | torch.SymInt):  # a lifted value in the trace: by identity
         return ("traced", id(v))
     if isinstance(v, list | tuple):
         return tuple(_plain(x) for x in v)
