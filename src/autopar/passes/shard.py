@@ -406,8 +406,7 @@ class _Builder:
             return node
         if src.is_input:
             return self._replica(src, self.devices[shard])
-        if isinstance(node, Node) and src.op is operator.getitem \
-                and isinstance(self.layout.get(src.args[0]), Items):
+        if isinstance(node, Node) and self.rule_item(src):
             return self.local_value(node, shard)  # a rule's item (batch norm's mean, invstd)
         if not self._localizable(src):
             return node
@@ -510,7 +509,7 @@ class _Builder:
                 got = False
             elif self._read_as_is(node):
                 got = True
-            elif src.op is operator.getitem and isinstance(self.layout.get(src.args[0]), Items):
+            elif self.rule_item(src):
                 got = True  # a rule's item (batch norm's reduced sums): see _make_local
             elif _is_foreach(src.op) and not src.writes:
                 # an optimizer's update runs on every shard: an input no shard can make
@@ -530,6 +529,10 @@ class _Builder:
                        and all(self._localizable(i) for i in src.inputs))
             self._can_local[src] = got
         return got
+
+    def rule_item(self, src: Node) -> bool:
+        """Is source node ``src`` an item of a tuple a rule laid out as :class:`Items`?"""
+        return src.op is operator.getitem and isinstance(self.layout.get(src.args[0]), Items)
 
     def _read_as_is(self, node: Node) -> bool:
         """A value on the host of at most one element (a Python number, a step count) that
@@ -1508,7 +1511,7 @@ def _rewrite(b: _Builder, node: Node, nll: dict[Node, _NllParts]) -> Layout:
     """``node``'s layout in the sharded graph, emitting its nodes."""
     if node.op is operator.getitem and node.args[0] in nll:
         return _nll_getitem(b, node, nll[node.args[0]])
-    if node.op is operator.getitem and isinstance(b.layout.get(node.args[0]), Items):
+    if b.rule_item(node):
         return b.layout[node.args[0]].items[node.args[1]]
     if node.op in _FILLS and _split_of(b, node.args[0]) is None:
         filled = _fill(b, node)
