@@ -80,6 +80,18 @@ def test_schema_effects_reads_writes_aliases():
     assert first.meta == s.meta[0] and first.kind == "getitem"
 
 
+def test_cudnn_batch_norm_writes_its_running_statistics_in_training_though_its_schema_doesnt():
+    """cuDNN's batch norm updates the running statistics it is given (its schema annotates no
+    write): in training the node writes them, so no pass replays or moves it unawares."""
+    g = Graph()
+    x = g.input(TensorMeta.make((6, 3, 2)))
+    w, b, rm, rv = (g.input(TensorMeta.make((3,))) for _ in range(4))
+    train = g.call(aten.cudnn_batch_norm.default, (x, w, b, rm, rv, True, 0.1, 1e-5))
+    infer = g.call(aten.cudnn_batch_norm.default, (x, w, b, rm, rv, False, 0.1, 1e-5))
+    assert train.writes == (rm, rv) and infer.writes == ()
+    assert set(train.reads) == {x, w, b, rm, rv}
+
+
 def test_last_uses_keep_a_base_alive_while_its_view_is_read():
     """x -> t (view) -> relu ; x is last read by relu through its view."""
     g = Graph()

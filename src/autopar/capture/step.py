@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -78,6 +79,11 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
     Where that trace fails (code that asks whether a tensor is a ``FakeTensor`` before a
     data-dependent test, as Hugging Face's mask code does on some versions, sees a
     ``FunctionalTensor``), two: a plain trace, then ``torch.func.functionalize`` over it.
+    Either traces under the Python dispatcher, as aot_autograd does, so that torch's
+    decompositions above autograd apply: without them a CUDA batch norm is recorded as
+    ``cudnn_batch_norm``, whose kernel updates the running statistics its schema says it
+    only reads (no write-back in the graph; a CUDA graph's warm-up and replay updated them
+    twice).
     """
     state = state if state is not None else State()
     leaves, spec = tree_flatten(tuple(args))
@@ -143,6 +149,10 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
     plain = [t.detach() for t in tensors]  # the functional trace makes its own leaves
 
     def trace(functional: bool) -> torch.fx.GraphModule:
+        with enable_python_dispatcher():  # torch's decompositions above autograd, as aot's
+            return traced(functional)
+
+    def traced(functional: bool) -> torch.fx.GraphModule:
         # foreach updates fail on torch.optim's compile-friendly path under fake tensors (its
         # stacked step sizes): those take the eager path, whose .item() reads stay graph values
         found.update(functional=functional, compiling=not state.uses_foreach())

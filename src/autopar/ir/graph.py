@@ -274,6 +274,14 @@ def _op_kind(op: Any) -> str:
     return "other"
 
 
+UNDECLARED_WRITES = {"aten::cudnn_batch_norm": (3, 4), "aten::miopen_batch_norm": (3, 4)}
+"""Ops whose kernels write inputs their schema says they only read, by argument position:
+cuDNN's and MIOpen's batch norm update the running statistics in training (argument 5 true;
+torch 2.11, an H200, 2026-12-05). A trace meets them only where torch's decompositions
+above autograd were off (:mod:`autopar.capture.step` traces with them on); a graph that
+still holds one has its writes seen, so nothing replays or moves them unawares."""
+
+
 def _schema_effects(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, tuple, tuple]:
     """(reads, writes, aliases) of an op call, from its schema's alias annotations."""
     reads = tuple(dict.fromkeys(_nodes_in((args, kwargs), [])))
@@ -289,6 +297,8 @@ def _schema_effects(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, tuple, t
             writes += found
         if note.aliased:
             aliases += found
+    if op._schema.name in UNDECLARED_WRITES and len(args) > 5 and args[5] is True:
+        writes += _nodes_in([args[i] for i in UNDECLARED_WRITES[op._schema.name]], [])
     return reads, tuple(dict.fromkeys(writes)), tuple(dict.fromkeys(aliases))
 
 

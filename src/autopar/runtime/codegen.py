@@ -346,30 +346,12 @@ _AS_STRIDED = torch.Tensor.as_strided  # the Python binding: 1.16 us, the op's C
 _FAST: dict[tuple, Any] = {}  # (op, argument types) -> the callable fast_call chose
 
 
-def _bn_functional(x: Any, w: Any, b: Any, running_mean: Any, running_var: Any,
-                   *rest: Any) -> Any:
-    """``_native_batch_norm_legit_functional`` on copies of the running statistics: on CUDA
-    (torch 2.11, an H200, 2026-12-05) the kernel also updates the tensors it is given in
-    place, though its schema writes nothing, so a CUDA-graph segment's warm-up run updated a
-    module's running statistics once more (its replay then updated them again)."""
-    return _BN_FUNCTIONAL(x, w, b, running_mean.clone(), running_var.clone(), *rest)
-
-
-_BN_FUNCTIONAL = torch.ops.aten._native_batch_norm_legit_functional.default._op
-_WRITES_ANYWAY = {torch.ops.aten._native_batch_norm_legit_functional.default: _bn_functional}
-"""Ops whose kernels write an input their schema says they only read, each with a callable
-that runs it on copies of those inputs."""
-
-
 def fast_call(node: Node) -> Any:
     """The fastest callable that runs exactly ``node.op`` on ``node``'s arguments (see the
-    module docstring): a Python binding that passed the check, else the op's C++ entry (an op
-    of :data:`_WRITES_ANYWAY` on copies of what it writes)."""
+    module docstring): a Python binding that passed the check, else the op's C++ entry."""
     op = node.op
     if type(op) is not torch._ops.OpOverload:
         return op
-    if op in _WRITES_ANYWAY:
-        return _WRITES_ANYWAY[op]
     key = (op, _kind(node.args), *((k, _kind(v)) for k, v in node.kwargs.items()))
     got = _FAST.get(key)
     if got is None:
