@@ -165,6 +165,35 @@ def test_one_cycle_learning_rate_and_betas_need_one_capture():
     assert len(betas) == 7
 
 
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_one_cycle_momentum_of_sgd_needs_one_capture(nesterov):
+    """``OneCycleLR`` steps SGD's ``momentum`` every step (0.95 down to 0.85 and back), and
+    SGD branches on ``momentum != 0``: the value is an input of the trace, its sign known to
+    it, so one capture serves every step, equal to eager's (each value was a capture, and
+    past the eighth the step ran unsplit)."""
+    momenta, _ = _followed_by_one_capture(
+        lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=nesterov),
+        lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=5e-2, total_steps=10), 7,
+        "momentum")
+    assert len(momenta) == 7
+
+
+def test_a_momentum_set_to_zero_is_another_capture_equal_to_eager():
+    """The trace knows momentum's sign: a group whose momentum becomes 0 (SGD then skips its
+    buffer) is another signature, traced again, never the graph of a nonzero momentum."""
+    model, ref = _net(), _net()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9) for m in (model, ref))
+    step = autopar.data_parallel(_step_of(model, opt, clip=None), devices=CPUS, shards=2)
+    ref_step = _step_of(ref, ref_opt, clip=None)
+    for k, (x, y) in enumerate(_batches(6)):
+        if k == 3:
+            for o in (opt, ref_opt):
+                o.param_groups[0]["momentum"] = 0.0
+        torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
+    assert_same_training(model, ref, opt, ref_opt)
+    assert sum(c is not None for c in step._compiled.values()) == 2
+
+
 def test_a_step_returning_loss_item_splits_and_returns_eagers_numbers():
     """``return loss.item(), k``, as hand-written loops log the loss: the graph reads the loss
     on the host, the step returns a Python float (and the constant), and it is split."""

@@ -20,14 +20,16 @@ Policy and invariants
   as 0-dim float64 tensors made for the call (:attr:`State.lifted`), then each optimizer's state
   tensors, then the ``.grad`` each parameter holds on entry (the step may zero it, set it to
   None or add into it: all three are traced).
-- A float ``lr`` (and each float of ``betas``: :data:`_LIFTED`) is an input of the trace, not
-  a constant in it: the optimizer sees the ``.item()`` of its tensor (a Python number the
-  graph computes on, the very double eager uses), so a scheduler stepped outside the step
-  (linear warm-up, cosine, one-cycle: a new value every step) needs no new capture. Every
-  other param group value is baked in.
+- A float ``lr`` (and each float of ``betas``, and ``momentum``: :data:`_LIFTED`) is an input
+  of the trace, not a constant in it: the optimizer sees the ``.item()`` of its tensor (a
+  Python number the graph computes on, the very double eager uses), so a scheduler stepped
+  outside the step (linear warm-up, cosine, one-cycle: a new value every step) needs no new
+  capture. Where the optimizer branches on such a value's sign (SGD's ``momentum != 0``) the
+  sign is part of the signature (:data:`_SIGNED`). Every other param group value is baked in.
 - :attr:`State.signature` keys the compiled graph: every tensor's metadata and whether each
   parameter holds a ``.grad``, each module's ``training`` flags, every param group's non-tensor
-  values but the lifted ones (``momentum``, ``weight_decay``, ``foreach``, ...) and the keys
+  values but the lifted ones (``weight_decay``, ``foreach``, ...; of a lifted one its sign
+  where it is signed) and the keys
   of each optimizer's state.
 - An optimizer left at ``foreach=None`` is traced on the path eager takes for the real
   parameters (foreach on CUDA), not the per-tensor loop its fake tensors would select.
@@ -93,7 +95,8 @@ class State:
                       for t in self.tensors)
         values = [_group_values(opt) for _, opt in self.optimizers]
         for o, i, key, _, _ in self.lifted:  # an input: its value is no part of the signature
-            values[o][i][key] = "input"
+            values[o][i][key] = ("input", _sign(values[o][i][key])) if key in _SIGNED \
+                else "input"
         groups = tuple(tuple(tuple(sorted(g.items())) for g in v) for v in values)
         states = tuple(tuple(tuple(sorted(s)) for s in opt.state.values())
                        for _, opt in self.optimizers)
@@ -138,8 +141,10 @@ class State:
                     for p, s in state.items()})
             for o, i, key, at, j in self.lifted:  # the optimizer reads the input's number
                 g = self.optimizers[o][1].param_groups[i]
-                g[key] = fakes[j].item() if at is None else \
-                    (*g[key][:at], fakes[j].item(), *g[key][at + 1:])
+                number = fakes[j].item()
+                if key in _SIGNED:  # the trace knows its sign, as the signature does
+                    _know_sign(number, _sign(g[key]))
+                g[key] = number if at is None else (*g[key][:at], number, *g[key][at + 1:])
             values = [_group_values(opt) for _, opt in self.optimizers]  # foreach chosen
             for g, p in self.grad_of.items():
                 fakes[p].grad = fakes[g]
@@ -208,10 +213,29 @@ class State:
             yield where.get(id(p), -1), set(s)
 
 
-_LIFTED = ("lr", "betas")
+_LIFTED = ("lr", "betas", "momentum")
 """Param group values a scheduler steps that are inputs of the trace where they are floats
-(``betas``: each of them, as ``OneCycleLR`` cycles Adam's ``beta1``). Not ``momentum``:
-SGD branches on ``momentum != 0``, which a traced number can't decide."""
+(``betas``: each of them, as ``OneCycleLR`` cycles Adam's ``beta1``; ``momentum``, as it
+cycles SGD's)."""
+
+_SIGNED = frozenset({"momentum"})
+"""Lifted values whose sign the optimizer branches on (SGD: ``if momentum != 0``): the trace
+is told the sign the value has (``torch._check``), and the signature holds it, so a value of
+another sign is another capture."""
+
+
+def _sign(x: float) -> int:
+    return (x > 0) - (x < 0)
+
+
+def _know_sign(number: Any, sign: int) -> None:
+    """Tell the trace that the traced ``number`` has ``sign``: comparisons with 0 then decide
+    without a guard on its value."""
+    if sign == 0:
+        torch._check(number == 0)
+        return
+    torch._check(number != 0)
+    torch._check(number > 0 if sign > 0 else number < 0)
 
 
 def _restore(opt: Optimizer, groups: list[dict], state: Any) -> None:
