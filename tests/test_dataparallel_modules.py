@@ -111,13 +111,50 @@ def test_held_gradients_zeroed_in_place_are_traced():
                                  shards=2)
     ref_step = _step_of(ref, ref_opt, None, set_to_none=False)
     grads = None
-    for x, y in _batches(4):
+    for k, (x, y) in enumerate(_batches(4)):
         torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
-        assert step.last is not None  # SGD without momentum has no state: traced at once
+        assert (step.last is not None) == (k > 0)  # the first call holds no .grad: as written
         if grads is None:
             grads = [p.grad for p in model.parameters()]
     # zero_grad(set_to_none=False) and backward wrote into the same .grad tensors, as eagerly
     assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+    assert_same_training(model, ref, opt, ref_opt)
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                  lambda ps: torch.optim.Adagrad(ps, lr=0.1)],
+                         ids=["sgd", "adagrad"])
+def test_an_optimizer_with_its_state_made_is_captured_once(make):
+    """SGD without momentum and Adagrad have their state before the first step, whose
+    parameters hold no ``.grad`` (backward then leaves them, for every later call): that call
+    runs as written, and one capture serves the rest (there were two, each a plan)."""
+    model, ref = _net(), _net()
+    opt, ref_opt = make(model.parameters()), make(ref.parameters())
+    step = autopar.data_parallel(_step_of(model, opt), devices=CPUS, shards=2)
+    ref_step = _step_of(ref, ref_opt)
+    for k, (x, y) in enumerate(_batches(5)):
+        torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
+        assert (step.last is not None) == (k > 0)
+    assert_same_training(model, ref, opt, ref_opt)
+    assert len(step._compiled) == 1
+
+
+def test_a_first_call_holding_grads_whose_optimizer_makes_its_state_runs_as_written(caplog):
+    """Parameters holding a ``.grad`` on the first call (a backward before it) are traced,
+    and AdamW makes its moments in that call: the trace is refused (``StateNotReady``), the
+    call runs as written, the next is captured; all equal to eager."""
+    model, ref = _net(), _net()
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    x = torch.randn(4, 8)
+    for m in (model, ref):
+        m(x).sum().backward()
+    step = autopar.data_parallel(_step_of(model, opt), devices=CPUS, shards=2)
+    ref_step = _step_of(ref, ref_opt)
+    with caplog.at_level(logging.INFO, logger="autopar"):
+        for k, (x, y) in enumerate(_batches(3)):
+            torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
+            assert (step.last is not None) == (k > 0)
+    assert "makes its state in this call" in caplog.text
     assert_same_training(model, ref, opt, ref_opt)
 
 

@@ -50,9 +50,13 @@ Policy and invariants
   unsplit through :func:`autopar.compile`, with one warning on the ``autopar`` logger (the
   first call that makes an optimizer's state: as written). Never a wrong result.
 - At most :data:`MAX_SIGNATURES` signatures are captured and planned (as dynamo's
-  ``recompile_limit``): a value that changes every call and is baked in (a scheduler's
-  SGD ``momentum``, a float argument) would make a capture, a plan and replicas a
-  call, and keep them all. Past the limit a new signature runs unsplit, said once.
+  ``recompile_limit``): a value that changes every call and is baked in (a float argument, a
+  param group value other than ``lr``, ``betas`` and ``momentum``, which are inputs of the
+  trace) would make a capture, a plan and replicas a call, and keep them all. Past the
+  limit a new signature runs unsplit, said once.
+- A training step's first call runs as written where no parameter holds a ``.grad``
+  (backward leaves them, so that call's signature is never seen again), as does the call
+  that makes an optimizer's state.
 """
 
 from __future__ import annotations
@@ -138,6 +142,7 @@ class DataParallelStep:
         self.last: _Compiled | None = None
         self.refused: str | None = None  # why every call runs unsplit, once known
         self.full: str | None = None  # why new signatures run unsplit, once known
+        self.calls = 0  # calls made (a first call with no .grad held runs as written)
 
     # -- compiling --------------------------------------------------------------------------
     def _compile(self, fn: Callable, args: Sequence[Any], state: State) -> _Compiled:
@@ -238,9 +243,13 @@ class DataParallelStep:
         n, fn = len(args), self.fn
         return (lambda *a: fn(*a[:n], **a[n])), (*args, kwargs)
 
-    def _prepared(self, fn: Callable, args: tuple) -> tuple[_Compiled | None, list | None]:
+    def _prepared(self, fn: Callable, args: tuple,
+                  first: bool = False) -> tuple[_Compiled | None, list | None]:
         """The signature's compiled form and its tensors (arguments', then the state's), or
-        (None, None) where it runs unsplit."""
+        (None, None) where it runs unsplit. ``first``: the step's first call, which raises
+        :class:`StateNotReady` (runs as written) where it would capture a training step whose
+        parameters hold no ``.grad``: backward leaves them, so every later call has another
+        signature (SGD without momentum, Adagrad: two captures and plans, where one serves)."""
         leaves, spec = tree_flatten(tuple(args))
         try:
             state = find_state(self.fn, args)
@@ -255,10 +264,15 @@ class DataParallelStep:
             if self.full is None:
                 self.full = (f"{MAX_SIGNATURES} signatures captured, and this call's is "
                              "another: a value baked into the trace changes from call to call "
-                             "(a float argument, a param group's momentum that a "
-                             "scheduler steps?); new signatures run unsplit")
+                             "(a float argument, a param group value a scheduler "
+                             "steps other than lr, betas and momentum?); new signatures run "
+                             "unsplit")
                 log.warning("autopar: %s: %s", self.name, self.full)
             return None, None
+        if first and key not in self._compiled and state.optimizers and not state.grad_of:
+            raise StateNotReady("the step's first call, no parameter holding a .grad: runs as "
+                                "written (its backward leaves the .grads, and its optimizer "
+                                "any state it makes, for the next call to capture)")
         if key not in self._compiled:
             try:
                 self._compiled[key] = self._compile(fn, args, state)
@@ -273,8 +287,10 @@ class DataParallelStep:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.last = None
+        self.calls += 1
         try:
-            compiled, tensors = self._prepared(*self._packed(args, kwargs))
+            compiled, tensors = self._prepared(*self._packed(args, kwargs),
+                                               first=self.calls == 1)
         except StateNotReady as e:  # this call makes the optimizer's state: trace the next
             log.info("autopar: %s", e)
             return self.fn(*args, **kwargs)
