@@ -252,6 +252,7 @@ def step_on_gpus(model: torch.nn.Module, opt: torch.optim.Optimizer, k: int):
 
     step = module_step(model, opt)
     state = find_state(step, (x, t))
+    state = find_state(step, (x, t), state.floats.keys())  # lr, betas: inputs (as scheduled)
     captured = capture_step(step, (x, t), state=state)
     args = [x, t, *(v.detach().clone() for v in state.tensors), *captured.constants]
     want = SequentialRunner(captured.graph)(args)

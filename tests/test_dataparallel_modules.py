@@ -158,6 +158,28 @@ def test_a_first_call_holding_grads_whose_optimizer_makes_its_state_runs_as_writ
     assert_same_training(model, ref, opt, ref_opt)
 
 
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.9, centered=True),
+    lambda ps: torch.optim.NAdam(ps, lr=1e-2), lambda ps: torch.optim.Adamax(ps, lr=1e-2),
+    lambda ps: torch.optim.RAdam(ps, lr=1e-2)], ids=["rmsprop", "nadam", "adamax", "radam"])
+def test_other_optimizers_split_or_say_why_not(make, caplog):
+    """RMSprop, NAdam and Adamax split with one capture; RAdam branches on a number computed
+    from its step count (``rho_t > 5``), which no trace decides: it runs unsplit and says so.
+    All equal to eager."""
+    model, ref = _net(), _net()
+    opt, ref_opt = make(model.parameters()), make(ref.parameters())
+    step = autopar.data_parallel(_step_of(model, opt), devices=CPUS, shards=2)
+    ref_step = _step_of(ref, ref_opt)
+    with caplog.at_level(logging.WARNING, logger="autopar"):
+        for x, y in _batches(4):
+            torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
+    assert_same_training(model, ref, opt, ref_opt)
+    if isinstance(opt, torch.optim.RAdam):
+        assert step.last is None and "data-dependent" in caplog.text
+    else:
+        assert step.last is not None and len(step._compiled) == 1
+
+
 def _followed_by_one_capture(make_opt, make_sched, steps: int, key: str) -> tuple[set, Any]:
     """``steps`` steps split on two CPU workers and eagerly, ``make_sched(opt)`` stepped
     outside the step after each: every step equal to eager's, training equal after, one
@@ -190,6 +212,25 @@ def test_a_scheduler_stepped_outside_the_step_is_followed_by_one_capture(name):
         OPTIMIZERS[name], lambda o: torch.optim.lr_scheduler.LambdaLR(o, warm_then_decay), 8,
         "lr")
     assert len(rates) == 8 and type(opt.param_groups[0]["lr"]) is float
+
+
+def test_a_value_is_baked_in_until_it_changes_then_an_input():
+    """Constant hyperparameters stay constants of the trace (a host number a step can't be in
+    a CUDA graph); ``StepLR`` changes ``lr`` at the fourth call: one more capture, with ``lr``
+    an input, serves every later value; all equal to eager."""
+    model, ref = _net(), _net()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9) for m in (model, ref))
+    sched, ref_sched = (torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5)
+                        for o in (opt, ref_opt))
+    step = autopar.data_parallel(_step_of(model, opt), devices=CPUS, shards=2)
+    ref_step = _step_of(ref, ref_opt)
+    for k, (x, y) in enumerate(_batches(9)):
+        torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
+        assert step.varying == (set() if k < 3 else {(0, 0, "lr", None)})
+        sched.step()
+        ref_sched.step()
+    assert_same_training(model, ref, opt, ref_opt)
+    assert sum(c is not None for c in step._compiled.values()) == 2
 
 
 def test_one_cycle_learning_rate_and_betas_need_one_capture():

@@ -54,6 +54,10 @@ Policy and invariants
   param group value other than ``lr``, ``betas`` and ``momentum``, which are inputs of the
   trace) would make a capture, a plan and replicas a call, and keep them all. Past the
   limit a new signature runs unsplit, said once.
+- A param group's float ``lr``, ``betas`` or ``momentum`` is baked into the trace until a
+  call sees it changed since the call before (a scheduler stepped outside the step); from
+  then on it is an input of the trace (:mod:`autopar.capture.state`). The first call runs
+  as written, so a scheduler stepped after it is seen by the first capture.
 - A training step's first call runs as written where no parameter holds a ``.grad``
   (backward leaves them, so that call's signature is never seen again), as does the call
   that makes an optimizer's state.
@@ -143,6 +147,8 @@ class DataParallelStep:
         self.refused: str | None = None  # why every call runs unsplit, once known
         self.full: str | None = None  # why new signatures run unsplit, once known
         self.calls = 0  # calls made (a first call with no .grad held runs as written)
+        self._floats: dict[tuple, float] | None = None  # the last call's param group floats
+        self.varying: set[tuple] = set()  # those seen to change: lifted into the trace
 
     # -- compiling --------------------------------------------------------------------------
     def _compile(self, fn: Callable, args: Sequence[Any], state: State) -> _Compiled:
@@ -252,7 +258,13 @@ class DataParallelStep:
         signature (SGD without momentum, Adagrad: two captures and plans, where one serves)."""
         leaves, spec = tree_flatten(tuple(args))
         try:
-            state = find_state(self.fn, args)
+            state = find_state(self.fn, args, self.varying)
+            changed = {k for k, v in state.floats.items()
+                       if self._floats is not None and self._floats.get(k, v) != v}
+            self._floats = state.floats
+            if changed - self.varying:  # a scheduler steps it: an input from now on
+                self.varying |= changed
+                state = find_state(self.fn, args, self.varying)
         except Unsupported as e:  # the step names something no graph can replay
             if self.refused is None:
                 log.warning("autopar: running %s unsplit: %s", self.name, e)
