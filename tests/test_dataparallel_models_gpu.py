@@ -124,3 +124,36 @@ def test_the_default_on_one_gpu_keeps_the_step_as_written():
 def test_split_over_two_gpus_equals_eager_on_one(name, optimizer):
     step = _run(name, optimizer, 10, devices="cuda:0,cuda:1", shards=2)
     assert step.last.sharded.devices == ("cuda:0", "cuda:1")
+
+
+def test_scheduled_lr_and_momentum_under_cuda_graphs_on_one_gpu_equal_eager():
+    """``OneCycleLR`` steps SGD's ``lr`` and ``momentum`` every call: inputs of the trace from
+    the first capture, numbers the host reads each call, which no CUDA graph may bake in
+    (their ops stay on streams). Ten steps with ``cuda_graphs=True`` equal eager's, one
+    capture."""
+    from _steps import module_step
+
+    def net() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
+                                   torch.nn.Linear(64, 8)).cuda()
+
+    model, ref = net(), net()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9) for m in (model, ref))
+    sched, ref_sched = (torch.optim.lr_scheduler.OneCycleLR(o, max_lr=5e-2, total_steps=12)
+                        for o in (opt, ref_opt))
+    step = autopar.data_parallel(module_step(model, opt), devices="cuda:0", shards=1,
+                                 cuda_graphs=True)
+    ref_step = module_step(ref, ref_opt)
+    g = torch.Generator(device="cuda:0").manual_seed(1)
+    for _ in range(10):
+        x = torch.randn(64, 32, device="cuda:0", generator=g)
+        y = torch.randint(0, 8, (64,), device="cuda:0", generator=g)
+        torch.testing.assert_close(step(x, y), ref_step(x, y), rtol=1e-4, atol=1e-4)
+        sched.step()
+        ref_sched.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"],
+                                   ref_opt.state[q]["momentum_buffer"], rtol=1e-4, atol=1e-4)
+    assert len(step._compiled) == 1 and step.varying
