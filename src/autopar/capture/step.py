@@ -197,6 +197,10 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
                 f"the step reads a tensor that is not its argument in {op}{where}: "
                 f"{_not_arguments(fn, state)}; {_PASS_THEM}") from e
         first = (text.splitlines() or [type(e).__name__])[0]
+        if type(e).__name__ == "GuardOnDataDependentSymNode":  # a branch on a traced number
+            raise Unsupported(
+                f"can't trace the step{where}: {_code_line(e)} branches on a number computed "
+                f"from tensors, which a trace can't decide ({first[:160]})") from e
         raise Unsupported(f"can't trace the step{where}: {type(e).__name__}: {first}") from e
     finally:
         hook.remove()
@@ -289,8 +293,30 @@ def _user_line(e: BaseException) -> str:
     return where
 
 
-_LIBRARIES = (os.path.dirname(torch.__file__) + os.sep,
-              os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)
+def _code_line(e: BaseException) -> str:
+    """``file:line (function)`` of the innermost frame of ``e``'s traceback that is code the
+    user knows (theirs, or torch's libraries: ``torch/optim``, ``torch/nn``...) and not the
+    tracing machinery (``torch/fx``, fake and functional tensors, ``torch/__init__.py``'s
+    symbolic numbers), its path from torch's parent; ``an op`` if none."""
+    tb, found = e.__traceback__, "an op"
+    root = os.path.dirname(os.path.dirname(torch.__file__)) + os.sep
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if not code.co_filename.startswith(_MACHINERY):
+            path = code.co_filename
+            path = path[len(root):] if path.startswith(root) else os.path.basename(path)
+            found = f"{path}:{tb.tb_lineno} ({code.co_name})"
+        tb = tb.tb_next
+    return found
+
+
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+_AUTOPAR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_LIBRARIES = (_TORCH, _AUTOPAR)
+_MACHINERY = (_AUTOPAR, *(_TORCH + part for part in (
+    "fx", "_subclasses", "_ops.py", "__init__.py", "_tensor.py", "utils", "_dynamo", "_prims",
+    "_refs", "_decomp", "_functorch", "_compile.py", "_library", "overrides.py",
+    "_higher_order_ops", "sym_")))
 
 
 def _take_input_copies(graph: Graph) -> list[int]:
