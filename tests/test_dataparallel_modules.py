@@ -233,6 +233,8 @@ def test_a_value_is_baked_in_until_it_changes_then_an_input():
         ref_sched.step()
     assert_same_training(model, ref, opt, ref_opt)
     assert sum(c is not None for c in step._compiled.values()) == 2
+    assert "inputs of the trace, having changed between calls: opt.param_groups[0]['lr']" \
+        in step.explain()
 
 
 def test_one_cycle_learning_rate_and_betas_need_one_capture():

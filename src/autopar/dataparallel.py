@@ -149,6 +149,7 @@ class DataParallelStep:
         self.calls = 0  # calls made (a first call with no .grad held runs as written)
         self._floats: dict[tuple, float] | None = None  # the last call's param group floats
         self.varying: set[tuple] = set()  # those seen to change: lifted into the trace
+        self._float_names: dict[tuple, str] = {}
 
     # -- compiling --------------------------------------------------------------------------
     def _compile(self, fn: Callable, args: Sequence[Any], state: State) -> _Compiled:
@@ -200,6 +201,9 @@ class DataParallelStep:
         if not self._compiled:
             return f"{name}: not called yet"
         lines = [f"{name}: {self.full}"] if self.full else []
+        if self.varying:
+            lifted = ", ".join(self._float_names.get(k, str(k)) for k in sorted(self.varying))
+            lines.append(f"{name}: inputs of the trace, having changed between calls: {lifted}")
         for k, c in enumerate(self._compiled.values()):
             if c is None:
                 lines.append(f"{name} [{k}]: runs unsplit, through autopar.compile (see the "
@@ -261,7 +265,7 @@ class DataParallelStep:
             state = find_state(self.fn, args, self.varying)
             changed = {k for k, v in state.floats.items()
                        if self._floats is not None and self._floats.get(k, v) != v}
-            self._floats = state.floats
+            self._floats, self._float_names = state.floats, state.float_names
             if changed - self.varying:  # a scheduler steps it: an input from now on
                 self.varying |= changed
                 state = find_state(self.fn, args, self.varying)

@@ -91,6 +91,7 @@ class State:
     lifted: list[tuple[int, int, str, int | None, int]] = field(default_factory=list)
     # every float group value that may be lifted, lifted or not: (o, i, key, position) -> it
     floats: dict[tuple[int, int, str, int | None], float] = field(default_factory=dict)
+    float_names: dict[tuple[int, int, str, int | None], str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.modules or self.optimizers)
@@ -355,12 +356,13 @@ def find_state(fn: Callable, args: Sequence[Any],
                         type(x) is float for x in v) else []
                 for pos, x in floats:
                     state.floats[(o, i, key, pos)] = x
+                    state.float_names[(o, i, key, pos)] = \
+                        f"{var}.param_groups[{i}][{key!r}]" + ("" if pos is None else f"[{pos}]")
                     if (o, i, key, pos) not in varying:
                         continue
                     state.lifted.append((o, i, key, pos, len(state.tensors)))
                     state.tensors.append(torch.tensor(x, dtype=torch.float64, device="cpu"))
-                    state.names.append(f"{var}.param_groups[{i}][{key!r}]"
-                                       + ("" if pos is None else f"[{pos}]"))
+                    state.names.append(state.float_names[(o, i, key, pos)])
     for var, opt in state.optimizers:
         for p, s in opt.state.items():
             for key, v in s.items():
