@@ -18,6 +18,21 @@ def mlp_inputs(batch: int = 7, d_in: int = 6, hidden: int = 5, classes: int = 3,
     return (*(p.requires_grad_() for p in params), x, t)
 
 
+def small_net(device: str) -> torch.nn.Module:
+    """A 32-64-8 MLP with GELU on ``device``, the same weights every time."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
+                               torch.nn.Linear(64, 8)).to(device)
+
+
+def batches_on(device: str, n: int, seed: int = 1):
+    """``n`` batches ``(x, y)`` of 64 rows for :func:`small_net`, drawn on ``device``."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    for _ in range(n):
+        yield (torch.randn(64, 32, device=device, generator=g),
+               torch.randint(0, 8, (64,), device=device, generator=g))
+
+
 def module_step(model: torch.nn.Module, opt: torch.optim.Optimizer):
     """A training step as users write it over ``model`` and ``opt``: cross-entropy of
     ``model(x)`` against labels ``y``, ``backward()``, ``opt.step()``."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import autopar
-from _steps import bn_inputs, bn_step, mlp_inputs, module_step
+from _steps import batches_on, bn_inputs, bn_step, mlp_inputs, module_step, small_net
 from autopar.bench.workloads import w6_train_step
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -93,9 +93,7 @@ def test_cost_model_choice_runs_and_equals_eager():
 
 
 def net() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
-                               torch.nn.Linear(64, 8)).to("cuda:0")
+    return small_net("cuda:0")
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd-momentum"])
@@ -112,10 +110,7 @@ def test_module_steps_with_cuda_graphs_over_two_gpus_equal_eager_on_one(optimize
     opt, ref_opt = make_opt(model.parameters()), make_opt(ref.parameters())
     step = autopar.data_parallel(module_step(model, opt), devices=GPUS, shards=2, cuda_graphs=True)
     ref_step = module_step(ref, ref_opt)
-    g = torch.Generator(device="cuda:0").manual_seed(1)
-    for _ in range(10):
-        x = torch.randn(64, 32, device="cuda:0", generator=g)
-        y = torch.randint(0, 8, (64,), device="cuda:0", generator=g)
+    for x, y in batches_on("cuda:0", 10):
         torch.testing.assert_close(step(x, y), ref_step(x, y), rtol=1e-4, atol=1e-4)
     assert_same(list(model.parameters()), list(ref.parameters()))
     assert_same([p.grad for p in model.parameters()], [p.grad for p in ref.parameters()])

@@ -131,24 +131,16 @@ def test_scheduled_lr_and_momentum_under_cuda_graphs_on_one_gpu_equal_eager():
     the first capture, numbers the host reads each call, which no CUDA graph may bake in
     (their ops stay on streams). Ten steps with ``cuda_graphs=True`` equal eager's, one
     capture."""
-    from _steps import module_step
+    from _steps import batches_on, module_step, small_net
 
-    def net() -> torch.nn.Module:
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
-                                   torch.nn.Linear(64, 8)).cuda()
-
-    model, ref = net(), net()
+    model, ref = small_net("cuda:0"), small_net("cuda:0")
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9) for m in (model, ref))
     sched, ref_sched = (torch.optim.lr_scheduler.OneCycleLR(o, max_lr=5e-2, total_steps=12)
                         for o in (opt, ref_opt))
     step = autopar.data_parallel(module_step(model, opt), devices="cuda:0", shards=1,
                                  cuda_graphs=True)
     ref_step = module_step(ref, ref_opt)
-    g = torch.Generator(device="cuda:0").manual_seed(1)
-    for _ in range(10):
-        x = torch.randn(64, 32, device="cuda:0", generator=g)
-        y = torch.randint(0, 8, (64,), device="cuda:0", generator=g)
+    for x, y in batches_on("cuda:0", 10):
         torch.testing.assert_close(step(x, y), ref_step(x, y), rtol=1e-4, atol=1e-4)
         sched.step()
         ref_sched.step()
