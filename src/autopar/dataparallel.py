@@ -80,6 +80,7 @@ from .capture.step import StepGraph, capture_step
 from .choose import Trial
 from .cost.model import CostModel
 from .ir.collective import COMM
+from .ir.collector import paused
 from .ir.graph import Node
 from .ir.routing import cuda_indices
 from .machine.detect import load_machine
@@ -152,6 +153,7 @@ class DataParallelStep:
         self._float_names: dict[tuple, str] = {}
 
     # -- compiling --------------------------------------------------------------------------
+    @paused()  # capture and planning: millions of small objects, no cycles worth a pass
     def _compile(self, fn: Callable, args: Sequence[Any], state: State) -> _Compiled:
         step = capture_step(fn, args, name=self.name, state=state)
         cost = self._cost_model()
@@ -467,6 +469,7 @@ def relabel_step(step: StepGraph, state: State, device: str) -> None:
     relabel_devices(step.graph, "cpu", device, keep=counts)
 
 
+@paused()
 def predict_step(fn: Callable, args: Sequence[Any], machine: Any,
                  inputs_on: str | None = "cuda:0", batch_argnums: Sequence[int] | None = None,
                  shards: int | None = None, fuse: bool | str = "auto",
