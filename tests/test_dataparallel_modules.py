@@ -161,11 +161,12 @@ def test_a_first_call_holding_grads_whose_optimizer_makes_its_state_runs_as_writ
 @pytest.mark.parametrize("make", [
     lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.9, centered=True),
     lambda ps: torch.optim.NAdam(ps, lr=1e-2), lambda ps: torch.optim.Adamax(ps, lr=1e-2),
-    lambda ps: torch.optim.RAdam(ps, lr=1e-2)], ids=["rmsprop", "nadam", "adamax", "radam"])
+    lambda ps: torch.optim.RAdam(ps, lr=1e-2), lambda ps: torch.optim.ASGD(ps, lr=1e-2)],
+    ids=["rmsprop", "nadam", "adamax", "radam", "asgd"])
 def test_other_optimizers_split_or_say_why_not(make, caplog):
-    """RMSprop, NAdam and Adamax split with one capture; RAdam branches on a number computed
-    from its step count (``rho_t > 5``), which no trace decides: it runs unsplit and says so.
-    All equal to eager."""
+    """RMSprop, NAdam and Adamax split with one capture; RAdam and ASGD branch on a number
+    computed from their state (RAdam's ``rho_t > 5``, ASGD's ``mu != 1``), which no trace
+    decides: they run unsplit and say where. All equal to eager."""
     model, ref = _net(), _net()
     opt, ref_opt = make(model.parameters()), make(ref.parameters())
     step = autopar.data_parallel(_step_of(model, opt), devices=CPUS, shards=2)
@@ -174,9 +175,9 @@ def test_other_optimizers_split_or_say_why_not(make, caplog):
         for x, y in _batches(4):
             torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
     assert_same_training(model, ref, opt, ref_opt)
-    if isinstance(opt, torch.optim.RAdam):
+    if isinstance(opt, torch.optim.RAdam | torch.optim.ASGD):
         assert step.last is None
-        assert "torch/optim/radam.py:" in caplog.text and \
+        assert f"torch/optim/{type(opt).__name__.lower()}.py:" in caplog.text and \
             "branches on a number computed from tensors, which a trace can't decide" in caplog.text
     else:
         assert step.last is not None and len(step._compiled) == 1
