@@ -21,10 +21,10 @@ Policy and invariants
   a module's parameter may hold one (the step zeroes it, sets it to None or adds into it, as
   traced). After the call every ``.grad`` is what eager leaves.
 - The first call whose optimizer makes its state (Adam's moments, SGD's momentum buffers)
-  runs eagerly; the next call is traced. A param group's ``lr`` and ``betas`` (floats or
-  tensors) are inputs of the trace: a scheduler stepped outside the step needs no new
-  capture (2026-12-05; a float had been baked in, one capture and plan per value). Its other
-  values (``momentum``, ``weight_decay``, ...) are part of the signature.
+  runs eagerly; the next call is traced. A param group's tensor values are inputs of the
+  trace; its float ``lr``, ``betas`` and ``momentum`` become inputs once they change (below),
+  so a scheduler stepped outside the step needs no capture per value. Its other values
+  (``weight_decay``, ...) are part of the signature.
 - Batch inputs: ``batch_argnums`` (positions of tensor arguments, batch dim 0), else every
   tensor argument that doesn't require grad and whose dim 0 equals the first such one's. A step
   with no parameters (inference) must name them.
@@ -148,9 +148,9 @@ class DataParallelStep:
         self.refused: str | None = None  # why every call runs unsplit, once known
         self.full: str | None = None  # why new signatures run unsplit, once known
         self.calls = 0  # calls made (a first call with no .grad held runs as written)
-        self._floats: dict[tuple, float] | None = None  # the last call's param group floats
-        self.varying: set[tuple] = set()  # those seen to change: lifted into the trace
-        self._float_names: dict[tuple, str] = {}
+        # the last call's param group floats (State.floats), and those seen to change: lifted
+        self._floats: dict[tuple, tuple[str, float]] | None = None
+        self.varying: set[tuple] = set()
 
     # -- compiling --------------------------------------------------------------------------
     @paused()  # capture and planning: millions of small objects, no cycles worth a pass
@@ -204,7 +204,8 @@ class DataParallelStep:
             return f"{name}: not called yet"
         lines = [f"{name}: {self.full}"] if self.full else []
         if self.varying:
-            lifted = ", ".join(self._float_names.get(k, str(k)) for k in sorted(self.varying))
+            names = self._floats or {}
+            lifted = ", ".join(names[k][0] for k in sorted(self.varying) if k in names)
             lines.append(f"{name}: inputs of the trace, having changed between calls: {lifted}")
         for k, c in enumerate(self._compiled.values()):
             if c is None:
@@ -265,9 +266,9 @@ class DataParallelStep:
         leaves, spec = tree_flatten(tuple(args))
         try:
             state = find_state(self.fn, args, self.varying)
-            changed = {k for k, v in state.floats.items()
-                       if self._floats is not None and self._floats.get(k, v) != v}
-            self._floats, self._float_names = state.floats, state.float_names
+            was = self._floats or {}
+            changed = {k for k, (_, v) in state.floats.items() if k in was and was[k][1] != v}
+            self._floats = state.floats
             if changed - self.varying:  # a scheduler steps it: an input from now on
                 self.varying |= changed
                 state = find_state(self.fn, args, self.varying)

@@ -89,9 +89,10 @@ class State:
     # (optimizer, param group, key, position in a tuple or None, tensor index) of each float
     # group value lifted into a tensor input (see _LIFTED)
     lifted: list[tuple[int, int, str, int | None, int]] = field(default_factory=list)
-    # every float group value that may be lifted, lifted or not: (o, i, key, position) -> it
-    floats: dict[tuple[int, int, str, int | None], float] = field(default_factory=dict)
-    float_names: dict[tuple[int, int, str, int | None], str] = field(default_factory=dict)
+    # every float group value that may be lifted, lifted or not:
+    # (o, i, key, position) -> (its name, its value)
+    floats: dict[tuple[int, int, str, int | None], tuple[str, float]] = \
+        field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.modules or self.optimizers)
@@ -355,14 +356,13 @@ def find_state(fn: Callable, args: Sequence[Any],
                     list(enumerate(v)) if type(v) is tuple and all(
                         type(x) is float for x in v) else []
                 for pos, x in floats:
-                    state.floats[(o, i, key, pos)] = x
-                    state.float_names[(o, i, key, pos)] = \
-                        f"{var}.param_groups[{i}][{key!r}]" + ("" if pos is None else f"[{pos}]")
+                    name = f"{var}.param_groups[{i}][{key!r}]" + ("" if pos is None else f"[{pos}]")
+                    state.floats[(o, i, key, pos)] = name, x
                     if (o, i, key, pos) not in varying:
                         continue
                     state.lifted.append((o, i, key, pos, len(state.tensors)))
                     state.tensors.append(torch.tensor(x, dtype=torch.float64, device="cpu"))
-                    state.names.append(state.float_names[(o, i, key, pos)])
+                    state.names.append(name)
     for var, opt in state.optimizers:
         for p, s in opt.state.items():
             for key, v in s.items():

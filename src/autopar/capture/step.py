@@ -281,16 +281,22 @@ def _not_arguments(fn: Callable, state: State,
     return ", ".join(names.get(id(t), f"a tensor of shape {tuple(t.shape)}") for t in tensors)
 
 
+def _innermost(e: BaseException, outside: tuple[str, ...]) -> tuple[Any, int] | None:
+    """(code, line) of the innermost frame of ``e``'s traceback whose file is under none of
+    the ``outside`` paths, or None."""
+    tb, found = e.__traceback__, None
+    while tb is not None:
+        if not tb.tb_frame.f_code.co_filename.startswith(outside):
+            found = tb.tb_frame.f_code, tb.tb_lineno
+        tb = tb.tb_next
+    return found
+
+
 def _user_line(e: BaseException) -> str:
     """`` at file:line`` of the innermost frame of ``e``'s traceback outside torch and
     autopar (the user's line), or ''."""
-    tb, where = e.__traceback__, ""
-    while tb is not None:
-        path = tb.tb_frame.f_code.co_filename
-        if not path.startswith(_LIBRARIES):
-            where = f" at {os.path.basename(path)}:{tb.tb_lineno}"
-        tb = tb.tb_next
-    return where
+    found = _innermost(e, _LIBRARIES)
+    return "" if found is None else f" at {os.path.basename(found[0].co_filename)}:{found[1]}"
 
 
 def _code_line(e: BaseException) -> str:
@@ -298,16 +304,14 @@ def _code_line(e: BaseException) -> str:
     user knows (theirs, or torch's libraries: ``torch/optim``, ``torch/nn``...) and not the
     tracing machinery (``torch/fx``, fake and functional tensors, ``torch/__init__.py``'s
     symbolic numbers), its path from torch's parent; ``an op`` if none."""
-    tb, found = e.__traceback__, "an op"
+    found = _innermost(e, _MACHINERY)
+    if found is None:
+        return "an op"
+    code, line = found
     root = os.path.dirname(os.path.dirname(torch.__file__)) + os.sep
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if not code.co_filename.startswith(_MACHINERY):
-            path = code.co_filename
-            path = path[len(root):] if path.startswith(root) else os.path.basename(path)
-            found = f"{path}:{tb.tb_lineno} ({code.co_name})"
-        tb = tb.tb_next
-    return found
+    path = code.co_filename
+    path = path[len(root):] if path.startswith(root) else os.path.basename(path)
+    return f"{path}:{line} ({code.co_name})"
 
 
 _TORCH = os.path.dirname(torch.__file__) + os.sep
