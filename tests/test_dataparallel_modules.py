@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import autopar
+from autopar.capture.state import find_state
 
 CPUS = "cpu:0,cpu:1"
 TOL = {"rtol": 1e-4, "atol": 1e-5}
@@ -277,6 +278,21 @@ def test_a_momentum_set_to_zero_is_another_capture_equal_to_eager():
     assert sum(c is not None for c in step._compiled.values()) == 2
 
 
+def test_a_tuple_lifted_in_part_keeps_its_baked_items_in_the_signature():
+    """Only ``beta1`` lifted (``OneCycleLR`` cycles it): another ``beta1`` is the same
+    signature, another ``beta2`` (baked into the trace) is another."""
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = _step_of(model, opt)
+    args = next(iter(_batches(1)))
+
+    def signature(betas):
+        opt.param_groups[0]["betas"] = betas
+        return find_state(step, args, {(0, 0, "betas", 0)}).signature
+
+    assert signature((0.9, 0.999)) == signature((0.5, 0.999)) != signature((0.9, 0.9))
+
+
 def test_a_step_returning_loss_item_splits_and_returns_eagers_numbers():
     """``return loss.item(), k``, as hand-written loops log the loss: the graph reads the loss
     on the host, the step returns a Python float (and the constant), and it is split."""
@@ -470,8 +486,6 @@ def test_the_step_counts_torch_optim_keeps_on_the_host_are_found():
     """State.host_step_counts: Adam's step counts (one a parameter), found among the state's
     tensors by identity; none where the optimizer is capturable (its counts live on the
     parameters' device)."""
-    from autopar.capture.state import find_state
-
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.Adam(model.parameters())
     model(torch.randn(4, 3)).sum().backward()

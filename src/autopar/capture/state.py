@@ -102,9 +102,10 @@ class State:
         metas = tuple((tuple(t.shape), t.dtype, str(t.device), t.requires_grad)
                       for t in self.tensors)
         values = [_group_values(opt) for _, opt in self.optimizers]
-        for o, i, key, _, _ in self.lifted:  # an input: its value is no part of the signature
-            values[o][i][key] = ("input", _sign(values[o][i][key])) if key in _SIGNED \
-                else "input"
+        for o, i, key, at, _ in self.lifted:  # an input: its value is no part of the signature
+            v = values[o][i][key]
+            mark = ("input", _sign(v)) if key in _SIGNED else "input"
+            values[o][i][key] = mark if at is None else (*v[:at], mark, *v[at + 1:])
         groups = tuple(tuple(tuple(sorted(g.items())) for g in v) for v in values)
         states = tuple(tuple(tuple(sorted(s)) for s in opt.state.values())
                        for _, opt in self.optimizers)
