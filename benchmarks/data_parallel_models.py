@@ -6,7 +6,8 @@ on a preset: eager on one GPU against the best split, and the planning time.
     python benchmarks/data_parallel_models.py [--machines h200x2 h200x8] [--models ...]
                                               [--json out.json]
 
-Models: GPT-2 small (124M parameters, batch 16 x 512, AdamW; inference 64 x 512) and a
+Models: GPT-2 small (124M parameters, batch 16 x 512, AdamW; ``gpt2-fused``: with
+``fused=True``, its update one kernel; inference 64 x 512) and a
 ResNet-50 (Hugging Face's ResNet, the torchvision-shaped default config, batch 256 x 224 x 224,
 SGD with momentum; inference the same batch). The trace runs on fake tensors: nothing of the
 step is computed here (the optimizer's state is made by one step on zero gradients).
@@ -39,13 +40,13 @@ def _with_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad()
 
 
-def gpt2_small() -> tuple:
+def gpt2_small(fused: bool = False) -> tuple:
     import transformers
 
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=fused)
     _with_state(model, opt)
     ids = torch.randint(0, 50257, (16, 512))
 
@@ -55,7 +56,7 @@ def gpt2_small() -> tuple:
         loss.backward()
         opt.step()
         return loss.detach()
-    return "GPT-2 small, 16x512, AdamW", step, (ids,), (0,)
+    return f"GPT-2 small, 16x512, AdamW{' fused' if fused else ''}", step, (ids,), (0,)
 
 
 def resnet50() -> tuple:
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", nargs="+", default=["gpt2", "resnet50", *INFERENCE])
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
-    makers = {"gpt2": gpt2_small, "resnet50": resnet50, "gpt2-infer": gpt2_infer,
+    makers = {"gpt2": gpt2_small, "gpt2-fused": lambda: gpt2_small(fused=True),
+              "resnet50": resnet50, "gpt2-infer": gpt2_infer,
               "resnet50-infer": resnet50_infer}
     rows = []
     # eager: each op its own kernel on one GPU; unsplit: autopar's plan on one GPU, fused as

@@ -149,3 +149,31 @@ def test_scheduled_lr_and_momentum_under_cuda_graphs_on_one_gpu_equal_eager():
         torch.testing.assert_close(opt.state[p]["momentum_buffer"],
                                    ref_opt.state[q]["momentum_buffer"], rtol=1e-4, atol=1e-4)
     assert len(step._compiled) == 1 and step.varying
+
+
+@pytest.mark.parametrize("scheduled", [False, True])
+def test_a_fused_adamw_step_under_cuda_graphs_on_one_gpu_equals_eager(scheduled):
+    """``fused=True``: the trace holds the fused kernel's functional form. With ``lr``
+    constant the update is in a CUDA graph (its step counts live on the GPU); under a
+    scheduler ``lr`` is a host tensor the kernel reads (its ``tensor_lr`` overload), which
+    no graph may bake in. Eight steps equal eager's, one capture."""
+    from _steps import batches_on, module_step, small_net
+
+    model, ref = small_net("cuda:0"), small_net("cuda:0")
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (model, ref))
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda k: 0.8 ** k) for o in (opt, ref_opt)] \
+        if scheduled else []
+    step = autopar.data_parallel(module_step(model, opt), devices="cuda:0", shards=1,
+                                 cuda_graphs=True)
+    ref_step = module_step(ref, ref_opt)
+    for x, y in batches_on("cuda:0", 8):
+        torch.testing.assert_close(step(x, y), ref_step(x, y), rtol=1e-4, atol=1e-4)
+        for s in scheds:
+            s.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(opt.state[p][key], ref_opt.state[q][key],
+                                       rtol=1e-4, atol=1e-4)
+    assert len([c for c in step._compiled.values() if c is not None]) == 1
+    assert any("_fused_adamw" in str(n.op) for n in step.last.step.graph.ops)

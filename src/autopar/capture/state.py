@@ -29,7 +29,9 @@ Policy and invariants
   the host each call is an op no CUDA graph can hold (SGD's momentum, lifted, cut each GPU's
   update out of its graph: ResNet-50 over 4 GPUs of ``h200x8`` predicted 17.2 ms against
   16.0). Where the optimizer branches on a lifted value's sign (SGD's ``momentum != 0``) the
-  sign is part of the signature (:data:`_SIGNED`).
+  sign is part of the signature (:data:`_SIGNED`). Of a ``fused=True`` group only ``lr`` is
+  lifted, and its kernel is given the tensor itself (:data:`_FUSED_LIFTED`); a new value of
+  another (``OneCycleLR``'s ``beta1``) is a new capture.
 - :attr:`State.signature` keys the compiled graph: every tensor's metadata and whether each
   parameter holds a ``.grad``, each module's ``training`` flags, every param group's non-tensor
   values but the lifted ones (``weight_decay``, ``foreach``, ...; of a lifted one its sign
@@ -150,6 +152,9 @@ class State:
                     for p, s in state.items()})
             for o, i, key, at, j in self.lifted:  # the optimizer reads the input's number
                 g = self.optimizers[o][1].param_groups[i]
+                if g.get("fused"):  # the kernel takes the tensor (tensor_lr): no host read
+                    g[key] = fakes[j]
+                    continue
                 number = fakes[j].item()
                 if key in _SIGNED:  # the trace knows its sign, as the signature does
                     _know_sign(number, _sign(g[key]))
@@ -226,6 +231,11 @@ _LIFTED = ("lr", "betas", "momentum")
 """Param group values a scheduler steps that are inputs of the trace where they are floats
 (``betas``: each of them, as ``OneCycleLR`` cycles Adam's ``beta1``; ``momentum``, as it
 cycles SGD's)."""
+
+_FUSED_LIFTED = ("lr",)
+"""What is lifted of a ``fused=True`` group: its kernel (``_fused_adamw_``, ...) takes ``lr``
+as a tensor (its ``tensor_lr`` overload, which reads a host tensor's value as the float
+overload takes it) and every other value as a float, which a trace can't leave open."""
 
 _SIGNED = frozenset({"momentum"})
 """Lifted values whose sign the optimizer branches on (SGD: ``if momentum != 0``): the trace
@@ -351,7 +361,7 @@ def find_state(fn: Callable, args: Sequence[Any],
                     add(v, f"{var}.param_groups[{i}][{key!r}]")
     for o, (var, opt) in enumerate(state.optimizers):
         for i, g in enumerate(opt.param_groups):
-            for key in _LIFTED:  # inputs of the trace (see the module docstring)
+            for key in _FUSED_LIFTED if g.get("fused") else _LIFTED:  # see the docstring
                 v = g.get(key)
                 floats = [(None, v)] if type(v) is float else \
                     list(enumerate(v)) if type(v) is tuple and all(

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..ir.graph import Graph, Node
 from ..ir.logs import first_line
 from .direct import free_values
+from .fused import FunctionalFusedUpdates
 from .fx import Unsupported, from_fx, kept_unused
 from .state import State
 
@@ -111,7 +112,7 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
         for i, t in zip(tensor_at, fs):
             full[i] = t
         with mode, state.swapped(fs[n_args:], {id(r): f for r, f in zip(tensors, fs[:n_args])},
-                                 compiling=found["compiling"]):
+                                 compiling=found["compiling"]), FunctionalFusedUpdates():
             out = fn(*tree_unflatten(full, spec))
             after = {j: fs[j].grad for j in params}
         outs, out_spec = tree_flatten(out)
@@ -170,8 +171,7 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
         _drop_profiler_ranges(gm)
         if not functional:  # the plain trace made functional by a second one
             with torch.fx.traceback.preserve_node_meta():  # user lines carried, for messages
-                gm = make_fx(torch.func.functionalize(torch.fx.Interpreter(gm).run,
-                                                      remove="mutations"),
+                gm = make_fx(torch.func.functionalize(_replay(gm), remove="mutations"),
                              tracing_mode="fake")(*plain)
         return gm
 
@@ -217,6 +217,14 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
 _NUMBERS = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
 """What a step may return besides tensors: Python numbers (``loss.item()``: the graph reads
 it on the host, as eager does) and constants."""
+
+
+def _replay(gm: torch.fx.GraphModule) -> Callable:
+    """``gm``'s ops run again (for ``torch.func.functionalize``), fused updates functional."""
+    def run(*args: Any) -> Any:
+        with FunctionalFusedUpdates():
+            return torch.fx.Interpreter(gm).run(*args)
+    return run
 
 
 def _unwrapped(t: Any) -> Any:

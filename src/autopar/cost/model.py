@@ -57,7 +57,7 @@ import torch
 
 from autopar.ir.collective import COMM, inline, is_collective, take
 from autopar.ir.graph import Node, TensorMeta, op_name
-from autopar.ir.ops import SCALAR_FUNCTIONS
+from autopar.ir.ops import SCALAR_FUNCTIONS, is_fused_update
 from autopar.ir.routing import home_device, pool
 from autopar.machine.model import (
     Device,
@@ -421,6 +421,8 @@ class CostModel:
         read, written = node.in_bytes, _bytes_written(node)
         memory_s = ((dp.read_time(read, threads) if read else 0.0)
                     + (dp.write_time(written, threads) if written else 0.0))
+        if is_fused_update(node.op):
+            memory_s *= 2  # the functional form: its lists cloned, then updated
         return max(compute_s, memory_s)
 
     def node_time(self, node: Node, device: Device | str) -> float:

@@ -183,11 +183,7 @@ class Node:
 
     @property
     def tensor_metas(self) -> tuple[TensorMeta, ...]:
-        if isinstance(self.meta, TensorMeta):
-            return (self.meta,)
-        if isinstance(self.meta, tuple):
-            return tuple(m for m in self.meta if m is not None)
-        return ()
+        return _flat_metas(self.meta)
 
     @property
     def out_bytes(self) -> int:
@@ -212,6 +208,16 @@ class Node:
 
     def __repr__(self) -> str:
         return f"%{self.name or self.id}"
+
+
+def _flat_metas(meta: Any) -> tuple[TensorMeta, ...]:
+    """The tensors of a node's result, in order (a fused optimizer's result is a tuple of
+    lists: nested)."""
+    if isinstance(meta, TensorMeta):
+        return (meta,)
+    if isinstance(meta, tuple):
+        return tuple(m for x in meta for m in _flat_metas(x))
+    return ()
 
 
 def op_name(op: Any) -> str:

@@ -15,7 +15,8 @@ from .graph import LOCAL_SCALAR_DENSE
 PLAIN_VALUES = (int, float, bool, str, type(None))
 """Python values that stand for themselves: passed to an op, keyed or checked by value."""
 
-__all__ = ["SCALAR_FUNCTIONS", "SCALAR_OPS", "SIZE_OPS", "always_a_view", "known_number"]
+__all__ = ["SCALAR_FUNCTIONS", "SCALAR_OPS", "SIZE_OPS", "always_a_view", "is_fused_update",
+           "known_number"]
 
 _aten = torch.ops.aten
 SCALAR_OPS = frozenset({LOCAL_SCALAR_DENSE, _aten._assert_scalar.default,
@@ -50,6 +51,14 @@ def always_a_view(op: Any) -> bool:
             and len(op._schema.returns) == 1
             and isinstance(op._schema.returns[0].type, torch.TensorType))
     return got
+
+
+def is_fused_update(op: Any) -> bool:
+    """Is ``op`` a fused optimizer kernel (``torch.optim``'s ``fused=True``: ``_fused_adamw``
+    and the like, in place or functional)? One kernel over lists of parameters, gradients
+    and state; its functional form clones each list it writes, then updates the clones."""
+    return isinstance(op, torch._ops.OpOverload) and \
+        op._schema.name.startswith("aten::_fused_")
 
 
 def known_number(value: Any) -> int | float | bool | None:

@@ -85,6 +85,7 @@ import torch
 
 from ..ir.collective import COMM, all_reduce, take
 from ..ir.graph import INPUT, Graph, GraphError, Node, TensorMeta, op_kind
+from ..ir.ops import is_fused_update
 
 __all__ = ["MAX_REDUCE_CHUNKS", "REDUCE_CHUNK_BYTES", "RULES", "SCATTER_BYTES", "NotShardable",
            "Sharded", "Split",
@@ -554,8 +555,10 @@ class _Builder:
 
 
 def _is_foreach(op: Any) -> bool:
-    """``torch._foreach_*`` ops: pointwise over lists of tensors (norms: per tensor)."""
-    return isinstance(op, torch._ops.OpOverload) and op._schema.name.startswith("aten::_foreach_")
+    """``torch._foreach_*`` ops: pointwise over lists of tensors (norms: per tensor); and a
+    fused optimizer's update (``_fused_adamw``: one kernel over the same lists)."""
+    return is_fused_update(op) or (isinstance(op, torch._ops.OpOverload)
+                                   and op._schema.name.startswith("aten::_foreach_"))
 
 
 _REMADE = frozenset({aten.div.Tensor, aten.add.Tensor, aten.mul.Tensor, aten.sub.Tensor,
