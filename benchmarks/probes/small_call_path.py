@@ -3,8 +3,9 @@
 W3 with host data (``(x.to("cuda") @ y.to("cuda")).cpu()`` at 5x10x5, ``x``, ``y`` on the host;
 on a machine without a GPU, ``x @ y`` stands in) compiled with ``guards="arguments"``, its
 calls settled, then per call (medians of ``timeit`` rounds): the op on the host, the user's
-handle, the Direct entry it reaches, and the program the entry runs; and the sources of the
-entry and the program, so the path can be read as it runs.
+handle, the Direct entry it reaches, and the program the entry runs; the floor of any checked
+call on that host (a Python frame calling ``torch.mm``, then with the entry's two C checks); and
+the sources of the entry and the program, so the path can be read as it runs.
 
     python benchmarks/probes/small_call_path.py [--json out/small-call-path.json]
 """
@@ -24,6 +25,36 @@ from typing import Any
 def per_call_us(fn: Any, *args: Any, rounds: int = 7, number: int = 20000) -> float:
     return statistics.median(timeit.repeat(lambda: fn(*args), number=number, repeat=rounds)) \
         / number * 1e6
+
+
+def floors(x: Any, y: Any) -> dict[str, float]:
+    """The least a checked call can cost on this host: a Python function calling ``torch.mm``
+    (a frame), then with dynamo's C tensor check of the two arguments, then with its global
+    state check too (what an entry must check, #22's contract); each done on the host's
+    data, as W3's plan runs it."""
+    import torch
+    from torch._C._dynamo.guards import GlobalStateGuard
+
+    from autopar.capture.direct import layout_check
+
+    mm, match, state = torch.mm, layout_check([x, y]), GlobalStateGuard().check
+
+    def frame(a, b):
+        return mm(a, b)
+
+    def frame_tensors(a, b):
+        if not match(a, b):
+            return None
+        return mm(a, b)
+
+    def frame_tensors_state(a, b):
+        if not (state() and match(a, b)):
+            return None
+        return mm(a, b)
+
+    return {"floor: frame": per_call_us(frame, x, y),
+            "floor: + tensor check": per_call_us(frame_tensors, x, y),
+            "floor: + global state": per_call_us(frame_tensors_state, x, y)}
 
 
 def main() -> None:
@@ -55,6 +86,7 @@ def main() -> None:
                            "python": sys.version.split()[0], "kept": f.kept_way((x, y))}
     times = {"x @ y": per_call_us(lambda p, q: p @ q, x, y),
              "torch.mm": per_call_us(torch.mm, x, y), "handle": per_call_us(f, x, y)}
+    times.update(floors(x, y))
     from autopar.capture.direct import Direct
 
     direct = getattr(f, "_route", None)  # where one way serves every call: what a call runs
