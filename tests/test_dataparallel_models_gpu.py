@@ -177,3 +177,39 @@ def test_a_fused_adamw_step_under_cuda_graphs_on_one_gpu_equals_eager(scheduled)
                                        rtol=1e-4, atol=1e-4)
     assert len([c for c in step._compiled.values() if c is not None]) == 1
     assert any("_fused_adamw" in str(n.op) for n in step.last.step.graph.ops)
+
+
+def test_fp16_with_a_grad_scaler_and_fused_adamw_under_cuda_graphs_equals_eager():
+    """fp16 autocast, ``GradScaler`` and ``fused=True``: the inf check and the skip stay on
+    the GPU (the kernel's ``found_inf``), so the step is one graph; a batch with an inf skips
+    its update and halves the scale, as eagerly."""
+    from _steps import batches_on, small_net
+
+    model, ref = small_net("cuda:0"), small_net("cuda:0")
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (model, ref))
+    scaler, ref_scaler = (torch.amp.GradScaler("cuda", init_scale=2.0 ** 8) for _ in range(2))
+
+    def step_of(m, o, s):
+        def step(x, y):
+            o.zero_grad()
+            with torch.autocast("cuda", torch.float16):
+                loss = torch.nn.functional.cross_entropy(m(x), y)
+            s.scale(loss).backward()
+            s.step(o)
+            s.update()
+            return loss.detach()
+        return step
+
+    step = autopar.data_parallel(step_of(model, opt, scaler), devices="cuda:0", shards=1,
+                                 cuda_graphs=True)
+    ref_step = step_of(ref, ref_opt, ref_scaler)
+    for k, (x, y) in enumerate(batches_on("cuda:0", 8)):
+        if k == 4:
+            x = x.clone()
+            x[0, 0] = float("inf")
+        torch.testing.assert_close(step(x, y), ref_step(x, y), rtol=1e-3, atol=1e-3,
+                                   equal_nan=True)
+        assert scaler.get_scale() == ref_scaler.get_scale()
+    assert scaler.get_scale() == 2.0 ** 7 and step.last is not None
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)

@@ -272,6 +272,8 @@ class DataParallelStep:
             if changed - self.varying:  # a scheduler steps it: an input from now on
                 self.varying |= changed
                 state = find_state(self.fn, args, self.varying)
+        except StateNotReady:  # (a GradScaler before its first scale()): this call as written
+            raise
         except Unsupported as e:  # the step names something no graph can replay
             if self.refused is None:
                 log.warning("autopar: running %s unsplit: %s", self.name, e)

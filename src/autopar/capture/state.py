@@ -14,8 +14,12 @@ Policy and invariants
   once; a module inside another found one is not walked again. A tensor once (tied weights:
   its first name); a step argument is not state (an optimizer that steps an argument sees the
   argument's fake).
+- A ``torch.amp.GradScaler`` is state where every optimizer is fused (its kernel checks for
+  infs and skips itself on the device); with another, ``scaler.step`` branches on a host read:
+  :class:`~autopar.capture.fx.Unsupported` (:func:`_check_scaler`).
 - Tensors, in order: each module's parameters then buffers, then parameters an optimizer steps
-  that no module holds, then tensors among param groups' values (a tensor ``lr``, which a
+  that no module holds, then a GradScaler's scale and growth tracker, then tensors among
+  param groups' values (a tensor ``lr``, which a
   scheduler may change without a new capture), then each group's float ``lr`` and ``betas``
   as 0-dim float64 tensors made for the call (:attr:`State.lifted`), then each optimizer's state
   tensors, then the ``.grad`` each parameter holds on entry (the step may zero it, set it to
@@ -87,6 +91,7 @@ class State:
     names: list[str] = field(default_factory=list)
     grad_of: dict[int, int] = field(default_factory=dict)  # grad's index -> its parameter's
     schedulers: list[Any] = field(default_factory=list)  # restored after a trace
+    scalers: list[tuple[str, Any]] = field(default_factory=list)  # GradScalers (see _SCALER)
     foreach: bool | None = None  # a group's foreach=None in the trace (None: eager's choice)
     # (optimizer, param group, key, position in a tuple or None, tensor index) of each float
     # group value lifted into a tensor input (see _LIFTED)
@@ -113,7 +118,9 @@ class State:
                        for _, opt in self.optimizers)
         # train() / eval() changes what a module computes (batch norm, dropout): baked in
         modes = tuple(tuple(sub.training for sub in m.modules()) for _, m in self.modules)
-        return metas, tuple(sorted(self.grad_of)), groups, states, modes
+        scalers = tuple((sc._growth_factor, sc._backoff_factor, sc._growth_interval)
+                        for _, sc in self.scalers)  # baked into the trace
+        return metas, tuple(sorted(self.grad_of)), groups, states, modes, scalers
 
 
     @contextlib.contextmanager
@@ -134,6 +141,13 @@ class State:
                     module, {name: fake[id(t)] for name, t in named.items() if id(t) in fake}))
             for scheduler in self.schedulers:  # a scheduler stepped in the trace: undone
                 stack.callback(scheduler.load_state_dict, scheduler.state_dict())
+            for _, scaler in self.scalers:  # its tensors traced; its stages as they were
+                stack.callback(setattr, scaler, "_per_optimizer_states",
+                               scaler._per_optimizer_states)
+                for attr in _SCALER:
+                    real = getattr(scaler, attr)
+                    stack.callback(setattr, scaler, attr, real)
+                    setattr(scaler, attr, fake[id(real)])
             for _, opt in self.optimizers:
                 groups = [dict(g) for g in opt.param_groups]
                 state = opt.state
@@ -232,6 +246,26 @@ _LIFTED = ("lr", "betas", "momentum")
 (``betas``: each of them, as ``OneCycleLR`` cycles Adam's ``beta1``; ``momentum``, as it
 cycles SGD's)."""
 
+_SCALER = ("_scale", "_growth_tracker")
+"""A ``torch.amp.GradScaler``'s tensors, which its ``update()`` writes in place: state of the
+trace, as an optimizer's are."""
+
+
+def _check_scaler(name: str, scaler: Any, optimizers: Sequence[tuple[str, Any]]) -> None:
+    """A GradScaler can be traced where every optimizer it may step checks for infs on the
+    device (``fused=True``: the kernel takes the scale and ``found_inf`` and skips itself);
+    another's ``scaler.step`` reads ``found_inf`` on the host and branches on it."""
+    for var, opt in optimizers:
+        if not getattr(opt, "_step_supports_amp_scaling", False):
+            raise Unsupported(
+                f"the step uses the GradScaler {name} with {var} ({type(opt).__name__} "
+                "without fused=True): scaler.step reads on the host whether the gradients are "
+                "finite and branches on it, which one graph can't replay; a fused optimizer "
+                "checks on the device (fused=True), and bf16 autocast needs no scaler")
+    if any(getattr(scaler, attr) is None for attr in _SCALER):
+        raise StateNotReady(f"the GradScaler {name} makes its scale at its first scale() call")
+
+
 _FUSED_LIFTED = ("lr",)
 """What is lifted of a ``fused=True`` group: its kernel (``_fused_adamw_``, ...) takes ``lr``
 as a tensor (its ``tensor_lr`` overload, which reads a host tensor's value as the float
@@ -298,12 +332,7 @@ def find_state(fn: Callable, args: Sequence[Any],
     seen: set[int] = set()
 
     def visit(name: str, value: Any, depth: int = 1) -> None:
-        if isinstance(value, torch.amp.GradScaler):
-            raise Unsupported(
-                f"the step uses the GradScaler {name}: its step reads whether the gradients "
-                "are finite on the host and branches on it, which one graph can't replay; "
-                "with bf16 autocast no scaler is needed")
-        if isinstance(value, torch.nn.Module | Optimizer | LRScheduler):
+        if isinstance(value, torch.nn.Module | Optimizer | LRScheduler | torch.amp.GradScaler):
             if id(value) in seen:
                 return
             seen.add(id(value))
@@ -338,6 +367,10 @@ def find_state(fn: Callable, args: Sequence[Any],
     state.modules = [(n, m) for n, m in modules if id(m) not in inner]
     state.optimizers = [(n, o) for n, o in found if isinstance(o, Optimizer)]
     state.schedulers = [s for _, s in found if isinstance(s, LRScheduler)]
+    state.scalers = [(n, s) for n, s in found
+                     if isinstance(s, torch.amp.GradScaler) and s.is_enabled()]
+    for name, scaler in state.scalers:
+        _check_scaler(name, scaler, state.optimizers)
     at: dict[int, int] = {}
 
     def add(t: torch.Tensor, name: str) -> None:
@@ -353,6 +386,9 @@ def find_state(fn: Callable, args: Sequence[Any],
         for i, g in enumerate(opt.param_groups):
             for k, p in enumerate(g["params"]):
                 add(p, f"{var}.param_groups[{i}]['params'][{k}]")
+    for var, scaler in state.scalers:
+        for attr in _SCALER:
+            add(getattr(scaler, attr), f"{var}.{attr}")
     names_of = dict(zip(map(id, state.tensors), state.names))
     for var, opt in state.optimizers:
         for i, g in enumerate(opt.param_groups):
