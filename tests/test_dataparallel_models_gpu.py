@@ -179,14 +179,17 @@ def test_a_fused_adamw_step_under_cuda_graphs_on_one_gpu_equals_eager(scheduled)
     assert any("_fused_adamw" in str(n.op) for n in step.last.step.graph.ops)
 
 
-def test_fp16_with_a_grad_scaler_and_fused_adamw_under_cuda_graphs_equals_eager():
-    """fp16 autocast, ``GradScaler`` and ``fused=True``: the inf check and the skip stay on
-    the GPU (the kernel's ``found_inf``), so the step is one graph; a batch with an inf skips
-    its update and halves the scale, as eagerly."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_fp16_with_a_grad_scaler_under_cuda_graphs_equals_eager(fused):
+    """fp16 autocast and a ``GradScaler``. Fused: the inf check and the skip stay on the GPU
+    (the kernel's ``found_inf``). Foreach: the step runs and a ``where`` keeps what it wrote
+    where ``found_inf`` is set (the host step counts read it). A batch with an inf skips its
+    update and halves the scale, as eagerly."""
     from _steps import batches_on, small_net
 
     model, ref = small_net("cuda:0"), small_net("cuda:0")
-    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (model, ref))
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, fused=fused)
+                    for m in (model, ref))
     scaler, ref_scaler = (torch.amp.GradScaler("cuda", init_scale=2.0 ** 8) for _ in range(2))
 
     def step_of(m, o, s):

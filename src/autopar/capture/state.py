@@ -14,9 +14,10 @@ Policy and invariants
   once; a module inside another found one is not walked again. A tensor once (tied weights:
   its first name); a step argument is not state (an optimizer that steps an argument sees the
   argument's fake).
-- A ``torch.amp.GradScaler`` is state where every optimizer is fused (its kernel checks for
-  infs and skips itself on the device); with another, ``scaler.step`` branches on a host read:
-  :class:`~autopar.capture.fx.Unsupported` (:func:`_check_scaler`).
+- A ``torch.amp.GradScaler`` is state: its scale and growth tracker are tensors of the trace.
+  A fused optimizer's kernel checks for infs and skips itself on the device; another's
+  ``scaler.step`` reads ``found_inf`` on the host and branches on it, which the trace replaces
+  by a ``where`` per tensor the step writes (:func:`_branch_free_step`).
 - Tensors, in order: each module's parameters then buffers, then parameters an optimizer steps
   that no module holds, then a GradScaler's scale and growth tracker, then tensors among
   param groups' values (a tensor ``lr``, which a
@@ -144,6 +145,8 @@ class State:
             for _, scaler in self.scalers:  # its tensors traced; its stages as they were
                 stack.callback(setattr, scaler, "_per_optimizer_states",
                                scaler._per_optimizer_states)
+                scaler._maybe_opt_step = _branch_free_step  # (the instance's, for the trace)
+                stack.callback(delattr, scaler, "_maybe_opt_step")
                 for attr in _SCALER:
                     real = getattr(scaler, attr)
                     stack.callback(setattr, scaler, attr, real)
@@ -251,19 +254,36 @@ _SCALER = ("_scale", "_growth_tracker")
 trace, as an optimizer's are."""
 
 
-def _check_scaler(name: str, scaler: Any, optimizers: Sequence[tuple[str, Any]]) -> None:
-    """A GradScaler can be traced where every optimizer it may step checks for infs on the
-    device (``fused=True``: the kernel takes the scale and ``found_inf`` and skips itself);
-    another's ``scaler.step`` reads ``found_inf`` on the host and branches on it."""
-    for var, opt in optimizers:
-        if not getattr(opt, "_step_supports_amp_scaling", False):
-            raise Unsupported(
-                f"the step uses the GradScaler {name} with {var} ({type(opt).__name__} "
-                "without fused=True): scaler.step reads on the host whether the gradients are "
-                "finite and branches on it, which one graph can't replay; a fused optimizer "
-                "checks on the device (fused=True), and bf16 autocast needs no scaler")
+def _check_scaler(name: str, scaler: Any) -> None:
     if any(getattr(scaler, attr) is None for attr in _SCALER):
         raise StateNotReady(f"the GradScaler {name} makes its scale at its first scale() call")
+
+
+def _branch_free_step(optimizer: Optimizer, optimizer_state: dict, *args: Any,
+                      **kwargs: Any) -> Any:
+    """``GradScaler._maybe_opt_step`` as a trace can take it: eager reads ``found_inf`` on the
+    host and steps only where it is 0; here the step always runs, and every tensor it may
+    write (the parameters and the optimizer's state) keeps its value from before where
+    ``found_inf`` is not 0 (a ``where`` each: what eager leaves, bit for bit, without the
+    host's branch; the values before are copies, made before the step). A fused optimizer
+    takes the scaler's other path (its kernel skips itself) and never comes here."""
+    parts = list(optimizer_state["found_inf_per_device"].values())
+    found = parts[0]
+    for part in parts[1:]:
+        found = found + part.to(found.device)
+    written = [p for g in optimizer.param_groups for p in g["params"]]
+    written += [v for st in optimizer.state.values() for v in st.values()
+                if isinstance(v, torch.Tensor)]
+    with torch.no_grad():
+        before = [t.clone() for t in written]
+    out = optimizer.step(*args, **kwargs)
+    skip: dict[torch.device, torch.Tensor] = {}
+    with torch.no_grad():
+        for t, was in zip(written, before):
+            if t.device not in skip:
+                skip[t.device] = found.to(t.device) > 0
+            t.copy_(torch.where(skip[t.device], was, t))
+    return out
 
 
 _FUSED_LIFTED = ("lr",)
@@ -370,7 +390,7 @@ def find_state(fn: Callable, args: Sequence[Any],
     state.scalers = [(n, s) for n, s in found
                      if isinstance(s, torch.amp.GradScaler) and s.is_enabled()]
     for name, scaler in state.scalers:
-        _check_scaler(name, scaler, state.optimizers)
+        _check_scaler(name, scaler)
     at: dict[int, int] = {}
 
     def add(t: torch.Tensor, name: str) -> None:
