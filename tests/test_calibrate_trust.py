@@ -78,6 +78,10 @@ def test_other_processes_share_is_read_from_the_host():
     start = calibrate_mod._cpu_busy()
     if start is None:
         pytest.skip("no /proc/stat")
+    time.sleep(0.3)
+    if (idle := calibrate_mod._other_cpu_share(start)) > 0.25:  # (a test run beside this one)
+        pytest.skip(f"other processes use {idle:.0%} of the cores while this one sleeps")
+    start = calibrate_mod._cpu_busy()
     sum(range(3_000_000))  # own work
     assert calibrate_mod._other_cpu_share(start) < 0.5
     spinner = subprocess.Popen([sys.executable, "-c",
