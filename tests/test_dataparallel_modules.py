@@ -122,6 +122,33 @@ def test_a_fused_optimizer_in_a_step_traced_twice_equals_eager(optimizer, caplog
     assert_same_training(model, ref, opt, ref_opt)
 
 
+@pytest.mark.parametrize("kind", ["grad", "post-accumulate"])
+def test_hooks_on_parameters_are_traced(kind):
+    """A hook on a parameter's gradient (``register_hook``: halved) or on its accumulated
+    ``.grad`` (``register_post_accumulate_grad_hook``: a row frozen) runs in the split step as
+    eagerly: the trace's own leaves carry the user's hooks (they had been skipped, silently)."""
+    def hooked() -> torch.nn.Module:
+        m = _net()
+        if kind == "grad":
+            m[0].weight.register_hook(lambda g: g * 0.5)
+        else:
+            def freeze_row(p):
+                p.grad[0] = 0.0
+            m[3].weight.register_post_accumulate_grad_hook(freeze_row)
+        return m
+
+    model, ref = hooked(), hooked()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    step = autopar.data_parallel(_step_of(model, opt, None), devices=CPUS, shards=2)
+    ref_step = _step_of(ref, ref_opt, None)
+    for x, y in _batches(4):
+        torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
+    assert step.last is not None
+    assert_same_training(model, ref, opt, ref_opt)
+    if kind != "grad":
+        assert not model[3].weight.grad[0].any()
+
+
 def test_held_gradients_zeroed_in_place_are_traced():
     model, ref = _net(), _net()
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), \

@@ -108,6 +108,8 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
                 fs = [FunctionalTensor.to_functional(t) for t in ts]
             for j in params:
                 fs[j].requires_grad_()
+        for j in params:
+            _hooks_onto(tensors[j], fs[j])
         full = list(leaves)
         for i, t in zip(tensor_at, fs):
             full[i] = t
@@ -217,6 +219,17 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
 _NUMBERS = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
 """What a step may return besides tensors: Python numbers (``loss.item()``: the graph reads
 it on the host, as eager does) and constants."""
+
+
+def _hooks_onto(real: torch.Tensor, traced: torch.Tensor) -> None:
+    """The hooks the user put on a parameter (``register_hook``: on its gradient as backward
+    computes it; ``register_post_accumulate_grad_hook``: once its ``.grad`` is accumulated)
+    put on the leaf that stands for it in the trace, so that they are traced as eager runs
+    them (the functional trace makes leaves of its own, which carry none)."""
+    for hook in (real._backward_hooks or {}).values():
+        traced.register_hook(hook)
+    for hook in (getattr(real, "_post_accumulate_grad_hooks", None) or {}).values():
+        traced.register_post_accumulate_grad_hook(hook)
 
 
 def _replay(gm: torch.fx.GraphModule) -> Callable:
