@@ -642,3 +642,98 @@ def test_steps_with_segments_replayed_as_graphs_equal_eager(optimizer, monkeypat
 
 def _optimizer_state(opt) -> list[torch.Tensor]:
     return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
+_SEEN = {"calls": 0}
+_LOSSES: list = []
+
+
+def test_a_step_that_changes_python_state_runs_as_written_and_says_why(caplog):
+    """A counter in a global dict and a list of losses, changed by the step: a replayed graph
+    would not change them again, and its trace ran the step's Python on fake tensors. The
+    trace is refused once (not again per signature), what it changed put back: every call
+    runs as written, so the counter, the list and the training are eager's."""
+    model, ref = _net(), _net()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+
+    def counting_of(m, o):
+        inner = _step_of(m, o)
+
+        def step(x, y):
+            loss = inner(x, y)
+            _SEEN["calls"] += 1
+            _LOSSES.append(loss)
+            return loss
+        return step
+
+    _SEEN["calls"], _LOSSES[:] = 0, []
+    step = autopar.data_parallel(counting_of(model, opt), devices=CPUS, shards=2)
+    with caplog.at_level(logging.WARNING, logger="autopar"):
+        for x, y in _batches(4):
+            step(x, y)
+    assert _SEEN["calls"] == 4 and len(_LOSSES) == 4
+    assert all(type(v) is torch.Tensor for v in _LOSSES)  # no fake tensor left behind
+    assert caplog.text.count("in Python as it runs") == 1
+    assert "_SEEN['calls'], _LOSSES in Python as it runs" in caplog.text
+    ref_step = _step_of(ref, ref_opt)
+    for x, y in _batches(4):
+        ref_step(x, y)
+    assert_same_training(model, ref, opt, ref_opt)
+
+
+def test_a_module_that_keeps_a_tensor_from_its_forward_is_left_with_a_real_one():
+    """A module that stores an auxiliary loss as an attribute in forward (as mixture-of-experts
+    layers do), read by the step: the trace's fake tensor is not left there."""
+    class Aux(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 4)
+            self.aux = None
+
+        def forward(self, x):
+            h = self.lin(x)
+            self.aux = h.pow(2).mean()
+            return h
+
+    torch.manual_seed(0)
+    model = Aux()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y) + 0.1 * model.aux
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    split = autopar.data_parallel(step, devices=CPUS, shards=2)
+    for x, y in _batches(3):
+        split(x, y)
+    assert split.last is None and "model.aux" in split.never
+    assert type(model.aux) is torch.Tensor and float(model.aux) > 0
+
+
+def test_a_python_value_the_step_reads_is_part_of_its_signature():
+    """A float in a dict the step reads (``cfg["scale"]``), changed between calls: each value
+    is a capture of its own, as dynamo guards it, never the graph of the old value."""
+    cfg = {"scale": 1.0}
+    model, ref = _net(), _net()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+
+    def scaled_of(m, o):
+        def step(x, y):
+            o.zero_grad()
+            loss = F.cross_entropy(m(x), y) * cfg["scale"]
+            loss.backward()
+            o.step()
+            return loss.detach()
+        return step
+
+    step = autopar.data_parallel(scaled_of(model, opt), devices=CPUS, shards=2)
+    ref_step = scaled_of(ref, ref_opt)
+    for k, (x, y) in enumerate(_batches(5)):
+        cfg["scale"] = 1.0 + (k >= 3)
+        torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
+    assert step.last is not None
+    assert sum(c is not None for c in step._compiled.values()) == 2
+    assert_same_training(model, ref, opt, ref_opt)

@@ -76,7 +76,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .capture.fake import relabel_devices
 from .capture.fx import Unsupported
 from .capture.state import State, StateNotReady, find_state
-from .capture.step import StepGraph, capture_step
+from .capture.step import ChangesPython, StepGraph, capture_step
 from .choose import Trial
 from .cost.model import CostModel
 from .ir.collective import COMM
@@ -147,6 +147,7 @@ class DataParallelStep:
         self.last: _Compiled | None = None
         self.refused: str | None = None  # why every call runs unsplit, once known
         self.full: str | None = None  # why new signatures run unsplit, once known
+        self.never: str | None = None  # why no call will split (it changes Python state)
         self.calls = 0  # calls made (a first call with no .grad held runs as written)
         # the last call's param group floats (State.floats), and those seen to change: lifted
         self._floats: dict[tuple, tuple[str, float]] | None = None
@@ -203,6 +204,8 @@ class DataParallelStep:
         if not self._compiled:
             return f"{name}: not called yet"
         lines = [f"{name}: {self.full}"] if self.full else []
+        if self.never:
+            lines.append(f"{name}: every call runs unsplit: {self.never}")
         if self.varying:
             names = self._floats or {}
             lifted = ", ".join(names[k][0] for k in sorted(self.varying) if k in names)
@@ -263,6 +266,8 @@ class DataParallelStep:
         :class:`StateNotReady` (runs as written) where it would capture a training step whose
         parameters hold no ``.grad``: backward leaves them, so every later call has another
         signature (SGD without momentum, Adagrad: two captures and plans, where one serves)."""
+        if self.never is not None:
+            return None, None
         leaves, spec = tree_flatten(tuple(args))
         try:
             state = find_state(self.fn, args, self.varying)
@@ -285,7 +290,8 @@ class DataParallelStep:
             if self.full is None:
                 self.full = (f"{MAX_SIGNATURES} signatures captured, and this call's is "
                              "another: a value baked into the trace changes from call to call "
-                             "(a float argument, a param group value a scheduler "
+                             "(a float argument, a Python value the step reads, a param "
+                             "group value a scheduler "
                              "steps other than lr, betas and momentum?); new signatures run "
                              "unsplit")
                 log.warning("autopar: %s: %s", self.name, self.full)
@@ -302,6 +308,8 @@ class DataParallelStep:
             except (Unsupported, NotShardable) as e:
                 log.warning("autopar: running %s unsplit: %s", self.name, e)
                 self._compiled[key] = None
+                if isinstance(e, ChangesPython):  # so does every later signature's trace
+                    self.never = str(e)
         compiled = self._compiled[key]
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)] + state.tensors
         return compiled, tensors

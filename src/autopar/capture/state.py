@@ -70,6 +70,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.optimizer import _default_to_fused_or_foreach
 from torch.utils._pytree import tree_flatten
 
+from . import pystate
 from .direct import free_values
 from .fx import Unsupported
 
@@ -93,6 +94,7 @@ class State:
     grad_of: dict[int, int] = field(default_factory=dict)  # grad's index -> its parameter's
     schedulers: list[Any] = field(default_factory=list)  # restored after a trace
     scalers: list[tuple[str, Any]] = field(default_factory=list)  # GradScalers (see _SCALER)
+    python: tuple = ()  # the Python values the step reads (capture.pystate.read_key)
     foreach: bool | None = None  # a group's foreach=None in the trace (None: eager's choice)
     # (optimizer, param group, key, position in a tuple or None, tensor index) of each float
     # group value lifted into a tensor input (see _LIFTED)
@@ -121,7 +123,7 @@ class State:
         modes = tuple(tuple(sub.training for sub in m.modules()) for _, m in self.modules)
         scalers = tuple((sc._growth_factor, sc._backoff_factor, sc._growth_interval)
                         for _, sc in self.scalers)  # baked into the trace
-        return metas, tuple(sorted(self.grad_of)), groups, states, modes, scalers
+        return metas, tuple(sorted(self.grad_of)), groups, states, modes, scalers, self.python
 
 
     @contextlib.contextmanager
@@ -389,6 +391,7 @@ def find_state(fn: Callable, args: Sequence[Any],
     state.schedulers = [s for _, s in found if isinstance(s, LRScheduler)]
     state.scalers = [(n, s) for n, s in found
                      if isinstance(s, torch.amp.GradScaler) and s.is_enabled()]
+    state.python = pystate.read_key(pystate.watch(fn, ()))
     for name, scaler in state.scalers:
         _check_scaler(name, scaler)
     at: dict[int, int] = {}

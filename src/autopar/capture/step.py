@@ -19,16 +19,22 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..ir.graph import Graph, Node
 from ..ir.logs import first_line
+from . import pystate
 from .direct import free_values
 from .fused import FunctionalFusedUpdates
 from .fx import Unsupported, from_fx, kept_unused
 from .state import State
 
-__all__ = ["StepGraph", "capture_step"]
+__all__ = ["ChangesPython", "StepGraph", "capture_step"]
 
 log = logging.getLogger(__name__)
 
 _COPY_ = torch.ops.aten.copy_.default
+
+
+class ChangesPython(Unsupported):
+    """The step changes Python state as it runs (:mod:`autopar.capture.pystate`): no trace of
+    it can be replayed, whatever its signature."""
 
 
 @dataclass
@@ -177,6 +183,9 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
                              tracing_mode="fake")(*plain)
         return gm
 
+    places = pystate.watch(fn, state.modules)  # Python state the trace must leave alone
+    before = pystate.snapshot(places)
+    moved: list[str] = []
     hook = register_optimizer_step_pre_hook(refuse_optimizer)
     try:
         try:
@@ -206,6 +215,14 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
         raise Unsupported(f"can't trace the step{where}: {type(e).__name__}: {first}") from e
     finally:
         hook.remove()
+        moved = pystate.changed(places, before)
+        if moved:  # (fake tensors must not stay in user objects, whatever stopped the trace)
+            pystate.restore(places, before)
+    if moved:
+        raise ChangesPython(
+            f"the step changes {', '.join(moved[:3])} in Python as it runs, which a replayed "
+            "graph would not do again (put back as it was before the trace); return such "
+            "values from the step instead")
     graph, constants = from_fx(gm, name or getattr(fn, "__name__", "step"))
     outside = _held_outside(fn, constants)
     if outside:

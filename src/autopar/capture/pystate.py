@@ -1,0 +1,192 @@
+"""The Python values a traced training step reads and writes besides its tensors.
+
+A data-parallel step is traced once (:func:`autopar.capture.step.capture_step`) and its graph
+replayed. What the step does in Python runs during the trace only, on fake tensors, and never
+again: a counter it increments, a list it appends a loss to, an attribute a module sets in its
+forward (an auxiliary loss, a call count). And a Python value it reads (a float in a config
+dict, a flag it branches on) is baked into the graph. ``torch.compile`` guards the values its
+code reads and replays the writes; a replayed graph does neither, so both are watched here.
+
+Policy
+- Watched (:func:`watch`): the step's free values as :func:`~autopar.capture.state.find_state`
+  reaches them (the globals its code names and its closure cells, and those of the plain
+  functions among them; a bound method's object's attributes), one level into each that is a
+  list, tuple, dict or set or a plain object (its ``__dict__``); and each module's own
+  attributes (its ``__dict__`` but torch's bookkeeping: parameters, buffers, submodules and
+  hooks are watched elsewhere or not written by a forward).
+- A value is recorded as itself where it is a number, string, bytes, bool, None, a
+  ``torch.dtype`` or ``torch.device``; a list, dict or set as its identity, its length and its
+  first items (each so recorded, one level: so an append is seen); anything else by
+  identity.
+- Reads (:func:`read_key`): the records of the free values and of their items are part of the
+  step's signature, so a changed value is another capture (as dynamo guards them), never the
+  old graph. Module attributes are left out of the key (thousands of them in a transformer:
+  checked per call they would cost more than the step's dispatch); a plain number a module
+  holds that the user changes between calls is the one read not seen.
+- Writes (:func:`changed`, :func:`restore`): everything watched is recorded before the trace
+  and compared after it; a difference means the step changes Python state as it runs, which a
+  replayed graph would not do: the trace is refused, naming what changed, and what changed is
+  put back (fake tensors must not stay in user objects).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .direct import free_values
+
+__all__ = ["Watched", "changed", "read_key", "restore", "snapshot", "watch"]
+
+_PLAIN = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
+_CONTAINERS = (list, dict, set)
+_MAX_ITEMS = 64  # items of one container looked into
+# torch's own attributes of a module (watched elsewhere, or never written by a forward)
+_MODULE_OWN = frozenset({
+    "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_backward_pre_hooks",
+    "_backward_hooks", "_is_full_backward_hook", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
+    "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks", "training"})
+
+
+@dataclass
+class Watched:
+    """One place a value is read from: ``name`` (for messages), its holder and key there
+    (a dict, including a ``__dict__``, and a key; or a closure cell and None; or a list and an
+    index), and whether it is part of the signature (``read``)."""
+
+    name: str
+    holder: Any
+    key: Any
+    read: bool
+
+    def get(self) -> Any:
+        if isinstance(self.holder, dict):
+            return self.holder.get(self.key, _ABSENT)
+        if isinstance(self.holder, list):
+            return self.holder[self.key] if self.key < len(self.holder) else _ABSENT
+        try:
+            return self.holder.cell_contents
+        except ValueError:  # an empty cell
+            return _ABSENT
+
+    def put(self, value: Any) -> None:
+        if isinstance(self.holder, dict):
+            if value is _ABSENT:
+                self.holder.pop(self.key, None)
+            else:
+                self.holder[self.key] = value
+        elif isinstance(self.holder, list):
+            if self.key < len(self.holder):
+                self.holder[self.key] = value
+        elif value is not _ABSENT:
+            self.holder.cell_contents = value
+
+
+_ABSENT = object()
+
+
+def _record(value: Any) -> Any:
+    if isinstance(value, _PLAIN) and not isinstance(value, torch.SymInt | torch.SymFloat):
+        return value
+    if type(value) in _CONTAINERS:
+        return (id(value), _shallow(value))
+    return ("object", id(value))
+
+
+def _shallow(c: Any) -> Any:
+    """A container's length and its first items' identities (a dataset list of thousands is
+    not walked each call; an append changes the length)."""
+    if isinstance(c, dict):
+        return len(c), tuple((k, _item(v)) for k, v in list(c.items())[:_MAX_ITEMS])
+    if isinstance(c, set):
+        return len(c), frozenset(_item(v) for v in list(c)[:_MAX_ITEMS])
+    return len(c), tuple(_item(v) for v in c[:_MAX_ITEMS])
+
+
+def _item(v: Any) -> Any:
+    """A container's item: a plain value as itself (a float made anew each call is equal, not
+    identical), anything else by identity."""
+    return v if isinstance(v, _PLAIN) else ("object", id(v))
+
+
+def watch(fn: Callable, modules: Sequence[tuple[str, torch.nn.Module]]) -> list[Watched]:
+    """Every place the step ``fn`` may read a Python value from or write one to (see the
+    module docstring)."""
+    out: list[Watched] = []
+    seen: set[int] = set()
+
+    def one_level(name: str, value: Any) -> None:
+        if id(value) in seen:
+            return
+        seen.add(id(value))
+        if isinstance(value, dict):
+            for k in list(value)[:_MAX_ITEMS]:
+                out.append(Watched(f"{name}[{k!r}]", value, k, True))
+        elif isinstance(value, list):
+            for i in range(min(len(value), _MAX_ITEMS)):
+                out.append(Watched(f"{name}[{i}]", value, i, True))
+        elif not isinstance(value, torch.nn.Module | torch.Tensor | type | Callable) and \
+                type(getattr(value, "__dict__", None)) is dict and \
+                not type(value).__module__.startswith("torch"):
+            for k in list(vars(value))[:_MAX_ITEMS]:
+                out.append(Watched(f"{name}.{k}", vars(value), k, True))
+
+    functions: list[Callable] = [fn]
+    owner = getattr(fn, "__self__", None)
+    for f in functions:
+        for name, value, where in free_values(f):
+            holder, key = (where[1], where[2]) if where[0] == "global" else (where[1], None)
+            out.append(Watched(name, holder, key, True))
+            one_level(name, value)
+            if f is fn and hasattr(value, "__code__") and \
+                    all(value is not g for g in functions):
+                functions.append(value)
+    if owner is not None and not isinstance(owner, torch.nn.Module):
+        one_level("self", owner)
+    for var, module in modules:
+        for qual, m in module.named_modules(remove_duplicate=True):
+            for k in vars(m):
+                if k not in _MODULE_OWN:
+                    out.append(Watched(f"{var}.{qual}.{k}" if qual else f"{var}.{k}",
+                                       vars(m), k, False))
+    return out
+
+
+def read_key(watched: Sequence[Watched]) -> tuple:
+    """The records of the values a step reads (its part of the signature)."""
+    return tuple(_record(w.get()) for w in watched if w.read)
+
+
+def snapshot(watched: Sequence[Watched]) -> list[tuple[Any, Any]]:
+    """Each watched place's value and record, for :func:`changed` and :func:`restore`."""
+    out = []
+    for w in watched:
+        v = w.get()
+        out.append((v, _record(v), v.copy() if type(v) in _CONTAINERS else None))
+    return out
+
+
+def changed(watched: Sequence[Watched], before: list) -> list[str]:
+    """The names of the watched places whose values are not what ``before`` recorded (a
+    container: another object, or other items), the most precise: a dict whose item changed
+    is named by the item."""
+    names = [w.name for w, (_, record, _) in zip(watched, before) if _record(w.get()) != record]
+    return [n for n in names if not any(m != n and m.startswith((n + "[", n + "."))
+                                        for m in names)]
+
+
+def restore(watched: Sequence[Watched], before: list) -> None:
+    """Put back what :func:`snapshot` recorded (a container's items too)."""
+    for w, (value, _, items) in zip(watched, before):
+        if items is not None:  # the same object, its items as they were
+            if isinstance(value, list):
+                value[:] = items
+            else:
+                value.clear()
+                value.update(items)
+        w.put(value)
