@@ -737,3 +737,20 @@ def test_a_python_value_the_step_reads_is_part_of_its_signature():
     assert step.last is not None
     assert sum(c is not None for c in step._compiled.values()) == 2
     assert_same_training(model, ref, opt, ref_opt)
+
+
+def test_a_step_that_returns_nothing_splits():
+    """The most common way to write a step: no ``return``."""
+    model, ref = _net(), _net()
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    inner, ref_inner = _step_of(model, opt), _step_of(ref, ref_opt)
+
+    def step(x, y):
+        inner(x, y)
+
+    split = autopar.data_parallel(step, devices=CPUS, shards=2)
+    for x, y in _batches(4):
+        assert split(x, y) is None
+        ref_inner(x, y)
+    assert split.last is not None
+    assert_same_training(model, ref, opt, ref_opt)

@@ -124,10 +124,10 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
             out = fn(*tree_unflatten(full, spec))
             after = {j: fs[j].grad for j in params}
         outs, out_spec = tree_flatten(out)
-        bad = [o for o in outs if not isinstance(o, (torch.Tensor, *_NUMBERS))]
+        bad = [o for o in outs if not isinstance(o, (torch.Tensor, *_NUMBERS, type(None)))]
         if bad:
-            raise Unsupported(f"the step returns a {type(bad[0]).__name__}; only tensors and "
-                              "numbers (loss.item()) are captured")
+            raise Unsupported(f"the step returns a {type(bad[0]).__name__}; only tensors, "
+                              "numbers (loss.item()) and None are captured")
         grads = [j for j in params if after[j] is not None
                  and (j not in holds or after[j] is not fs[holds[j]])]
         cleared = [j for j in holds if after[j] is None]
