@@ -754,3 +754,31 @@ def test_a_step_that_returns_nothing_splits():
         ref_inner(x, y)
     assert split.last is not None
     assert_same_training(model, ref, opt, ref_opt)
+
+
+def test_one_hot_targets_split_and_an_out_of_range_class_still_raises():
+    """``F.one_hot`` checks its classes with ``_assert_async`` (an op that makes no tensor,
+    which had stopped the capture: "has no output metadata"); it runs as eager's does."""
+    model, ref = _net(), _net()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+
+    def step_of(m, o):
+        def step(x, y):
+            o.zero_grad()
+            loss = F.mse_loss(m(x).softmax(-1), F.one_hot(y, 4).float())
+            loss.backward()
+            o.step()
+            return loss.detach()
+        return step
+
+    step = autopar.data_parallel(step_of(model, opt), devices=CPUS, shards=2)
+    ref_step = step_of(ref, ref_opt)
+    for x, y in _batches(3):
+        torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
+    assert step.last is not None
+    assert_same_training(model, ref, opt, ref_opt)
+    x, y = _batches(1)[0]
+    y[2] = 4
+    with pytest.raises(RuntimeError):
+        step(x, y)
+    assert_same_training(model, ref, opt, ref_opt)  # nothing of the failed call applied

@@ -20,9 +20,12 @@ __all__ = ["SCALAR_FUNCTIONS", "SCALAR_OPS", "SIZE_OPS", "always_a_view", "is_fu
 
 _aten = torch.ops.aten
 SCALAR_OPS = frozenset({LOCAL_SCALAR_DENSE, _aten._assert_scalar.default,
+                        _aten._assert_async.default, _aten._assert_async.msg,
                         _aten.sym_constrain_range.default,
                         _aten.sym_constrain_range_for_size.default})
-"""ATen ops whose value is a Python number (or None): they run on the host."""
+"""ATen ops whose value is a Python number (or None): they run on the host (an
+``_assert_async``, as ``F.one_hot``'s range check: its condition, a 0-dim tensor, checked
+where it is, on a GPU by the device)."""
 SIZE_OPS = frozenset({_aten.sym_size.int, _aten.sym_stride.int, _aten.sym_numel.default,
                       _aten.sym_storage_offset.default})
 """Shape queries: their value is known when the shape is, and then becomes a constant."""
