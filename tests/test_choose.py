@@ -775,3 +775,32 @@ def test_a_trial_times_each_way_as_a_kept_call_enters_it(monkeypatch):
     eager = [got for name, got in given if name == "eager"]
     assert eager and all(g == f._plain_checked for g in eager)
     assert len(checks) >= len(eager)  # each eager turn paid the plain call's check
+
+
+def test_the_capturing_call_of_an_inference_is_checked_against_eager(caplog):
+    """The first call of a signature runs autopar's way as it captures: where the call can be
+    repeated, its results are compared with eager's before they are returned.
+    ``nn.TransformerEncoder`` in eval under ``no_grad`` with a padding mask takes eager's fast
+    path (nested tensors: padded rows are zeros), which dynamo's trace doesn't (they are
+    not): every call, the first too, gets eager's results, even with autopar's way the only
+    candidate."""
+    import logging
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.0)
+    model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+
+    def f(x, mask):
+        return model(x, src_key_padding_mask=mask)
+
+    mask = torch.zeros(3, 7, dtype=torch.bool)
+    mask[1, -2:] = mask[2, -4:] = True
+    x = torch.randn(3, 7, 16)
+    compiled = autopar.compile(f, devices="cpu:0,cpu:1", candidates=["autopar"])
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="autopar"):
+        want = f(x, mask)
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x, mask), want)
+    assert "the capturing call's results are not eager's" in caplog.text
+    assert "autopar left out (the capturing call's results differ from eager's" in \
+        autopar.api.dispatcher_of(compiled).explain()

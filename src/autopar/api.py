@@ -843,6 +843,22 @@ class Dispatcher:
             trials_log.warning("autopar: %s: the inductor way is left out: Inductor failed on "
                                "a graph (%s)", self.name, self.switch.failed)
             ways = tuple(w for w in ways if w != "inductor")
+        off = None
+        if self._repeatable():  # the capturing call's results (autopar's) are eager's?
+            # (dynamo's trace of TransformerEncoder skips eager's fast path, whose padded
+            # rows are zeros); each way's first trial call is checked again, as it runs there
+            want = self.fn(*args, **kwargs)
+            off = results_differ(out, want, low_precision=any_autocast_enabled())
+            if off is not None:
+                trials_log.warning("autopar: %s: the capturing call's results are not eager's "
+                                   "(%s): eager's are returned, and autopar's way is left out "
+                                   "for %s", self.name, off, _describe(key))
+                out = want
+                ways = tuple(w for w in ways if w != "autopar") or ("eager",)
+                self.verdicts.setdefault(key, []).append(
+                    f"autopar left out (the capturing call's results differ from eager's: "
+                    f"{off})")
+            del want
         split = self._split_candidate(args, kwargs, runner.executors[first:])
         if split is not None:
             ways = (*ways, "split")
