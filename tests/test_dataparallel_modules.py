@@ -782,3 +782,23 @@ def test_one_hot_targets_split_and_an_out_of_range_class_still_raises():
     with pytest.raises(RuntimeError):
         step(x, y)
     assert_same_training(model, ref, opt, ref_opt)  # nothing of the failed call applied
+
+
+def test_a_step_that_logs_still_splits():
+    """A logger's level cache fills as the step logs: not state of the step's (loggers are not
+    looked into), so the step still splits."""
+    log = logging.getLogger("autopar-test-train")
+    model, ref = _net(), _net()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    inner = _step_of(model, opt)
+
+    def step(x, y):
+        loss = inner(x, y)
+        log.debug("a step")
+        return loss
+
+    split = autopar.data_parallel(step, devices=CPUS, shards=2)
+    ref_step = _step_of(ref, ref_opt)
+    for x, y in _batches(3):
+        torch.testing.assert_close(split(x, y), ref_step(x, y), **TOL)
+    assert split.last is not None and split.never is None

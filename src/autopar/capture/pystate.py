@@ -11,7 +11,8 @@ Policy
 - Watched (:func:`watch`): the step's free values as :func:`~autopar.capture.state.find_state`
   reaches them (the globals its code names and its closure cells, and those of the plain
   functions among them; a bound method's object's attributes), one level into each that is a
-  list, tuple, dict or set or a plain object (its ``__dict__``); and each module's own
+  list, tuple, dict or set or a plain object (its ``__dict__``; not torch's objects nor
+  loggers); and each module's own
   attributes (its ``__dict__`` but torch's bookkeeping: parameters, buffers, submodules and
   hooks are watched elsewhere or not written by a forward).
 - A value is recorded as itself where it is a number, string, bytes, bool, None, a
@@ -44,6 +45,9 @@ __all__ = ["Watched", "changed", "read_key", "restore", "snapshot", "watch"]
 _PLAIN = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
 _CONTAINERS = (list, dict, set)
 _MAX_ITEMS = 64  # items of one container looked into
+# objects of these packages are not looked into: torch's own (optimizers, schedulers, scalers:
+# state of the trace), and loggers, whose level caches fill as a step logs
+_LIBRARIES = frozenset({"torch", "logging"})
 # torch's own attributes of a module (watched elsewhere, or never written by a forward)
 _MODULE_OWN = frozenset({
     "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_backward_pre_hooks",
@@ -132,7 +136,7 @@ def watch(fn: Callable, modules: Sequence[tuple[str, torch.nn.Module]]) -> list[
                 out.append(Watched(f"{name}[{i}]", value, i, True))
         elif not isinstance(value, torch.nn.Module | torch.Tensor | type | Callable) and \
                 type(getattr(value, "__dict__", None)) is dict and \
-                not type(value).__module__.startswith("torch"):
+                type(value).__module__.split(".")[0] not in _LIBRARIES:
             for k in list(vars(value))[:_MAX_ITEMS]:
                 out.append(Watched(f"{name}.{k}", vars(value), k, True))
 
