@@ -45,10 +45,10 @@ OPTIMIZERS = {
 
 
 def _step_of(model, opt, clip: float | None = 1.0, set_to_none: bool = True,
-             out=torch.Tensor.detach):
+             out=torch.Tensor.detach, loss_fn=F.cross_entropy):
     def step(x, y, scale: float = 1.0):
         opt.zero_grad(set_to_none=set_to_none)
-        loss = F.cross_entropy(model(x), y)
+        loss = loss_fn(model(x), y)
         if scale != 1.0:
             loss = loss * scale
         loss.backward()
@@ -720,17 +720,12 @@ def test_a_python_value_the_step_reads_is_part_of_its_signature():
     model, ref = _net(), _net()
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
 
-    def scaled_of(m, o):
-        def step(x, y):
-            o.zero_grad()
-            loss = F.cross_entropy(m(x), y) * cfg["scale"]
-            loss.backward()
-            o.step()
-            return loss.detach()
-        return step
+    def scaled_loss(out, y):
+        return F.cross_entropy(out, y) * cfg["scale"]
 
-    step = autopar.data_parallel(scaled_of(model, opt), devices=CPUS, shards=2)
-    ref_step = scaled_of(ref, ref_opt)
+    step = autopar.data_parallel(_step_of(model, opt, None, loss_fn=scaled_loss), devices=CPUS,
+                                 shards=2)
+    ref_step = _step_of(ref, ref_opt, None, loss_fn=scaled_loss)
     for k, (x, y) in enumerate(_batches(5)):
         cfg["scale"] = 1.0 + (k >= 3)
         torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
@@ -762,17 +757,12 @@ def test_one_hot_targets_split_and_an_out_of_range_class_still_raises():
     model, ref = _net(), _net()
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
 
-    def step_of(m, o):
-        def step(x, y):
-            o.zero_grad()
-            loss = F.mse_loss(m(x).softmax(-1), F.one_hot(y, 4).float())
-            loss.backward()
-            o.step()
-            return loss.detach()
-        return step
+    def one_hot_loss(out, y):
+        return F.mse_loss(out.softmax(-1), F.one_hot(y, 4).float())
 
-    step = autopar.data_parallel(step_of(model, opt), devices=CPUS, shards=2)
-    ref_step = step_of(ref, ref_opt)
+    step = autopar.data_parallel(_step_of(model, opt, None, loss_fn=one_hot_loss),
+                                 devices=CPUS, shards=2)
+    ref_step = _step_of(ref, ref_opt, None, loss_fn=one_hot_loss)
     for x, y in _batches(3):
         torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
     assert step.last is not None
