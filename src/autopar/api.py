@@ -832,6 +832,7 @@ class Dispatcher:
                 self._route = _Route(self._call)
         if self.forms is not None:
             self.forms.compiled()
+        before = self._versions(args, kwargs)
         out = self.compiled(*args, **kwargs)  # a new signature: autopar captures it first
         # under guards="arguments" autopar's way skips dynamo (capture.direct): a way of its
         # own even where its graphs are eager's ops (W1: dynamo already folded the bounds)
@@ -843,8 +844,8 @@ class Dispatcher:
             trials_log.warning("autopar: %s: the inductor way is left out: Inductor failed on "
                                "a graph (%s)", self.name, self.switch.failed)
             ways = tuple(w for w in ways if w != "inductor")
-        off = None
-        if self._repeatable():  # the capturing call's results (autopar's) are eager's?
+        if self._repeatable() and self._versions(args, kwargs) == before:
+            # the capturing call's results (autopar's) are eager's?
             # (dynamo's trace of TransformerEncoder skips eager's fast path, whose padded
             # rows are zeros); each way's first trial call is checked again, as it runs there
             want = self.fn(*args, **kwargs)
@@ -1134,16 +1135,16 @@ class Dispatcher:
         return (f"shapes {', '.join(shapes)} that vary" if shapes else "these arguments") + \
             (f" ({served} signatures ran its verdict)" if served else "")
 
-    def _versions(self, args: tuple, kwargs: dict) -> list[int]:
-        """The version counters of every tensor a call could write in place: its arguments
-        (in containers too) and, for a module, its parameters and buffers. A call that
-        changed one (aot_autograd's epilogue, an eager fallback's in-place op) must not be
-        repeated to check its results."""
+    def _versions(self, args: tuple, kwargs: dict) -> list[tuple]:
+        """The version counter and layout of every tensor a call could write in place: its
+        arguments (in containers too) and, for a module, its parameters and buffers. A call
+        that changed one (aot_autograd's epilogue, an eager fallback's in-place op, an
+        ``unsqueeze_`` of an argument) must not be repeated to check its results."""
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         owner = getattr(self.fn, "__self__", None)
         if isinstance(owner, torch.nn.Module):
             tensors += [*owner.parameters(), *owner.buffers()]
-        return [t._version for t in tensors]
+        return [(t._version, t.shape, t.stride(), t.storage_offset()) for t in tensors]
 
     def _graphs_may_pay(self, trial: Trial) -> bool:
         """Whether a decided trial calls for a second one, of its winner against CUDA graphs
