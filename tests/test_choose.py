@@ -804,3 +804,70 @@ def test_the_capturing_call_of_an_inference_is_checked_against_eager(caplog):
     assert "the capturing call's results are not eager's" in caplog.text
     assert "autopar left out (the capturing call's results differ from eager's" in \
         autopar.api.dispatcher_of(compiled).explain()
+
+
+class _Stream(torch.nn.Module):
+    """Keeps state between calls: its output feeds the next call (an attribute or a buffer
+    assigned anew, not written in place)."""
+
+    def __init__(self, buffer: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(4, 4)
+        if buffer:
+            self.register_buffer("state", torch.zeros(4))
+        else:
+            self.state = torch.zeros(4)
+
+    def forward(self, x):
+        out = self.fc(x) + self.state
+        self.state = out.detach().mean(0)
+        return out
+
+
+@pytest.mark.parametrize("buffer", [False, True])
+def test_a_module_that_keeps_state_between_calls_is_never_called_twice(buffer):
+    """The measured choice checks a way by calling again on the same arguments; a call that
+    changed Python state (here the module's) can't be repeated: every call equals eager's,
+    the state too."""
+    model, ref = _Stream(buffer), _Stream(buffer)
+    compiled = autopar.compile(model, devices="cpu:0,cpu:1")
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(8):
+            torch.testing.assert_close(compiled(x), ref(x))
+    torch.testing.assert_close(model.state, ref.state)
+    assert autopar.api.dispatcher_of(compiled).impure is not None
+
+
+def test_hooks_python_random_and_generators_run_once_a_call():
+    """A forward hook collecting features, ``random.random()`` and a ``torch.Generator``
+    argument: each call runs them once, as eager does (the checks had called the function
+    again: 13 hook calls for 10, other random numbers than eager's)."""
+    import random
+
+    feats: list = []
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).eval()
+    model[0].register_forward_hook(lambda m, i, o: feats.append(o))
+    compiled = autopar.compile(model)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for _ in range(10):
+            compiled(x)
+    assert len(feats) == 10
+
+    def jitter(x):
+        return x * random.random()
+
+    def noisy(x, g):
+        return x + torch.randn(x.shape, generator=g)
+
+    for f, extra in ((jitter, ()), (noisy, (torch.Generator().manual_seed(1),))):
+        compiled = autopar.compile(f)
+        twin = [torch.Generator().manual_seed(1)] if extra else []
+        random.seed(0)
+        got = [compiled(x, *extra) for _ in range(5)]
+        random.seed(0)
+        want = [f(x, *twin) for _ in range(5)]
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)

@@ -44,6 +44,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from .capture import pystate
 from .capture.direct import Direct, layout_check, positional_entry
 from .capture.dynamo import (
     WaySwitch,
@@ -712,6 +713,9 @@ class Dispatcher:
         self.families: dict[Family, dict[Any, None]] = {}
         self._by_family: set[Any] = set()  # signatures kept as their family's verdict
         self._checked: set[tuple[Any, str]] = set()  # (signature, way) whose results were checked
+        #: what the function's capturing call changed besides its tensors (Python state, a
+        #: random generator's), once seen: then no call is repeated to check its results
+        self.impure: str | None = None
         self.only: Callable | None = None  #: the one way every call takes, once settled
         self._route: Any = _Route(self._call)  # what a call runs: its ``head`` (``__call__``)
         # the latest plain call: its grad mode, weak references to its tensors (in order),
@@ -833,7 +837,13 @@ class Dispatcher:
         if self.forms is not None:
             self.forms.compiled()
         before = self._versions(args, kwargs)
+        places = self._places()
+        world = pystate.world(places, (args, kwargs)) if self.impure is None else None
         out = self.compiled(*args, **kwargs)  # a new signature: autopar captures it first
+        if world is not None and pystate.world(places, (args, kwargs)) != world:
+            self.impure = "the call changes Python state or draws from a random generator"
+            trials_log.info("autopar: %s: %s: its calls are not repeated to check them",
+                            self.name, self.impure)
         # under guards="arguments" autopar's way skips dynamo (capture.direct): a way of its
         # own even where its graphs are eager's ops (W1: dynamo already folded the bounds)
         ways = candidates(autopar_differs=bool(runner.planned or runner.folded
@@ -998,8 +1008,20 @@ class Dispatcher:
 
     def _repeatable(self) -> bool:
         """Whether calling the function again on this call's arguments gives the same results:
-        an inference call whose graphs neither write in place nor draw random numbers."""
-        return self._inference() and not self.runner.writes and not self.runner.random
+        an inference call whose graphs neither write in place nor draw random numbers, of a
+        function whose capturing calls changed no Python state and drew from no generator
+        (:func:`autopar.capture.pystate.world`: a module that keeps state between calls,
+        ``random.random()``, a ``torch.Generator`` argument)."""
+        return self.impure is None and self._inference() and not self.runner.writes and \
+            not self.runner.random
+
+    def _places(self) -> list:
+        """Where the function may keep Python state (:func:`autopar.capture.pystate.watch`):
+        its free values, and a module's forward's and the module's own attributes."""
+        owner = getattr(self.fn, "__self__", None)
+        if isinstance(owner, torch.nn.Module):
+            return pystate.watch(owner.forward, [("self", owner)])
+        return pystate.watch(self.fn, [])
 
     def _wrong(self, way: str, out: Any, args: tuple, kwargs: dict,
                eager: bool = True) -> tuple[str | None, Any]:

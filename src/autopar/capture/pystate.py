@@ -11,8 +11,8 @@ Policy
 - Watched (:func:`watch`): the step's free values as :func:`~autopar.capture.state.find_state`
   reaches them (the globals its code names and its closure cells, and those of the plain
   functions among them; a bound method's object's attributes), one level into each that is a
-  list, tuple, dict or set or a plain object (its ``__dict__``; not torch's objects nor
-  loggers); and each module's own
+  list, tuple, dict or set or a plain object (its ``__dict__``; not torch's objects, loggers
+  or Python modules); and each module's own
   attributes (its ``__dict__`` but torch's bookkeeping: parameters, buffers, submodules and
   hooks are watched elsewhere or not written by a forward).
 - A value is recorded as itself where it is a number, string, bytes, bool, None, a
@@ -32,15 +32,20 @@ Policy
 
 from __future__ import annotations
 
+import random
+import sys
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from .direct import free_values
 
-__all__ = ["Watched", "changed", "read_key", "restore", "snapshot", "watch"]
+__all__ = ["Watched", "changed", "read_key", "records", "restore", "snapshot", "watch",
+           "world"]
 
 _PLAIN = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
 _CONTAINERS = (list, dict, set)
@@ -49,6 +54,7 @@ _MAX_ITEMS = 64  # items of one container looked into
 # state of the trace), and loggers, whose level caches fill as a step logs
 _LIBRARIES = frozenset({"torch", "logging"})
 # torch's own attributes of a module (watched elsewhere, or never written by a forward)
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _MODULE_OWN = frozenset({
     "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_backward_pre_hooks",
     "_backward_hooks", "_is_full_backward_hook", "_forward_hooks", "_forward_hooks_with_kwargs",
@@ -69,8 +75,8 @@ class Watched:
     read: bool
 
     def get(self) -> Any:
-        if isinstance(self.holder, dict):
-            return self.holder.get(self.key, _ABSENT)
+        if isinstance(self.holder, dict):  # (dict's own methods: a subclass may change them)
+            return dict.get(self.holder, self.key, _ABSENT)
         if isinstance(self.holder, list):
             return self.holder[self.key] if self.key < len(self.holder) else _ABSENT
         try:
@@ -81,9 +87,9 @@ class Watched:
     def put(self, value: Any) -> None:
         if isinstance(self.holder, dict):
             if value is _ABSENT:
-                self.holder.pop(self.key, None)
+                dict.pop(self.holder, self.key, None)
             else:
-                self.holder[self.key] = value
+                dict.__setitem__(self.holder, self.key, value)
         elif isinstance(self.holder, list):
             if self.key < len(self.holder):
                 self.holder[self.key] = value
@@ -134,7 +140,8 @@ def watch(fn: Callable, modules: Sequence[tuple[str, torch.nn.Module]]) -> list[
         elif isinstance(value, list):
             for i in range(min(len(value), _MAX_ITEMS)):
                 out.append(Watched(f"{name}[{i}]", value, i, True))
-        elif not isinstance(value, torch.nn.Module | torch.Tensor | type | Callable) and \
+        elif not isinstance(value, torch.nn.Module | torch.Tensor | type | Callable
+                            | types.ModuleType) and \
                 type(getattr(value, "__dict__", None)) is dict and \
                 type(value).__module__.split(".")[0] not in _LIBRARIES:
             for k in list(vars(value))[:_MAX_ITEMS]:
@@ -154,11 +161,26 @@ def watch(fn: Callable, modules: Sequence[tuple[str, torch.nn.Module]]) -> list[
         one_level("self", owner)
     for var, module in modules:
         for qual, m in module.named_modules(remove_duplicate=True):
+            name = f"{var}.{qual}" if qual else var
+            out.append(Watched(f"{name}.__dict__", {"": vars(m)}, "", False))  # one added
+            for k in ("_parameters", "_buffers"):  # one assigned anew (a buffer of state)
+                out.append(Watched(f"{name}.{k}", vars(m), k, False))
             for k in vars(m):
                 if k not in _MODULE_OWN:
-                    out.append(Watched(f"{var}.{qual}.{k}" if qual else f"{var}.{k}",
-                                       vars(m), k, False))
+                    out.append(Watched(f"{name}.{k}", vars(m), k, False))
+            for k in _HOOKS:  # what hooks write (a feature-extraction hook's list)
+                for hook in getattr(m, k, {}).values():
+                    for hname, value, where in free_values(hook):
+                        holder, key = (where[1], where[2]) if where[0] == "global" else \
+                            (where[1], None)
+                        out.append(Watched(f"{name}'s hook's {hname}", holder, key, False))
+                        one_level(f"{name}'s hook's {hname}", value)
     return out
+
+
+def records(watched: Sequence[Watched]) -> tuple:
+    """The records of every watched place (two are equal where nothing watched changed)."""
+    return tuple(_record(w.get()) for w in watched)
 
 
 def read_key(watched: Sequence[Watched]) -> tuple:
@@ -180,17 +202,41 @@ def changed(watched: Sequence[Watched], before: list) -> list[str]:
     container: another object, or other items), the most precise: a dict whose item changed
     is named by the item."""
     names = [w.name for w, (_, record, _) in zip(watched, before) if _record(w.get()) != record]
-    return [n for n in names if not any(m != n and m.startswith((n + "[", n + "."))
-                                        for m in names)]
+
+    def within(n: str) -> tuple[str, ...]:  # names more precise than n
+        return (n.removesuffix("__dict__"),) if n.endswith(".__dict__") else (n + "[", n + ".")
+    return [n for n in names if not any(m != n and m.startswith(within(n)) for m in names)]
 
 
 def restore(watched: Sequence[Watched], before: list) -> None:
-    """Put back what :func:`snapshot` recorded (a container's items too)."""
-    for w, (value, _, items) in zip(watched, before):
+    """Put back what :func:`snapshot` recorded where it changed (a container's items too)."""
+    for w, (value, record, items) in zip(watched, before):
+        if _record(w.get()) == record:
+            continue
         if items is not None:  # the same object, its items as they were
             if isinstance(value, list):
-                value[:] = items
+                list.__setitem__(value, slice(None), items)
             else:
-                value.clear()
-                value.update(items)
+                type(items).clear(value)
+                type(items).update(value, items)
         w.put(value)
+
+
+def world(watched: Sequence[Watched], args: Any) -> tuple:
+    """What a call may change besides the tensors it writes: the records of ``watched`` (the
+    function's free values and its module's attributes) and the state of every random number
+    generator it may draw from (Python's, NumPy's where it is loaded, torch's default ones, and
+    each ``torch.Generator`` among ``args``). Two equal results: the call changed none of it,
+    so calling it again on the same arguments gives the same results (the measured choice
+    checks a way against eager that way, :class:`autopar.api.Dispatcher`)."""
+    rngs: list[Any] = [random.getstate()]
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        kind, keys, *rest = numpy.random.get_state()
+        rngs.append((kind, keys.tobytes(), *rest))
+    gens = [torch.default_generator, *(g for g in tree_flatten(args)[0]
+                                       if isinstance(g, torch.Generator))]
+    if torch.cuda.is_initialized():
+        gens += [torch.cuda.default_generators[i] for i in range(torch.cuda.device_count())]
+    rngs += [g.get_state().numpy().tobytes() for g in gens]
+    return records(watched), tuple(rngs)
