@@ -648,3 +648,25 @@ def test_a_compiled_module_is_copied_and_pickled_as_compiled_again(how):
             torch.testing.assert_close(again(x), model(x))
             torch.testing.assert_close(compiled(x), model(x))
     assert mine.kept or mine.trials
+
+
+def test_an_unknown_machine_or_a_trace_into_no_folder_is_refused_when_compiling(tmp_path):
+    """Checked with the other options, when compiling (an unknown machine had planned with a
+    logged warning only; a trace path into no folder failed at the first call's plan)."""
+    f = lambda x: x * 2  # noqa: E731
+    with pytest.raises(ValueError, match="unknown machine 'h100x3'"):
+        autopar.compile(f, machine="h100x3")
+    with pytest.raises(ValueError, match="unknown machine 5"):
+        autopar.compile(f, machine=5)
+    with pytest.raises(ValueError, match="its folder does not exist"):
+        autopar.compile(f, trace=str(tmp_path / "no" / "t.json"))
+    autopar.compile(f, machine="h200x2", trace=str(tmp_path / "t.json"))  # both fine
+
+
+def test_meta_tensors_run_as_eager_does():
+    """No values to compare: the capturing call's check compares shapes and dtypes only."""
+    f = lambda x: (x @ x.t()).relu()  # noqa: E731
+    x = torch.empty(3, 4, device="meta")
+    with torch.no_grad():
+        out = autopar.compile(f)(x)
+    assert out.shape == (3, 3) and out.is_meta

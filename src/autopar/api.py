@@ -74,6 +74,8 @@ from .ir.ops import PLAIN_VALUES
 from .ir.routing import cuda_indices
 from .ir.units import fmt_seconds
 from .machine.detect import load_machine
+from .machine.model import Machine
+from .machine.presets import PRESETS
 from .passes.cudagraphs import capture_rule
 from .passes.fusion import fusion_devices, prefer_fused, regions_to_fuse
 from .report.trace import save_chrome_trace
@@ -168,12 +170,20 @@ class Options:
         trace = options.get("trace", os.environ.get("AUTOPAR_TRACE") or False)
         if not isinstance(trace, bool | str | os.PathLike):
             raise TypeError(f"trace must be True, False or a file path, not {type(trace).__name__}")
+        if isinstance(trace, str | os.PathLike) and \
+                not os.path.isdir(os.path.dirname(os.path.abspath(trace))):
+            raise ValueError(f"trace={os.fspath(trace)!r}: its folder does not exist")
+        machine = options.get("machine")
+        if machine is not None and not isinstance(machine, Machine) and not (
+                isinstance(machine, str) and (machine == "auto" or machine in PRESETS)):
+            raise ValueError(f"unknown machine {machine!r}: use None or \"auto\" (this host), a "
+                             f"preset ({', '.join(sorted(PRESETS))}) or a Machine")
         fuse = _tristate(options, "fuse")
         cuda_graphs = _tristate(options, "cuda_graphs")
         guards = options.get("guards", "all")
         if guards not in GUARDS:
             raise ValueError(f"guards must be {' or '.join(map(repr, GUARDS))}, not {guards!r}")
-        return Options(devices=devices, policy=policy, machine=options.get("machine"),
+        return Options(devices=devices, policy=policy, machine=machine,
                        trace=os.fspath(trace) if isinstance(trace, os.PathLike) else trace,
                        fuse=fuse, cuda_graphs=cuda_graphs,
                        candidates=_candidates(options.get(
