@@ -394,6 +394,26 @@ def test_file_errors_say_what_to_pass(tmp_path):
     assert result.exit_code == 2 and "no such file" in result.stderr
 
 
+def test_cli_takes_host_inputs_to_a_simulated_gpu_as_its_hint_says(tmp_path, monkeypatch):
+    """Host tensors from example_inputs() run on a simulated GPU with --inputs-on (the hint
+    for a host without a GPU named only --machine, which left every value on the host)."""
+    monkeypatch.setenv("AUTOPAR_NO_MEASURE", "1")
+    user = tmp_path / "host.py"
+    user.write_text("import torch\n"
+                    "def example_inputs():\n"
+                    "    return (torch.randn(64, 64),)\n"
+                    "def main(x):\n"
+                    "    return x.sin()\n")
+    plain = cli(str(user), "--machine", "h200x2", "--json")
+    moved = cli(str(user), "--machine", "h200x2", "--inputs-on", "cuda:0", "--json")
+    assert plain.exit_code == 0 and moved.exit_code == 0, (plain.output, moved.output)
+    (before,), (after,) = (map(DoctorReport.from_dict, json.loads(r.stdout))
+                           for r in (plain, moved))
+    assert any("no value was on a GPU" in n for n in before.notes)
+    assert not any("no value was on a GPU" in n for n in after.notes)
+    assert any(f.kind == "tiny-gpu-op" and f.line == 5 for f in after.findings)
+
+
 def test_example_inputs_as_a_tuple(tmp_path):
     user = tmp_path / "tup.py"
     user.write_text(

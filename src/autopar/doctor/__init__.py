@@ -202,7 +202,7 @@ class _Session:
         if not self.devices.gpus_seen:
             hint = ("" if torch.cuda.is_available() or self.simulated else
                     ": this host has no GPU; simulate one with machine='h200x2', "
-                    "inputs_on='cuda:0' (CLI: --machine h200x2)")
+                    "inputs_on='cuda:0' (CLI: --machine h200x2 --inputs-on cuda:0)")
             notes.append(f"no value was on a GPU{hint}")
         notes += self.est.notes
         time_note = ("measured on this host's CPU, GPUs simulated: not the target's time"
@@ -268,17 +268,19 @@ def doctor(fn: Callable[..., Any], *args: Any, machine: Machine | str | None = N
 
 # -- files (the CLI) -------------------------------------------------------------------------
 def doctor_file(path: str | Path, func: str | None = None,
-                machine: Machine | str | None = "auto", repeat: int = 3) -> list[DoctorReport]:
+                machine: Machine | str | None = "auto", repeat: int = 3,
+                inputs_on: str | None = None) -> list[DoctorReport]:
     """``autopar doctor FILE.py``: import the file and diagnose its functions.
 
     Which functions: ``func`` (names, comma-separated), else those named in the file's
     ``__doctor__`` list, else ``main``. A function that takes arguments gets them from the file's
     ``example_inputs()``: a tuple, or a dict of tuples by function name. A preset ``machine``
     with GPUs on a host without CUDA simulates them; the file then runs with its GPU-naming code
-    on the host (module docstring, Simulation).
+    on the host (module docstring, Simulation), and ``inputs_on`` takes the argument tensors
+    built on the host to live there (as :func:`doctor`'s).
     """
     path = Path(path)
-    session = _Session(machine, None, None)
+    session = _Session(machine, inputs_on, None)
     try:
         with _hint_without_cuda(session), session.setup():
             module = load_module(path)

@@ -29,13 +29,17 @@ def doctor(
         "--machine", "-m",
         help=f"Whose costs to estimate with: auto (this host) or a preset ({preset_names()})."
              " A preset with GPUs on a host without CUDA simulates them.")] = "auto",
+    inputs_on: Annotated[str | None, typer.Option(
+        "--inputs-on",
+        help="Take the argument tensors example_inputs() builds on the host to live on this "
+             "device (e.g. cuda:0 with a preset's simulated GPUs).")] = None,
 ) -> None:
     """Run FILE's functions eagerly while watching, and report every hidden host/device sync,
     GPU scalar, tiny GPU op, pageable copy and ping-pong copy: file:line, count per call, cost,
     the fix and the time it would save."""
     try:
         with contextlib.redirect_stdout(sys.stderr):  # the file's own prints stay off the report
-            reports = doctor_file(file, func=func, machine=machine)
+            reports = doctor_file(file, func=func, machine=machine, inputs_on=inputs_on)
     except DoctorError as e:
         typer.echo(f"autopar doctor: {e}", err=True)
         raise typer.Exit(2) from None
