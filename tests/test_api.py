@@ -670,3 +670,21 @@ def test_meta_tensors_run_as_eager_does():
     with torch.no_grad():
         out = autopar.compile(f)(x)
     assert out.shape == (3, 3) and out.is_meta
+
+
+def _checked_reshape(x):
+    torch._assert(x.sum() > -1e9, "a data-dependent check")  # a graph break
+    return x.reshape(3, -1)  # the mistake, after the break
+
+
+def test_a_users_error_after_a_graph_break_names_the_users_line():
+    """Part of the call ran (before the break), so the error dynamo caught is raised as it
+    is, not by running the call again; it carries the user's line, which its traceback (the
+    trace's) lacks."""
+    compiled = autopar.compile(_checked_reshape)
+    for _ in range(2):
+        compiled(torch.randn(6))
+    with pytest.raises(RuntimeError, match=r"shape '\[3, -1\]' is invalid") as got:
+        compiled(torch.randn(7))
+    notes = "\n".join(getattr(got.value, "__notes__", []))
+    assert "test_api.py" in notes and "return x.reshape(3, -1)" in notes

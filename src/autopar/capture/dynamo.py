@@ -496,6 +496,12 @@ _OURS = (os.path.dirname(torch.__file__), os.path.dirname(sys.modules["autopar"]
          _STDLIB)
 
 
+def _user_frames(text: str) -> str:
+    """The frames of the user's code in a dynamo error's text (its "from user code:" part)."""
+    _, found, rest = text.partition("from user code:\n")
+    return rest.split("\n\n", 1)[0].rstrip() if found else ""
+
+
 def _as_eager(error: Exception, compiled: Callable, args: tuple, kwargs: dict) -> Any:
     """Raise what eager raises where dynamo failed on the user's code with fake tensors (a
     shape mistake: eager says ``mat1 and mat2 shapes cannot be multiplied``, fake tensors say
@@ -520,6 +526,9 @@ def _as_eager(error: Exception, compiled: Callable, args: tuple, kwargs: dict) -
     original = getattr(compiled, "_torchdynamo_orig_callable", None)  # a module's __call__ too
     if ran or original is None:
         if isinstance(cause, Exception):
+            where = _user_frames(str(error))
+            if where:  # dynamo's own record of the user's line (the traceback is its)
+                cause.add_note(f"(raised in user code, traced by dynamo:\n{where})")
             raise cause.with_traceback(None) from None
         raise error
     try:
