@@ -219,3 +219,14 @@ def test_code_a_cpu_only_torch_cant_trace_on_fake_gpus_is_traced_on_the_cpu():
     assert report.captured.startswith("traced with fake inputs on the CPU")
     assert {row.eager_device for row in report.rows} == {"cuda:0"}
     assert "aten.tanh" in {row.op for row in report.rows}
+
+
+def test_python_numbers_among_the_arguments_are_constants_of_the_trace():
+    """``explain(f, x, 3)``: the number is part of the call, not a graph input (it had been
+    refused: "input arg1_1 is not a tensor (NoneType)")."""
+    def scaled(a, k, flags):
+        return a * k + (1 if flags["bias"] else 0)
+
+    report = autopar.explain(scaled, torch.rand(4, 4), 3, {"bias": True}, machine="h200x2")
+    assert len(report.plan.graph.inputs) == 1
+    assert report.predicted_s > 0

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..ir.graph import Graph, Node, TensorMeta
 from .dynamo import capturing_scalars, make_backend
@@ -79,10 +79,18 @@ def trace_fake(fn: Callable, args: Sequence[Any], inputs_on: str | None = None,
         def call(*a: Any) -> Any:
             return torch.func.functional_call(fn, state, a)
 
-    def flat(*a: Any) -> list[Any]:
-        return tree_flatten(call(*a))[0]
+    # the tensors are the graph's inputs; the rest of the arguments (a Python number, a
+    # flag) are constants of the trace, as eager's call sees them
+    leaves, spec = tree_flatten(tuple(args))
+    at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
 
-    fake_args = tree_map(fake, tuple(args))
+    def flat(*tensors: Any) -> list[Any]:
+        full = list(leaves)
+        for i, t in zip(at, tensors):
+            full[i] = t
+        return tree_flatten(call(*tree_unflatten(full, spec)))[0]
+
+    fake_args = [fake(leaves[i]) for i in at]
     try:
         traced = make_fx(torch.func.functionalize(flat), tracing_mode="fake",
                          record_stack_traces=True)
