@@ -806,7 +806,7 @@ def test_the_capturing_call_of_an_inference_is_checked_against_eager(caplog):
         autopar.api.dispatcher_of(compiled).explain()
 
 
-class _Stream(torch.nn.Module):
+class _Stateful(torch.nn.Module):
     """Keeps state between calls: its output feeds the next call (an attribute or a buffer
     assigned anew, not written in place)."""
 
@@ -830,7 +830,7 @@ def test_a_module_that_keeps_state_between_calls_is_never_called_twice(buffer):
     """The measured choice checks a way by calling again on the same arguments; a call that
     changed Python state (here the module's) can't be repeated: every call equals eager's,
     the state too."""
-    model, ref = _Stream(buffer), _Stream(buffer)
+    model, ref = _Stateful(buffer), _Stateful(buffer)
     compiled = autopar.compile(model, devices="cpu:0,cpu:1")
     x = torch.randn(2, 4)
     with torch.no_grad():
