@@ -777,6 +777,7 @@ def test_a_trial_times_each_way_as_a_kept_call_enters_it(monkeypatch):
     assert len(checks) >= len(eager)  # each eager turn paid the plain call's check
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")  # eager's fast path
 def test_the_capturing_call_of_an_inference_is_checked_against_eager(caplog):
     """The first call of a signature runs autopar's way as it captures: where the call can be
     repeated, its results are compared with eager's before they are returned.
@@ -840,6 +841,7 @@ def test_a_module_that_keeps_state_between_calls_is_never_called_twice(buffer):
     assert autopar.api.dispatcher_of(compiled).impure is not None
 
 
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace")  # random.random
 def test_hooks_python_random_and_generators_run_once_a_call():
     """A forward hook collecting features, ``random.random()`` and a ``torch.Generator``
     argument: each call runs them once, as eager does (the checks had called the function

@@ -710,7 +710,7 @@ def test_a_module_that_keeps_a_tensor_from_its_forward_is_left_with_a_real_one()
     for x, y in _batches(3):
         split(x, y)
     assert split.last is None and "model.aux" in split.never
-    assert type(model.aux) is torch.Tensor and float(model.aux) > 0
+    assert type(model.aux) is torch.Tensor and float(model.aux.detach()) > 0
 
 
 def test_a_python_value_the_step_reads_is_part_of_its_signature():
