@@ -73,9 +73,7 @@ from .ir.logs import first_line, quiet
 from .ir.ops import PLAIN_VALUES
 from .ir.routing import cuda_indices
 from .ir.units import fmt_seconds
-from .machine.detect import load_machine
-from .machine.model import Machine
-from .machine.presets import PRESETS
+from .machine.detect import check_machine, load_machine
 from .passes.cudagraphs import capture_rule
 from .passes.fusion import fusion_devices, prefer_fused, regions_to_fuse
 from .report.trace import save_chrome_trace
@@ -174,10 +172,7 @@ class Options:
                 not os.path.isdir(os.path.dirname(os.path.abspath(trace))):
             raise ValueError(f"trace={os.fspath(trace)!r}: its folder does not exist")
         machine = options.get("machine")
-        if machine is not None and not isinstance(machine, Machine) and not (
-                isinstance(machine, str) and (machine == "auto" or machine in PRESETS)):
-            raise ValueError(f"unknown machine {machine!r}: use None or \"auto\" (this host), a "
-                             f"preset ({', '.join(sorted(PRESETS))}) or a Machine")
+        check_machine(machine)
         fuse = _tristate(options, "fuse")
         cuda_graphs = _tristate(options, "cuda_graphs")
         guards = options.get("guards", "all")
@@ -847,10 +842,10 @@ class Dispatcher:
         if self.forms is not None:
             self.forms.compiled()
         before = self._versions(args, kwargs)
-        places = self._places()
-        world = pystate.world(places, (args, kwargs)) if self.impure is None else None
+        places = self._places() if self.impure is None else None  # (walked once a signature)
+        world = None if places is None else pystate.world(places, (args, kwargs))
         out = self.compiled(*args, **kwargs)  # a new signature: autopar captures it first
-        if world is not None and pystate.world(places, (args, kwargs)) != world:
+        if places is not None and pystate.world(places, (args, kwargs)) != world:
             self.impure = "the call changes Python state or draws from a random generator"
             trials_log.info("autopar: %s: %s: its calls are not repeated to check them",
                             self.name, self.impure)

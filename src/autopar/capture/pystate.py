@@ -12,9 +12,10 @@ Policy
   reaches them (the globals its code names and its closure cells, and those of the plain
   functions among them; a bound method's object's attributes), one level into each that is a
   list, tuple, dict or set or a plain object (its ``__dict__``; not torch's objects, loggers
-  or Python modules); and each module's own
-  attributes (its ``__dict__`` but torch's bookkeeping: parameters, buffers, submodules and
-  hooks are watched elsewhere or not written by a forward).
+  or Python modules); and each module's own attributes (its ``__dict__``: one added, one
+  assigned anew; its parameters and buffers dicts, so a buffer assigned anew is seen; torch's
+  other bookkeeping not) and the free values of its hooks (a feature-extraction hook's
+  list).
 - A value is recorded as itself where it is a number, string, bytes, bool, None, a
   ``torch.dtype`` or ``torch.device``; a list, dict or set as its identity, its length and its
   first items (each so recorded, one level: so an append is seen); anything else by
@@ -53,8 +54,8 @@ _MAX_ITEMS = 64  # items of one container looked into
 # objects of these packages are not looked into: torch's own (optimizers, schedulers, scalers:
 # state of the trace), and loggers, whose level caches fill as a step logs
 _LIBRARIES = frozenset({"torch", "logging"})
-# torch's own attributes of a module (watched elsewhere, or never written by a forward)
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# torch's own attributes of a module (watched on their own, or never written by a forward)
 _MODULE_OWN = frozenset({
     "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_backward_pre_hooks",
     "_backward_hooks", "_is_full_backward_hook", "_forward_hooks", "_forward_hooks_with_kwargs",
@@ -101,7 +102,7 @@ _ABSENT = object()
 
 
 def _record(value: Any) -> Any:
-    if isinstance(value, _PLAIN) and not isinstance(value, torch.SymInt | torch.SymFloat):
+    if isinstance(value, _PLAIN):
         return value
     if type(value) in _CONTAINERS:
         return (id(value), _shallow(value))
@@ -147,13 +148,20 @@ def watch(fn: Callable, modules: Sequence[tuple[str, torch.nn.Module]]) -> list[
             for k in list(vars(value))[:_MAX_ITEMS]:
                 out.append(Watched(f"{name}.{k}", vars(value), k, True))
 
+    def free(f: Callable, prefix: str, read: bool) -> list[Any]:
+        """Watch ``f``'s globals and closure cells (and one level into them); their values."""
+        values = []
+        for name, value, where in free_values(f):
+            holder, key = (where[1], where[2]) if where[0] == "global" else (where[1], None)
+            out.append(Watched(prefix + name, holder, key, read))
+            one_level(prefix + name, value)
+            values.append(value)
+        return values
+
     functions: list[Callable] = [fn]
     owner = getattr(fn, "__self__", None)
     for f in functions:
-        for name, value, where in free_values(f):
-            holder, key = (where[1], where[2]) if where[0] == "global" else (where[1], None)
-            out.append(Watched(name, holder, key, True))
-            one_level(name, value)
+        for value in free(f, "", True):
             if f is fn and hasattr(value, "__code__") and \
                     all(value is not g for g in functions):
                 functions.append(value)
@@ -170,11 +178,7 @@ def watch(fn: Callable, modules: Sequence[tuple[str, torch.nn.Module]]) -> list[
                     out.append(Watched(f"{name}.{k}", vars(m), k, False))
             for k in _HOOKS:  # what hooks write (a feature-extraction hook's list)
                 for hook in getattr(m, k, {}).values():
-                    for hname, value, where in free_values(hook):
-                        holder, key = (where[1], where[2]) if where[0] == "global" else \
-                            (where[1], None)
-                        out.append(Watched(f"{name}'s hook's {hname}", holder, key, False))
-                        one_level(f"{name}'s hook's {hname}", value)
+                    free(hook, f"{name}'s hook's ", False)
     return out
 
 
@@ -185,11 +189,12 @@ def records(watched: Sequence[Watched]) -> tuple:
 
 def read_key(watched: Sequence[Watched]) -> tuple:
     """The records of the values a step reads (its part of the signature)."""
-    return tuple(_record(w.get()) for w in watched if w.read)
+    return records([w for w in watched if w.read])
 
 
-def snapshot(watched: Sequence[Watched]) -> list[tuple[Any, Any]]:
-    """Each watched place's value and record, for :func:`changed` and :func:`restore`."""
+def snapshot(watched: Sequence[Watched]) -> list[tuple[Any, Any, Any]]:
+    """Each watched place's value, its record and, for a container, a shallow copy of it: for
+    :func:`changed` and :func:`restore`."""
     out = []
     for w in watched:
         v = w.get()

@@ -32,7 +32,7 @@ from .model import (
 )
 from .presets import PRESETS, preset
 
-__all__ = ["detect", "load_machine", "with_profile"]
+__all__ = ["check_machine", "detect", "load_machine", "with_profile"]
 
 
 # -- this host -------------------------------------------------------------------------------
@@ -134,11 +134,18 @@ def load_machine(spec: str | Machine | None = None, cpu_workers: int | None = No
                  measure: bool = True) -> Machine:
     """Resolve what a user passed as ``--machine``: ``None`` or ``"auto"`` is this host
     (:func:`detect`), a preset name is that preset, a :class:`Machine` is itself."""
+    check_machine(spec)
     if isinstance(spec, Machine):
         return spec
     if spec is None or spec == "auto":
         return detect(cpu_workers=cpu_workers, measure=measure)
-    if isinstance(spec, str) and spec in PRESETS:
-        return preset(spec, cpu_workers=cpu_workers)
-    raise ValueError(f"unknown machine {spec!r}: use \"auto\" (this host) or a preset: "
-                     f"{sorted(PRESETS)}")
+    return preset(spec, cpu_workers=cpu_workers)
+
+
+def check_machine(spec: Any) -> None:
+    """Raise ``ValueError`` unless :func:`load_machine` can resolve ``spec`` (checked when
+    compiling, before any host is measured)."""
+    if not (spec is None or isinstance(spec, Machine)
+            or (isinstance(spec, str) and (spec == "auto" or spec in PRESETS))):
+        raise ValueError(f"unknown machine {spec!r}: use None or \"auto\" (this host), a "
+                         f"preset ({', '.join(sorted(PRESETS))}) or a Machine")
