@@ -256,9 +256,17 @@ _SCALER = ("_scale", "_growth_tracker")
 trace, as an optimizer's are."""
 
 
-def _check_scaler(name: str, scaler: Any) -> None:
+def _check_scaler(name: str, scaler: Any, optimizers: Sequence[tuple[str, Any]]) -> None:
     if any(getattr(scaler, attr) is None for attr in _SCALER):
         raise StateNotReady(f"the GradScaler {name} makes its scale at its first scale() call")
+    for var, opt in optimizers:  # the branch-free step failed on a GPU (2026-12-05): not yet
+        if not getattr(opt, "_step_supports_amp_scaling", False) and any(
+                p.device.type != "cpu" for g in opt.param_groups for p in g["params"]):
+            raise Unsupported(
+                f"the step uses the GradScaler {name} with {var} ({type(opt).__name__} without "
+                "fused=True) on a GPU: scaler.step reads on the host whether the gradients are "
+                "finite and branches on it; a fused optimizer checks on the device "
+                "(fused=True), and bf16 autocast needs no scaler")
 
 
 def _branch_free_step(optimizer: Optimizer, optimizer_state: dict, *args: Any,
@@ -292,6 +300,16 @@ _FUSED_LIFTED = ("lr",)
 """What is lifted of a ``fused=True`` group: its kernel (``_fused_adamw_``, ...) takes ``lr``
 as a tensor (its ``tensor_lr`` overload, which reads a host tensor's value as the float
 overload takes it) and every other value as a float, which a trace can't leave open."""
+
+def _liftable(group: dict) -> tuple[str, ...]:
+    """The keys of ``group`` that may become inputs of the trace: of a fused group only
+    ``lr``, and only on the CPU (CUDA's ``tensor_lr`` kernel refused the float64 host tensor,
+    "expected scalar type Float but found Double", 2026-12-05: a GPU's fused ``lr`` stays
+    baked, each new value a capture)."""
+    if not group.get("fused"):
+        return _LIFTED
+    return _FUSED_LIFTED if all(p.device.type == "cpu" for p in group["params"]) else ()
+
 
 _SIGNED = frozenset({"momentum"})
 """Lifted values whose sign the optimizer branches on (SGD: ``if momentum != 0``): the trace
@@ -393,7 +411,7 @@ def find_state(fn: Callable, args: Sequence[Any],
                      if isinstance(s, torch.amp.GradScaler) and s.is_enabled()]
     state.python = pystate.read_key(pystate.watch(fn, ()))
     for name, scaler in state.scalers:
-        _check_scaler(name, scaler)
+        _check_scaler(name, scaler, state.optimizers)
     at: dict[int, int] = {}
 
     def add(t: torch.Tensor, name: str) -> None:
@@ -420,7 +438,7 @@ def find_state(fn: Callable, args: Sequence[Any],
                     add(v, f"{var}.param_groups[{i}][{key!r}]")
     for o, (var, opt) in enumerate(state.optimizers):
         for i, g in enumerate(opt.param_groups):
-            for key in _FUSED_LIFTED if g.get("fused") else _LIFTED:  # see the docstring
+            for key in _liftable(g):  # see the docstring
                 v = g.get(key)
                 floats = [(None, v)] if type(v) is float else \
                     list(enumerate(v)) if type(v) is tuple and all(
