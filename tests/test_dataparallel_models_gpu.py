@@ -151,9 +151,7 @@ def test_scheduled_lr_and_momentum_under_cuda_graphs_on_one_gpu_equal_eager():
     assert len(step._compiled) == 1 and step.varying
 
 
-@pytest.mark.parametrize("scheduled", [False, pytest.param(True, marks=pytest.mark.xfail(
-    strict=True, reason="CUDA's tensor_lr kernel refused the float64 host lr (2026-12-05): a "
-    "GPU's fused lr stays baked, a capture per value"))])
+@pytest.mark.parametrize("scheduled", [False, True])
 def test_a_fused_adamw_step_under_cuda_graphs_on_one_gpu_equals_eager(scheduled):
     """``fused=True``: the trace holds the fused kernel's functional form. With ``lr``
     constant the update is in a CUDA graph (its step counts live on the GPU); under a

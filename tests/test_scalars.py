@@ -440,3 +440,27 @@ def test_the_registered_backend_runs_a_graph_aot_fails_on_as_captured(monkeypatc
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="a bug"), \
             torch._dynamo.config.patch(capture_scalar_outputs=True):
         torch.compile(w1, backend="autopar")(A, B.clone(), *bounds)
+
+
+def test_a_fused_kernels_host_lr_reaches_the_gpu_kernel_uncopied():
+    """A fused optimizer's scheduled ``lr`` is a host tensor its GPU kernel reads as a number:
+    placed on the GPU with the kernel, it is not copied there (CUDA's kernel refuses a
+    float64 ``lr`` on the device, and no CUDA graph may bake a host value in); the tensors
+    of the update are the kernel's. The step counts, 0-dim GPU values, stay GPU values."""
+    g = Graph("fused_adamw")
+    ps, gs, ms, vs = ([g.input(tensor((4, 4), "cuda:0"), name=f"{k}{i}") for i in range(2)]
+                      for k in "pgmv")
+    steps = [g.input(tensor((), "cuda:0"), name=f"step{i}") for i in range(2)]
+    lr = g.input(tensor((), "cpu", torch.float64), name="lr")
+    upd = g.call(aten._fused_adamw.tensor_lr, (ps, gs, ms, vs, [], steps), dict(
+        lr=lr, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False,
+        maximize=False), meta=(*([tensor((4, 4), "cuda:0")] * 2 for _ in range(4)), []),
+        name="update")
+    g.set_outputs([upd])
+    ix = GraphIndex.of(g)
+    assert lr in ix.scalars and not set(steps) & ix.scalars
+    p = place(g, sync_cost(), devices=["cuda:0"])
+    assert devices_of(p)["update"] == "cuda:0"
+    assert p.copies() == []
+    eager = place(g, sync_cost(), policy="single")
+    assert devices_of(eager)["update"] == "cuda:0" and eager.copies() == []

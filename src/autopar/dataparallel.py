@@ -49,6 +49,10 @@ Policy and invariants
   autocast: the trace bakes them in). Anything that can't be captured or sharded runs
   unsplit through :func:`autopar.compile`, with one warning on the ``autopar`` logger (the
   first call that makes an optimizer's state: as written). Never a wrong result.
+- A plan that fails where the step as written does not (a kernel refusing what the plan hands
+  it) runs that signature unsplit from then on, with the reason logged once: the graph writes
+  nothing until it has run (its outputs are written back after), so nothing of the failed
+  call was applied. Where the unsplit call fails too, its error is the user's.
 - At most :data:`MAX_SIGNATURES` signatures are captured and planned (as dynamo's
   ``recompile_limit``): a value that changes every call and is baked in (a float argument, a
   param group value other than ``lr``, ``betas`` and ``momentum``, which are inputs of the
@@ -82,6 +86,7 @@ from .cost.model import CostModel
 from .ir.collective import COMM
 from .ir.collector import paused
 from .ir.graph import Node
+from .ir.logs import first_line
 from .ir.routing import cuda_indices
 from .machine.detect import load_machine
 from .passes.cudagraphs import capture_rule
@@ -120,6 +125,7 @@ class _Compiled:
     way: str | None = "autopar"  # "eager" or "autopar"; None while a trial decides
     trial: Trial | None = None
     graphs: bool = False  # GPU segments replayed as CUDA graphs: outputs are written back
+    failed: BaseException | None = None  # why the plan runs no more (it failed on a call)
 
     @property
     def sharded(self) -> Sharded | None:
@@ -219,6 +225,9 @@ class DataParallelStep:
                                   for label, v in c.choice.predicted.items())
             way = {"eager": "unsplit (autopar.compile's choice)", "autopar": "autopar's plan",
                    None: "trial in progress"}[c.way]
+            if c.failed is not None:
+                way = (f"unsplit: its plan failed: {type(c.failed).__name__}: "
+                       f"{first_line(c.failed)}")
             lines.append(f"{name} [{k}]: {len(c.step.graph.ops)} ops; predicted {predicted}; "
                          f"runs {way}")
             lines.append(f"  {c.choice.label} bound: {c.choice.bound()}")
@@ -327,31 +336,45 @@ class DataParallelStep:
                 tensors[j].grad is not None for j in compiled.step.arg_params):
             return self._unsplit(*args, **kwargs)
         if compiled.trial is None:
-            self.last = compiled
-            return self._run(compiled, tensors)
+            return self._split(compiled, tensors, args, kwargs)
 
         def way_of(way: str) -> Callable:
             if way == "eager":
                 return self.fn
-
-            def split(*_: Any, **__: Any) -> Any:
-                self.last = compiled
-                return self._run(compiled, tensors)
-            return split
+            return lambda *_, **__: self._split(compiled, tensors, args, kwargs)
 
         out = compiled.trial.run(way_of, args, kwargs)
-        won = compiled.trial.verdict()
+        won = compiled.trial.verdict() if compiled.trial is not None else None
         if won is not None:
             log.info("autopar: %s keeps %s (%s)", self.name, won, compiled.trial.summary())
             compiled.way, compiled.trial = won, None
         return out
+
+    def _split(self, c: _Compiled, tensors: list[torch.Tensor], args: tuple,
+               kwargs: dict) -> Any:
+        """The call by ``c``'s plan; where the plan fails, the call unsplit and every later
+        one of the signature (see the module docstring)."""
+        self.last = c
+        try:
+            return self._run(c, tensors)
+        except _PlanFailed as e:
+            self.last = None
+            out = self._unsplit(*args, **kwargs)  # raises the user's error where it fails too
+            c.way, c.trial, c.failed = "eager", None, e.__cause__
+            log.warning("autopar: %s runs unsplit from now on: its plan failed where the step "
+                        "as written does not: %s: %s", self.name, type(e.__cause__).__name__,
+                        first_line(e.__cause__))
+            return out
 
     def _run(self, c: _Compiled, tensors: list[torch.Tensor]) -> Any:
         step = c.step
         replicas = c.sharded.replicas if c.sharded is not None else []
         call_args = [t.detach() for t in tensors] + step.constants + \
             [self._replica(tensors, i, d) for i, d in replicas]
-        outs = list(c.run(call_args))
+        try:
+            outs = list(c.run(call_args))
+        except Exception as e:  # nothing written back yet: the caller runs the call unsplit
+            raise _PlanFailed from e
         n, g, m = step.n_outputs, len(step.grads), len(step.mutated)
         user, grads, new = outs[:n], outs[n:n + g], outs[n + g:n + g + m]
         # written back where they are held: under CUDA graphs the outputs are a graph's static
@@ -400,6 +423,10 @@ class DataParallelStep:
     def _keep_replica(self, j: int, device: str, fresh: torch.Tensor, t: torch.Tensor) -> None:
         """``fresh`` is ``t``'s replica on ``device`` while ``t``'s version and storage stay."""
         self._replicas[(j, device)] = (fresh, t._version, t.data_ptr())
+
+
+class _PlanFailed(Exception):
+    """A plan's program raised (its ``__cause__``) before any of the call was written back."""
 
 
 def _same_layout(a: torch.Tensor | None, b: torch.Tensor) -> bool:

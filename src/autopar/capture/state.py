@@ -303,12 +303,9 @@ overload takes it) and every other value as a float, which a trace can't leave o
 
 def _liftable(group: dict) -> tuple[str, ...]:
     """The keys of ``group`` that may become inputs of the trace: of a fused group only
-    ``lr``, and only on the CPU (CUDA's ``tensor_lr`` kernel refused the float64 host tensor,
-    "expected scalar type Float but found Double", 2026-12-05: a GPU's fused ``lr`` stays
-    baked, each new value a capture)."""
-    if not group.get("fused"):
-        return _LIFTED
-    return _FUSED_LIFTED if all(p.device.type == "cpu" for p in group["params"]) else ()
+    ``lr`` (a host tensor the kernel reads as a number, on a GPU too: see
+    :func:`autopar.ir.routing.reads_host_lr`)."""
+    return _FUSED_LIFTED if group.get("fused") else _LIFTED
 
 
 _SIGNED = frozenset({"momentum"})

@@ -33,6 +33,7 @@ import torch
 
 from .collective import COMM
 from .graph import LOCAL_SCALAR_DENSE, Graph, Node, ScalarMeta, TensorMeta, op_kind
+from .ops import is_fused_update
 
 StorageKey = tuple[Any, ...]
 
@@ -156,7 +157,8 @@ class GraphIndex:
     :func:`value_bytes`. ``tensorless``: values with no tensor (never copied). ``scalars``: the
     0-dim tensors whose every consumer is a host scalar or a binary arithmetic op or comparison
     with an operand of more dimensions (:func:`takes_host_scalar`; with only 0-dim operands the
-    op would run on the host): on the host, a GPU kernel takes them as a scalar argument, so
+    op would run on the host), or a fused optimizer kernel's ``lr`` (:func:`reads_host_lr`):
+    on the host, a GPU kernel takes them as a scalar argument, so
     they are never copied to a GPU (a property of the value, so one value reaches one pool by
     one mechanism).
     ``host``: :func:`host_scalars`. ``passthrough``: :func:`passthrough_moves`.
@@ -188,14 +190,14 @@ class GraphIndex:
         metas = {n: n.tensor_metas for n in graph.nodes}
         host = host_scalars(graph, ins, users)
 
-        def scalar_argument(u: Node) -> bool:  # u takes a host 0-dim input as a scalar
+        def scalar_argument(u: Node, n: Node) -> bool:  # u takes the host 0-dim n as a scalar
             return u in host or (takes_host_scalar(u.op) and any(
-                m.shape != () for i in ins[u] for m in metas[i]))
+                m.shape != () for i in ins[u] for m in metas[i])) or reads_host_lr(u, n)
 
         scalars = frozenset(
             n for n, ms in metas.items()
             if len(ms) == 1 and ms[0].shape == () and users[n]
-            and all(scalar_argument(u) for u in users[n]))
+            and all(scalar_argument(u, n) for u in users[n]))
         return GraphIndex(ins, users, {n: sum(m.nbytes for m in ms) for n, ms in metas.items()},
                           frozenset(n for n, ms in metas.items() if not ms), scalars, host,
                           passthrough_moves(graph))
@@ -308,6 +310,16 @@ def takes_host_scalar(op: Any) -> bool:
     """Can a GPU kernel of ``op`` take a host 0-dim tensor operand as a scalar argument?"""
     packet = getattr(op, "overloadpacket", None)
     return packet is not None and packet.__name__ in _HOST_SCALAR_OPS
+
+
+def reads_host_lr(user: Node, value: Node) -> bool:
+    """Does ``user``, a fused optimizer kernel (``_fused_adamw(..., lr=tensor)``), read
+    ``value`` as its ``lr`` only? A GPU kernel reads a host ``lr`` as a number (its
+    ``lr.item()``, as eager's scheduled ``lr`` reaches it); an ``lr`` copied to the GPU would
+    have to be float32 (CUDA's ``tensor_lr`` kernel refuses a float64 one: "expected scalar
+    type Float but found Double", 2026-12-05), and no graph may bake a host value in."""
+    return is_fused_update(user.op) and user.kwargs.get("lr") is value and \
+        value not in user.args
 
 
 def is_tiny(node: Node) -> bool:
