@@ -77,6 +77,7 @@ from typing import Any
 import torch
 from torch._C._dynamo.guards import GlobalStateGuard, TensorGuards
 
+from ..ir.locks import tracing
 from ..ir.ops import PLAIN_VALUES
 from .dynamo import LightWrapper, any_autocast_enabled
 from .fx import kept_unused
@@ -199,7 +200,8 @@ class Direct:
 
             copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
             try:
-                gm = make_fx(self.code, tracing_mode="real")(*copies)
+                with tracing():  # FX patches the process while it traces: one tracer at a time
+                    gm = make_fx(self.code, tracing_mode="real")(*copies)
             except Exception as e:  # a data-dependent read, or an op the tracer lacks
                 why = f"the trace stopped: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
             else:

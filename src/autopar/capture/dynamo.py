@@ -38,6 +38,7 @@ import torch.fx
 from torch._guards import TracingContext
 
 from ..ir.graph import Graph
+from ..ir.locks import enter
 from ..ir.logs import cover_torch_loggers, first_line, quiet_code
 from .fx import Unsupported, from_fx, source_of
 from .shapes import PerShape, is_symbolic
@@ -446,11 +447,11 @@ def capturing_scalars(compiled: Callable, needed: Callable[[], bool] | None = No
             try:
                 if state["off"] or (needed is not None and not needed()) or \
                         config.capture_scalar_outputs:  # a dynamo config read costs ~1 us: last
-                    return fn(*args, **kwargs)
+                    return enter(fn, args, kwargs)
                 # set and reset the attribute itself: ``config.patch`` costs ~25 us a call
                 config.capture_scalar_outputs = True
                 try:
-                    return fn(*args, **kwargs)
+                    return enter(fn, args, kwargs)
                 except (torch._dynamo.exc.InternalTorchDynamoError,
                         torch._dynamo.exc.BackendCompilerFailed) as e:
                     if isinstance(e, torch._dynamo.exc.BackendCompilerFailed) and \
@@ -464,7 +465,7 @@ def capturing_scalars(compiled: Callable, needed: Callable[[], bool] | None = No
                                 getattr(fn, "__name__", "the function"), str(e).splitlines()[0])
                 finally:
                     config.capture_scalar_outputs = False
-                return fn(*args, **kwargs)
+                return enter(fn, args, kwargs)
             except torch._dynamo.exc.TorchRuntimeError as e:  # the user's code failed tracing
                 return _as_eager(e, fn, args, kwargs)
         quiet_code(call)  # dynamo's warnings about the user's code stay off the console

@@ -16,6 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..ir.graph import Graph, Node, TensorMeta
+from ..ir.locks import tracing
 from .dynamo import capturing_scalars, make_backend
 from .fx import Unsupported, from_fx
 
@@ -98,7 +99,8 @@ def trace_fake(fn: Callable, args: Sequence[Any], inputs_on: str | None = None,
         traced = make_fx(torch.func.functionalize(flat), tracing_mode="fake")
     try:
         indexed = contextlib.nullcontext() if torch.cuda.is_available() else _IndexedCuda()
-        with mode, torch.no_grad(), indexed:  # forward only: no autograd on fake GPU tensors
+        # forward only: no autograd on fake GPU tensors; FX patches the process while it traces
+        with mode, torch.no_grad(), indexed, tracing():
             gm = traced(*fake_args)
     except Exception as e:  # data-dependent ops, backward(), device code fake tensors can't take
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from ..ir.locks import tracing
+
 log = logging.getLogger("autopar.capture")
 
 __all__ = ["MAX_SIGNATURES", "PerShape", "is_symbolic"]
@@ -99,7 +101,7 @@ class PerShape:
 
         run: Run | None
         try:
-            with torch.no_grad():
+            with torch.no_grad(), tracing():  # FX patches the process while it traces
                 traced = make_fx(static, tracing_mode="fake")(*[args[i] for i in tensors])
             run = self.specialize(traced, label)
             log.info("autopar: %s placed for shapes %s", label, shapes)

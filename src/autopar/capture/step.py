@@ -18,6 +18,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..ir.graph import Graph, Node
+from ..ir.locks import tracing
 from ..ir.logs import first_line
 from . import pystate
 from .direct import free_values
@@ -158,7 +159,8 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
     plain = [t.detach() for t in tensors]  # the functional trace makes its own leaves
 
     def trace(functional: bool) -> torch.fx.GraphModule:
-        with enable_python_dispatcher():  # torch's decompositions above autograd, as aot's
+        # torch's decompositions above autograd, as aot's; FX patches the process: one tracer
+        with enable_python_dispatcher(), tracing():
             return traced(functional)
 
     def traced(functional: bool) -> torch.fx.GraphModule:

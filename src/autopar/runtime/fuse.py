@@ -50,6 +50,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_map_only
 
 from ..ir.graph import Node, TensorMeta, op_name
+from ..ir.locks import tracing
 from ..ir.logs import first_line
 from ..ir.regions import inputs_of, outputs_of
 from ..ir.routing import GraphIndex, kind_of, pool
@@ -168,7 +169,9 @@ def _inductor(gm: torch.fx.GraphModule, inputs: list) -> Callable[[list], Any]:
     # compile_threads=1: Inductor compiles in this process. Its pool of compile workers would
     # start beside the user's program and take every core for seconds (2xH200 host: a 4 MB
     # host copy went from 23 us to 8 ms until the pool settled: benchmarks/NOTES.md)
-    with torch.no_grad(), inductor_config.patch({"compile_threads": 1}):
+    # (tracing(): FX patches the process while it traces, and torch.compile's own compiles
+    # take the same lock)
+    with torch.no_grad(), inductor_config.patch({"compile_threads": 1}), tracing():
         decomposed = make_fx(gm, decomposition_table=select_decomp_table(),
                              tracing_mode="fake")(*inputs)
         return compile_fx_inner(decomposed, list(inputs))

@@ -1,0 +1,110 @@
+"""Threads: a compiled call made while another thread traces (FX's process-wide flag and
+patches) waits for the trace, and autopar's own traces hold dynamo's compile lock."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.fx._symbolic_trace as fx_trace
+
+import autopar
+from autopar.ir.locks import enter, tracing
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+def _another_thread_traces(seconds: float) -> tuple[threading.Thread, threading.Event]:
+    """A thread holding the tracing lock with FX's flag up for ``seconds``, as a trace does."""
+    started = threading.Event()
+
+    def trace() -> None:
+        with tracing():
+            was, fx_trace._is_fx_tracing_flag = fx_trace._is_fx_tracing_flag, True
+            started.set()
+            try:
+                threading.Event().wait(seconds)
+            finally:
+                fx_trace._is_fx_tracing_flag = was
+
+    t = threading.Thread(target=trace)
+    t.start()
+    started.wait(5)
+    return t, started
+
+
+def test_a_compiled_call_waits_out_another_threads_trace():
+    f = autopar.compile(lambda x: x.sin() + 1, candidates=["autopar"])  # through dynamo
+    x = torch.randn(4)
+    torch.testing.assert_close(f(x), x.sin() + 1)
+    t, _ = _another_thread_traces(0.3)
+    try:
+        torch.testing.assert_close(f(x), x.sin() + 1)  # dynamo's entry refused it before
+        assert not fx_trace._is_fx_tracing_flag  # it waited for the trace
+    finally:
+        t.join()
+
+
+def test_a_call_refused_at_dynamos_entry_is_made_again_once_the_trace_ends(monkeypatch):
+    """The flag rose after ``enter`` looked: dynamo's entry refuses the call, which ran
+    nothing, and it is made again once the trace is over."""
+    import autopar.ir.locks as locks
+
+    class Racing:  # FX's flag, seen down by enter; a trace starts right after the look
+        def __init__(self) -> None:
+            self.holder: list[threading.Thread] = []
+
+        @property
+        def _is_fx_tracing_flag(self) -> bool:
+            if not self.holder:
+                self.holder.append(_another_thread_traces(0.2)[0])
+            return False
+
+    racing = Racing()
+    monkeypatch.setattr(locks, "_fx", racing)
+    compiled = torch.compile(lambda x: x * 2, backend="eager")
+    x = torch.ones(3)
+    try:
+        torch.testing.assert_close(enter(compiled, (x,), {}), x * 2)
+        assert racing.holder and not fx_trace._is_fx_tracing_flag
+    finally:
+        for t in racing.holder:
+            t.join()
+
+
+def test_a_trace_in_the_calling_thread_is_refused_as_dynamo_refuses_it():
+    compiled = torch.compile(lambda x: x + 1, backend="eager")
+    was, fx_trace._is_fx_tracing_flag = fx_trace._is_fx_tracing_flag, True
+    try:
+        with pytest.raises(RuntimeError, match="symbolically trace a dynamo-optimized"):
+            enter(compiled, (torch.ones(2),), {})
+    finally:
+        fx_trace._is_fx_tracing_flag = was
+
+
+def test_autopars_traces_hold_dynamos_compile_lock(monkeypatch):
+    """A training step's trace runs holding the lock torch.compile compiles under."""
+    from torch._dynamo.convert_frame import compile_lock
+
+    import autopar.capture.step as step_module
+
+    held = []
+    real = step_module.make_fx
+
+    def watching(*a, **k):
+        held.append(compile_lock._is_owned())
+        return real(*a, **k)
+    monkeypatch.setattr(step_module, "make_fx", watching)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+    split = autopar.data_parallel(step, devices="cpu:0,cpu:1", shards=2)
+    for _ in range(3):
+        split(torch.randn(8, 4))
+    assert held and all(held)
