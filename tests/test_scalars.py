@@ -454,7 +454,7 @@ def test_a_fused_kernels_host_lr_reaches_the_gpu_kernel_uncopied():
     lr = g.input(tensor((), "cpu", torch.float64), name="lr")
     upd = g.call(aten._fused_adamw.tensor_lr, (ps, gs, ms, vs, [], steps), dict(
         lr=lr, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False,
-        maximize=False), meta=(*([tensor((4, 4), "cuda:0")] * 2 for _ in range(4)), []),
+        maximize=False), meta=(*((tensor((4, 4), "cuda:0"),) * 2 for _ in range(4)), ()),
         name="update")
     g.set_outputs([upd])
     ix = GraphIndex.of(g)
@@ -464,3 +464,24 @@ def test_a_fused_kernels_host_lr_reaches_the_gpu_kernel_uncopied():
     assert p.copies() == []
     eager = place(g, sync_cost(), policy="single")
     assert devices_of(eager)["update"] == "cuda:0" and eager.copies() == []
+
+
+def test_where_no_host_device_is_allowed_a_host_scalar_ops_host_input_is_copied():
+    """AdamW's host step counts get ``+ torch.tensor(1.0)`` (a host constant's
+    ``lift_fresh_copy``, a host scalar op). Under ``devices=["cuda:0"]`` that op runs on the
+    GPU, so its host input is copied there: handed over uncopied, it made a host tensor the
+    plan held to be the GPU's, which ``_foreach_add`` on the GPU refused."""
+    g = Graph("step_counts")
+    steps = [g.input(tensor((), "cpu"), name=f"step{i}") for i in range(2)]
+    one = g.input(tensor((), "cpu"), name="one")
+    inc = g.call(aten.lift_fresh_copy.default, (one,), name="inc")
+    add = g.call(aten._foreach_add.Tensor, (steps, inc), meta=(tensor((), "cpu"),) * 2,
+                 name="add")
+    g.set_outputs([add])
+    assert inc in GraphIndex.of(g).host and one in GraphIndex.of(g).scalars
+    only_gpu = place(g, sync_cost(), devices=["cuda:0"])
+    assert devices_of(only_gpu)["inc"] == "cuda:0"
+    assert not only_gpu.index.host and one not in only_gpu.index.scalars
+    assert ("one", "cuda:0") in [(v.name, d) for v, d in only_gpu.copies()]
+    with_host = place(g, sync_cost())
+    assert devices_of(with_host)["inc"] == "cpu:0"

@@ -161,7 +161,12 @@ class GraphIndex:
     on the host, a GPU kernel takes them as a scalar argument, so
     they are never copied to a GPU (a property of the value, so one value reaches one pool by
     one mechanism).
-    ``host``: :func:`host_scalars`. ``passthrough``: :func:`passthrough_moves`.
+    ``host``: :func:`host_scalars`, where ``host_allowed`` (placement may use a host device);
+    without one no op is a host scalar, and a host value a GPU op reads is copied unless the
+    op takes it as a scalar argument (a host scalar op placed on a GPU, given a host input
+    uncopied, made a host tensor the plan held to be the GPU's: ``lift_fresh_copy`` of
+    AdamW's host step increment under ``devices="cuda:0"``, 2026-12-05).
+    ``passthrough``: :func:`passthrough_moves`.
     """
 
     ins: dict[Node, tuple[Node, ...]]
@@ -171,9 +176,10 @@ class GraphIndex:
     scalars: frozenset[Node]
     host: frozenset[Node] = frozenset()
     passthrough: frozenset[Node] = frozenset()
+    host_allowed: bool = True
 
     @staticmethod
-    def of(graph: Graph) -> GraphIndex:
+    def of(graph: Graph, host_allowed: bool = True) -> GraphIndex:
         ins = {n: _inputs(n) for n in graph.nodes}
         last_draw: dict[str, Node] = {}  # generator -> its latest random op
         for n in graph.ops:
@@ -188,7 +194,7 @@ class GraphIndex:
             for i in ins[n]:
                 users[i].append(n)
         metas = {n: n.tensor_metas for n in graph.nodes}
-        host = host_scalars(graph, ins, users)
+        host = host_scalars(graph, ins, users) if host_allowed else frozenset()
 
         def scalar_argument(u: Node, n: Node) -> bool:  # u takes the host 0-dim n as a scalar
             return u in host or (takes_host_scalar(u.op) and any(
@@ -200,7 +206,17 @@ class GraphIndex:
             and all(scalar_argument(u, n) for u in users[n]))
         return GraphIndex(ins, users, {n: sum(m.nbytes for m in ms) for n, ms in metas.items()},
                           frozenset(n for n, ms in metas.items() if not ms), scalars, host,
-                          passthrough_moves(graph))
+                          passthrough_moves(graph), host_allowed)
+
+
+def index_of(placement: Any, graph: Graph | None = None) -> GraphIndex:
+    """The GraphIndex of a placement's graph (or of ``graph``, if another), with the same
+    ``host_allowed``: the one placing built (``placement.index``), else made now."""
+    index = placement.index
+    if index is None or (graph is not None and graph is not placement.graph):
+        allowed = index.host_allowed if index is not None else True
+        return GraphIndex.of(placement.graph if graph is None else graph, host_allowed=allowed)
+    return index  # type: ignore[no-any-return]
 
 
 def passthrough_moves(graph: Graph) -> frozenset[Node]:

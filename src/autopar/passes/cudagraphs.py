@@ -20,8 +20,7 @@ from functools import partial
 from typing import Any, NamedTuple
 
 from ..ir.graph import Node
-from ..ir.routing import is_free_move
-from ..schedule.place import index_of
+from ..ir.routing import index_of, is_free_move
 from ..schedule.segments import (
     chosen_segments_each,
     launches,

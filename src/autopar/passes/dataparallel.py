@@ -20,9 +20,10 @@ from typing import Any
 
 from ..capture.step import StepGraph
 from ..ir.graph import Node
+from ..ir.routing import index_of
 from ..ir.units import fmt_seconds
 from ..machine.model import GiB
-from ..schedule.place import index_of, memory_limits, place
+from ..schedule.place import memory_limits, place
 from ..schedule.plan import make_plan
 from ..schedule.simulate import issue_s, peak_memory, simulate
 from .cudagraphs import GraphedCost, capture_rule, graphed_segments_each

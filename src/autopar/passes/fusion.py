@@ -31,9 +31,9 @@ import torch
 
 from ..ir.graph import Graph, Node, TensorMeta
 from ..ir.regions import is_view, outputs_of
-from ..ir.routing import is_free_move, kind_of, pool, route
+from ..ir.routing import index_of, is_free_move, kind_of, pool, route
 from ..machine.host import cpu_fusion_unavailable
-from ..schedule.place import index_of, place
+from ..schedule.place import place
 from ..schedule.plan import make_plan
 from ..schedule.simulate import host_time, simulate
 from ..schedule.steps import Free, Plan, Run, Step

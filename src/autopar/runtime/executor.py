@@ -53,7 +53,7 @@ import torch
 
 from ..ir.collective import COMM, all_reduce, inline
 from ..ir.graph import Node, op_name
-from ..ir.routing import GraphIndex, is_free_move, pool, route
+from ..ir.routing import index_of, is_free_move, pool, route
 from ..schedule.steps import Free, Plan, Run, Send, Wait
 from ..schedule.timeline import Span, Timeline
 from .callerstate import CallerState
@@ -591,7 +591,7 @@ class Executor:
         self.inputs = graph.inputs
         self.input_slots = [self.slots(n, placement.device[n]) for n in self.inputs]
         device_of = placement.device
-        ix = GraphIndex.of(graph)
+        ix = index_of(placement, graph)  # the routes the plan was made with
 
         def source_of(value: Node, reader: str) -> str:
             return reader if route(value, device_of[value], reader, ix) != "event" \

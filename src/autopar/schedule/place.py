@@ -119,6 +119,7 @@ from ..ir.routing import (
     gc_paused,
     handoff_time,
     hands_off,
+    index_of,
     is_free_move,
     is_pure_move,
     is_tiny,
@@ -130,7 +131,7 @@ from ..ir.routing import (
 )
 from ..ir.units import fmt_bytes, fmt_seconds
 
-__all__ = ["POLICIES", "Placement", "Slot", "index_of", "lower_bound", "memory_limits",
+__all__ = ["POLICIES", "Placement", "Slot", "lower_bound", "memory_limits",
            "merged_order", "place", "places_by_cost", "retime"]
 
 HOST_PULL_BYTES = 1 << 20
@@ -400,13 +401,13 @@ class _Schedule:
         self.devices = list(devices)
         self.insertion = insertion
         self.rank_of = {d.name: i for i, d in enumerate(self.machine.devices)}
-        self.index = ix = index or GraphIndex.of(graph)
+        self.host = next((d for d in self.devices if d.startswith("cpu")), None)
+        self.index = ix = index or GraphIndex.of(graph, host_allowed=self.host is not None)
         self.ins, self.users, self.nbytes = ix.ins, ix.users, ix.nbytes
         self.outputs = set(graph.output_nodes)
         self.moves = {n for n in graph.ops if is_pure_move(n)}
         self.free_moves = free_moves
         self.tiny = {n for n in graph.ops if is_tiny(n)}
-        self.host = next((d for d in self.devices if d.startswith("cpu")), None)
         self.eager: dict[Node, str | None] = {n: self._home(n) for n in graph.nodes}
         self.shared_outputs = _shared_output_bases(graph, self.eager)
         self.device: dict[Node, str] = {}
@@ -1069,7 +1070,7 @@ def place(graph: Graph, cost: Any, policy: str = "heft", devices: Sequence[str] 
 
 def _place(graph: Graph, cost: Any, policy: str, chosen: list[str],
            limits: dict[str, int | None], pins: Mapping[Node, str] | None = None) -> Placement:
-    index = GraphIndex.of(graph)
+    index = GraphIndex.of(graph, host_allowed=any(d.startswith("cpu") for d in chosen))
     if policy != "heft":
         return _run(graph, cost, policy, chosen, limits, index, pins).placement(policy)
     try:
@@ -1097,14 +1098,6 @@ def _place(graph: Graph, cost: Any, policy: str, chosen: list[str],
         return Placement(graph, kept.device, kept.order, "heft", notes, kept.predicted_s,
                          kept.slots, kept.index)
     return heft.placement("heft")
-
-
-def index_of(placement: Placement, graph: Graph | None = None) -> GraphIndex:
-    """The GraphIndex of a placement's graph (or of ``graph``, if another): the one placing
-    built, else made now."""
-    if placement.index is None or (graph is not None and graph is not placement.graph):
-        return GraphIndex.of(placement.graph if graph is None else graph)
-    return placement.index
 
 
 def merged_order(placement: Placement) -> list[Node]:

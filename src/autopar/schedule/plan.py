@@ -45,10 +45,11 @@ from ..ir.routing import (
     delivery_needed,
     gc_paused,
     home_device,
+    index_of,
     pool,
     route,
 )
-from .place import Placement, Slot, index_of, merged_order, retime
+from .place import Placement, Slot, merged_order, retime
 from .steps import Free, Plan, Record, Run, Send, Step, Wait
 
 __all__ = ["make_plan"]

@@ -44,6 +44,7 @@ from ..ir.routing import (
     handoff_time,
     hands_off,
     home_device,
+    index_of,
     is_pure_move,
     op_time,
     owns_storage,
@@ -53,7 +54,7 @@ from ..ir.routing import (
     storage_of,
     value_bytes,
 )
-from .place import index_of, place
+from .place import place
 from .steps import Free, Plan, Record, Run, Send, Wait
 from .timeline import Span, Timeline
 
