@@ -179,9 +179,7 @@ def test_a_fused_adamw_step_under_cuda_graphs_on_one_gpu_equals_eager(scheduled)
     assert any("_fused_adamw" in str(n.op) for n in step.last.step.graph.ops)
 
 
-@pytest.mark.parametrize("fused", [True, pytest.param(False, marks=pytest.mark.xfail(
-    strict=True, reason="the branch-free step's host step counts failed on a GPU "
-    "(2026-12-05): a GPU's GradScaler with a foreach optimizer runs unsplit"))])
+@pytest.mark.parametrize("fused", [True, False])
 def test_fp16_with_a_grad_scaler_under_cuda_graphs_equals_eager(fused):
     """fp16 autocast and a ``GradScaler``. Fused: the inf check and the skip stay on the GPU
     (the kernel's ``found_inf``). Foreach: the step runs and a ``where`` keeps what it wrote

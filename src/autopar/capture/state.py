@@ -256,17 +256,9 @@ _SCALER = ("_scale", "_growth_tracker")
 trace, as an optimizer's are."""
 
 
-def _check_scaler(name: str, scaler: Any, optimizers: Sequence[tuple[str, Any]]) -> None:
+def _check_scaler(name: str, scaler: Any) -> None:
     if any(getattr(scaler, attr) is None for attr in _SCALER):
         raise StateNotReady(f"the GradScaler {name} makes its scale at its first scale() call")
-    for var, opt in optimizers:  # the branch-free step failed on a GPU (2026-12-05): not yet
-        if not getattr(opt, "_step_supports_amp_scaling", False) and any(
-                p.device.type != "cpu" for g in opt.param_groups for p in g["params"]):
-            raise Unsupported(
-                f"the step uses the GradScaler {name} with {var} ({type(opt).__name__} without "
-                "fused=True) on a GPU: scaler.step reads on the host whether the gradients are "
-                "finite and branches on it; a fused optimizer checks on the device "
-                "(fused=True), and bf16 autocast needs no scaler")
 
 
 def _branch_free_step(optimizer: Optimizer, optimizer_state: dict, *args: Any,
@@ -408,7 +400,7 @@ def find_state(fn: Callable, args: Sequence[Any],
                      if isinstance(s, torch.amp.GradScaler) and s.is_enabled()]
     state.python = pystate.read_key(pystate.watch(fn, ()))
     for name, scaler in state.scalers:
-        _check_scaler(name, scaler, state.optimizers)
+        _check_scaler(name, scaler)
     at: dict[int, int] = {}
 
     def add(t: torch.Tensor, name: str) -> None:
