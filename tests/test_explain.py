@@ -123,6 +123,17 @@ def test_explain_rejects_bad_input_clearly():
                         machine="h200x2", inputs_on="cuda:0")
 
 
+def test_a_shape_mistake_is_named_at_the_users_line_without_torchs_log(capfd):
+    def f(x, w):
+        return (x @ w).sum(0) + torch.ones(7)  # 6 columns meet 7: the code's own mistake
+
+    line = f.__code__.co_firstlineno + 1
+    with pytest.raises(Unsupported, match=rf"f fails on the example inputs at "
+                       rf"test_explain.py:{line}: RuntimeError: .*broadcast"):
+        autopar.explain(f, torch.rand(4, 5), torch.rand(5, 6), machine="h200x2")
+    assert "fake_tensor" not in capfd.readouterr().err  # fake tensors' own traceback: off
+
+
 def test_chrome_trace_has_lanes_copies_with_bandwidth_and_flow_arrows():
     report = autopar.explain(two_chains, *big(), machine="h200x2", inputs_on="cuda:0")
     trace = to_chrome_trace(report.timeline, report.plan.graph)

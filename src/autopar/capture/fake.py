@@ -8,15 +8,19 @@ import contextlib
 import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental import symbolic_shapes
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..ir.graph import Graph, Node, TensorMeta
 from ..ir.locks import tracing
+from ..ir.logs import quiet
 from .dynamo import capturing_scalars, make_backend
 from .fx import Unsupported, from_fx
 
@@ -50,6 +54,32 @@ class _IndexedCuda(torch.overrides.TorchFunctionMode):
             return args[0].to(torch.device("cuda", index),
                               non_blocking=kwargs.get("non_blocking", False))
         return func(*args, **kwargs)
+
+
+def _needs_a_run(error: BaseException) -> bool:
+    """Is ``error`` fake tensors' own limit rather than the code's: a value read from a tensor
+    (a slice bound, ``.item()``), an output shape decided by data, a kernel fake tensors lack,
+    or code for a GPU this torch can't fake (see :func:`autopar.machine.host.no_cuda_error`)?"""
+    limits = (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
+              fake_tensor.UnsupportedOperatorException, symbolic_shapes.GuardOnDataDependentSymNode)
+    text = str(error).lower()
+    return isinstance(error, limits) or any(
+        k in text for k in ("data-dependent", "data dependent", "cuda", "nvidia"))
+
+
+def _users_line(error: BaseException, fn: Callable) -> str | None:
+    """``file:line`` of the last frame of ``error``'s traceback in the file that defines
+    ``fn`` (an ``nn.Module``: its ``forward``), or None."""
+    code = getattr(fn, "__code__", None) or getattr(getattr(type(fn), "forward", None),
+                                                     "__code__", None)
+    if code is None:
+        return None
+    found, tb = None, error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == code.co_filename:
+            found = f"{Path(code.co_filename).name}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return found
 
 
 def trace_fake(fn: Callable, args: Sequence[Any], inputs_on: str | None = None,
@@ -101,11 +131,18 @@ def trace_fake(fn: Callable, args: Sequence[Any], inputs_on: str | None = None,
         indexed = contextlib.nullcontext() if torch.cuda.is_available() else _IndexedCuda()
         # forward only: no autograd on fake GPU tensors; FX patches the process while it traces
         with mode, torch.no_grad(), indexed, tracing():
-            gm = traced(*fake_args)
+            gm = quiet(traced)(*fake_args)  # fake tensors' log of a user's shape mistake: off
     except Exception as e:  # data-dependent ops, backward(), device code fake tensors can't take
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        label = getattr(fn, "__name__", type(fn).__name__)
+        at = _users_line(e, fn)
+        if at is not None and not _needs_a_run(e):  # the user's code refused these shapes
+            raise Unsupported(
+                f"{label} fails on the example inputs at {at}: {type(e).__name__}: {first} "
+                "(traced with fake inputs of the same shapes, dtypes and devices: a real call "
+                "would most likely fail the same way)") from e
         raise Unsupported(
-            f"can't trace {getattr(fn, '__name__', type(fn).__name__)} without running it: "
+            f"can't trace {label} without running it: "
             f"{type(e).__name__}: {first} (explain traces the forward pass with fake inputs; "
             "data-dependent values such as tensor slice bounds or .item(), and backward(), "
             "need a real run)") from e
