@@ -45,6 +45,21 @@ def module_step(model: torch.nn.Module, opt: torch.optim.Optimizer):
     return step
 
 
+def scaler_step(model: torch.nn.Module, opt: torch.optim.Optimizer, scaler, device_type: str,
+                dtype: torch.dtype = torch.float16):
+    """:func:`module_step` under ``dtype`` autocast with a ``GradScaler``: scaled backward,
+    ``scaler.step(opt)``, ``scaler.update()``."""
+    def step(x, y):
+        opt.zero_grad()
+        with torch.autocast(device_type, dtype):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss.detach()
+    return step
+
+
 def bn_step(w, gamma, beta, x):
     """A linear layer, batch norm over the batch (training mode), SGD on all three."""
     h = F.batch_norm(x @ w.t(), None, None, gamma, beta, training=True)

@@ -185,27 +185,16 @@ def test_fp16_with_a_grad_scaler_under_cuda_graphs_equals_eager(fused):
     (the kernel's ``found_inf``). Foreach: the step runs and a ``where`` keeps what it wrote
     where ``found_inf`` is set (the host step counts read it). A batch with an inf skips its
     update and halves the scale, as eagerly."""
-    from _steps import batches_on, small_net
+    from _steps import batches_on, scaler_step, small_net
 
     model, ref = small_net("cuda:0"), small_net("cuda:0")
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, fused=fused)
                     for m in (model, ref))
     scaler, ref_scaler = (torch.amp.GradScaler("cuda", init_scale=2.0 ** 8) for _ in range(2))
 
-    def step_of(m, o, s):
-        def step(x, y):
-            o.zero_grad()
-            with torch.autocast("cuda", torch.float16):
-                loss = torch.nn.functional.cross_entropy(m(x), y)
-            s.scale(loss).backward()
-            s.step(o)
-            s.update()
-            return loss.detach()
-        return step
-
-    step = autopar.data_parallel(step_of(model, opt, scaler), devices="cuda:0", shards=1,
-                                 cuda_graphs=True)
-    ref_step = step_of(ref, ref_opt, ref_scaler)
+    step = autopar.data_parallel(scaler_step(model, opt, scaler, "cuda"), devices="cuda:0",
+                                 shards=1, cuda_graphs=True)
+    ref_step = scaler_step(ref, ref_opt, ref_scaler, "cuda")
     for k, (x, y) in enumerate(batches_on("cuda:0", 8)):
         if k == 4:
             x = x.clone()

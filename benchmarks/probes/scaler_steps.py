@@ -22,21 +22,7 @@ import autopar
 from autopar.ir.routing import index_of, route
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-from _steps import batches_on, small_net
-
-
-def step_of(model, opt, scaler, device: str):
-    dtype = torch.float16 if device.startswith("cuda") else torch.bfloat16
-
-    def step(x, y):
-        opt.zero_grad()
-        with torch.autocast(device.split(":")[0], dtype):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        return loss.detach()
-    return step
+from _steps import batches_on, scaler_step, small_net
 
 
 def placed(compiled) -> list:
@@ -59,10 +45,11 @@ def case(device: str, fused: bool, graphs: bool) -> dict:
     kind = device.split(":")[0]
     scaler, ref_scaler = (torch.amp.GradScaler(kind, init_scale=2.0 ** 8) for _ in range(2))
     cpus = kind == "cpu"
-    step = autopar.data_parallel(step_of(model, opt, scaler, device),
+    dtype = torch.bfloat16 if cpus else torch.float16
+    step = autopar.data_parallel(scaler_step(model, opt, scaler, kind, dtype),
                                  devices="cpu:0,cpu:1" if cpus else device,
                                  shards=2 if cpus else 1, cuda_graphs=graphs)
-    ref_step = step_of(ref, ref_opt, ref_scaler, device)
+    ref_step = scaler_step(ref, ref_opt, ref_scaler, kind, dtype)
     out: dict = {"calls": []}
     try:
         for k, (x, y) in enumerate(batches_on(device, 6)):
