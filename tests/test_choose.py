@@ -873,3 +873,59 @@ def test_hooks_python_random_and_generators_run_once_a_call():
         want = [f(x, *twin) for _ in range(5)]
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b)
+
+
+class _Cache:
+    """A KV cache a call appends to, as Hugging Face's ``DynamicCache`` is (its tensors a few
+    levels down: ``cache.layers[0].keys``)."""
+
+    class Layer:
+        def __init__(self) -> None:
+            self.keys: torch.Tensor | None = None
+
+    def __init__(self) -> None:
+        self.layers = [self.Layer()]
+
+
+def _attend(x, cache):
+    layer = cache.layers[0]
+    layer.keys = x if layer.keys is None else torch.cat([layer.keys, x], 1)
+    return layer.keys.sum(1)
+
+
+def test_a_call_that_appends_to_a_cache_among_its_arguments_runs_once():
+    """The capturing call had been checked by calling eager again on the cache it had already
+    appended to: the cache grew twice a call and eager's results of the wrong cache were
+    returned. A Python object among the arguments that the call changes makes the function
+    one whose calls are never repeated."""
+    compiled = autopar.compile(_attend)
+    cache, ref = _Cache(), _Cache()
+    torch.manual_seed(0)
+    xs = [torch.randn(2, 4 if k == 0 else 1) for k in range(4)]
+    with torch.no_grad():
+        for x in xs:
+            torch.testing.assert_close(compiled(x, cache), _attend(x, ref))
+    assert cache.layers[0].keys.shape == ref.layers[0].keys.shape == (2, 7)
+    assert autopar.api.dispatcher_of(compiled).impure is not None
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # 5.x's name
+def test_gpt2_decoding_with_its_kv_cache_equals_eager():
+    """HF's GPT-2 (eager attention) called with ``past_key_values``: each step's logits are
+    eager's, and the cache holds each token once."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
+                                     n_positions=32, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    compiled = autopar.compile(model)
+    ids = torch.randint(0, 64, (2, 4), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = compiled(ids, use_cache=True), model(ids, use_cache=True)
+        for step in range(3):
+            nxt = got.logits[:, -1:].argmax(-1)
+            torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-5)
+            got = compiled(nxt, past_key_values=got.past_key_values, use_cache=True)
+            want = model(nxt, past_key_values=want.past_key_values, use_cache=True)
+            assert got.past_key_values.get_seq_length() == 5 + step
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-5)

@@ -229,11 +229,13 @@ def restore(watched: Sequence[Watched], before: list) -> None:
 
 def world(watched: Sequence[Watched], args: Any) -> tuple:
     """What a call may change besides the tensors it writes: the records of ``watched`` (the
-    function's free values and its module's attributes) and the state of every random number
+    function's free values and its module's attributes), the state of every random number
     generator it may draw from (Python's, NumPy's where it is loaded, torch's default ones, and
-    each ``torch.Generator`` among ``args``). Two equal results: the call changed none of it,
-    so calling it again on the same arguments gives the same results (the measured choice
-    checks a way against eager that way, :class:`autopar.api.Dispatcher`)."""
+    each ``torch.Generator`` among ``args``) and the Python objects among ``args``, a few
+    levels in (:func:`_deep`: a KV cache the call appends to, as HF's ``DynamicCache`` is
+    when a model is called with ``past_key_values``). Two equal results: the call changed
+    none of it, so calling it again on the same arguments gives the same results (the
+    measured choice checks a way against eager that way, :class:`autopar.api.Dispatcher`)."""
     rngs: list[Any] = [random.getstate()]
     numpy = sys.modules.get("numpy")
     if numpy is not None:
@@ -244,4 +246,37 @@ def world(watched: Sequence[Watched], args: Any) -> tuple:
     if torch.cuda.is_initialized():
         gens += [torch.cuda.default_generators[i] for i in range(torch.cuda.device_count())]
     rngs += [g.get_state().numpy().tobytes() for g in gens]
-    return records(watched), tuple(rngs)
+    objects = tuple(_deep(x, _ARG_DEPTH, set()) for x in tree_flatten(args)[0]
+                    if not isinstance(x, (*_PLAIN, torch.Tensor, torch.Generator)))
+    return records(watched), tuple(rngs), objects
+
+
+_ARG_DEPTH = 4
+"""Levels :func:`world` looks into a Python object among the arguments: a Hugging Face
+``DynamicCache`` holds its tensors three down (``cache.layers[i].keys``)."""
+
+
+def _deep(value: Any, depth: int, seen: set[int]) -> Any:
+    """A record of ``value`` that changes where anything within ``depth`` levels of it does: a
+    plain value as itself, a tensor by identity and version, a list, tuple or dict by its
+    items, a plain object (not torch's) by its attributes; anything else, or past ``depth``,
+    by identity."""
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value), value._version)
+    if depth == 0 or id(value) in seen:
+        return ("object", id(value))
+    seen.add(id(value))
+    if type(value) in (list, tuple):
+        return (id(value), len(value),
+                tuple(_deep(v, depth - 1, seen) for v in value[:_MAX_ITEMS]))
+    if type(value) is dict:
+        return (id(value), len(value), tuple((k, _deep(v, depth - 1, seen))
+                                             for k, v in list(value.items())[:_MAX_ITEMS]))
+    attrs = getattr(value, "__dict__", None)
+    if type(attrs) is dict and not isinstance(value, torch.nn.Module | type | types.ModuleType) \
+            and type(value).__module__.split(".")[0] not in _LIBRARIES:
+        return (id(value), tuple((k, _deep(v, depth - 1, seen))
+                                 for k, v in list(attrs.items())[:_MAX_ITEMS]))
+    return ("object", id(value))
