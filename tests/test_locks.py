@@ -108,3 +108,28 @@ def test_autopars_traces_hold_dynamos_compile_lock(monkeypatch):
     for _ in range(3):
         split(torch.randn(8, 4))
     assert held and all(held)
+
+
+def test_threads_share_dynamos_scalar_capture_and_the_last_one_out_switches_it_off():
+    """One thread's call leaving no longer switches ``capture_scalar_outputs`` off under
+    another's compile; set by the user, it is never switched off."""
+    from autopar.capture.dynamo import scalars_captured
+
+    config = torch._dynamo.config
+    assert not config.capture_scalar_outputs
+    with scalars_captured():
+        def other() -> None:
+            with scalars_captured():
+                pass
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        assert config.capture_scalar_outputs  # the other thread's exit left it on
+    assert not config.capture_scalar_outputs
+    config.capture_scalar_outputs = True
+    try:
+        with scalars_captured():
+            pass
+        assert config.capture_scalar_outputs
+    finally:
+        config.capture_scalar_outputs = False

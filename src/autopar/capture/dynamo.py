@@ -25,12 +25,14 @@ Policy
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import sys
+import threading
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -420,6 +422,32 @@ _is_grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 
 
+_scalars = {"calls": 0, "ours": False}  # calls inside scalars_captured; did we set it?
+_scalars_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def scalars_captured() -> Iterator[None]:
+    """Dynamo's ``capture_scalar_outputs`` on for the block. The setting is one for the
+    process: calls in several threads share it, counted, and the last one out puts it back
+    (a thread's call had switched it off under another's compile, whose graph then broke at
+    an ``.item()``). Set by the user before, it is left alone. The attribute itself is set:
+    ``config.patch`` costs ~25 us a call."""
+    config = torch._dynamo.config
+    with _scalars_lock:
+        if _scalars["calls"] == 0:
+            _scalars["ours"] = not config.capture_scalar_outputs
+            config.capture_scalar_outputs = True
+        _scalars["calls"] += 1
+    try:
+        yield
+    finally:
+        with _scalars_lock:
+            _scalars["calls"] -= 1
+            if _scalars["calls"] == 0 and _scalars["ours"]:
+                config.capture_scalar_outputs = False
+
+
 def capturing_scalars(compiled: Callable, needed: Callable[[], bool] | None = None,
                       failed: Callable[[], None] | None = None) -> Callable:
     """``compiled`` (a ``torch.compile`` result) traced with ``.item()`` and tensor slice
@@ -430,28 +458,26 @@ def capturing_scalars(compiled: Callable, needed: Callable[[], bool] | None = No
     microseconds a call, so it stops once ``needed()`` says False (``autopar.compile``: the
     first call's graphs read no scalar, so the function's code has none to capture); with
     ``torch._dynamo.config.capture_scalar_outputs = True`` (or
-    ``TORCHDYNAMO_CAPTURE_SCALAR_OUTPUTS=1``) already set, calls go straight through. Where
+    ``TORCHDYNAMO_CAPTURE_SCALAR_OUTPUTS=1``) set by the user, it is left on. Where
     dynamo itself fails to trace with the setting on (an internal error, before anything ran),
     or a backend fails on a value read in the graph (aot_autograd on torch 2.11, W1's slice
     bounds passed in as tensors: ``GuardOnDataDependentSymNode``, which reached the user),
     the call is traced again without it, once, logged, and the setting is not used again
     (``failed()`` is then called: ``guards="arguments"`` traces such a function by running
-    it, :class:`autopar.capture.direct.Direct`).
+    it, :class:`autopar.capture.direct.Direct`). Threads share the setting
+    (:func:`scalars_captured`).
     """
-    config = torch._dynamo.config
     state = {"off": False}
 
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             try:
-                if state["off"] or (needed is not None and not needed()) or \
-                        config.capture_scalar_outputs:  # a dynamo config read costs ~1 us: last
+                if state["off"] or (needed is not None and not needed()):
                     return enter(fn, args, kwargs)
-                # set and reset the attribute itself: ``config.patch`` costs ~25 us a call
-                config.capture_scalar_outputs = True
                 try:
-                    return enter(fn, args, kwargs)
+                    with scalars_captured():
+                        return enter(fn, args, kwargs)
                 except (torch._dynamo.exc.InternalTorchDynamoError,
                         torch._dynamo.exc.BackendCompilerFailed) as e:
                     if isinstance(e, torch._dynamo.exc.BackendCompilerFailed) and \
@@ -463,8 +489,6 @@ def capturing_scalars(compiled: Callable, needed: Callable[[], bool] | None = No
                     log.warning("autopar: tracing %s with .item() captured failed inside "
                                 "dynamo (%s); tracing it with graph breaks at .item() instead",
                                 getattr(fn, "__name__", "the function"), str(e).splitlines()[0])
-                finally:
-                    config.capture_scalar_outputs = False
                 return enter(fn, args, kwargs)
             except torch._dynamo.exc.TorchRuntimeError as e:  # the user's code failed tracing
                 return _as_eager(e, fn, args, kwargs)
