@@ -141,12 +141,10 @@ def watch(fn: Callable, modules: Sequence[tuple[str, torch.nn.Module]]) -> list[
         elif isinstance(value, list):
             for i in range(min(len(value), _MAX_ITEMS)):
                 out.append(Watched(f"{name}[{i}]", value, i, True))
-        elif not isinstance(value, torch.nn.Module | torch.Tensor | type | Callable
-                            | types.ModuleType) and \
-                type(getattr(value, "__dict__", None)) is dict and \
-                type(value).__module__.split(".")[0] not in _LIBRARIES:
-            for k in list(vars(value))[:_MAX_ITEMS]:
-                out.append(Watched(f"{name}.{k}", vars(value), k, True))
+        elif not isinstance(value, torch.Tensor | Callable) and \
+                (attrs := _attributes(value)) is not None:
+            for k in list(attrs)[:_MAX_ITEMS]:
+                out.append(Watched(f"{name}.{k}", attrs, k, True))
 
     def free(f: Callable, prefix: str, read: bool) -> list[Any]:
         """Watch ``f``'s globals and closure cells (and one level into them); their values."""
@@ -241,12 +239,12 @@ def world(watched: Sequence[Watched], args: Any) -> tuple:
     if numpy is not None:
         kind, keys, *rest = numpy.random.get_state()
         rngs.append((kind, keys.tobytes(), *rest))
-    gens = [torch.default_generator, *(g for g in tree_flatten(args)[0]
-                                       if isinstance(g, torch.Generator))]
+    leaves = tree_flatten(args)[0]
+    gens = [torch.default_generator, *(g for g in leaves if isinstance(g, torch.Generator))]
     if torch.cuda.is_initialized():
         gens += [torch.cuda.default_generators[i] for i in range(torch.cuda.device_count())]
     rngs += [g.get_state().numpy().tobytes() for g in gens]
-    objects = tuple(_deep(x, _ARG_DEPTH, set()) for x in tree_flatten(args)[0]
+    objects = tuple(_deep(x, _ARG_DEPTH, set()) for x in leaves
                     if not isinstance(x, (*_PLAIN, torch.Tensor, torch.Generator)))
     return records(watched), tuple(rngs), objects
 
@@ -274,9 +272,18 @@ def _deep(value: Any, depth: int, seen: set[int]) -> Any:
     if type(value) is dict:
         return (id(value), len(value), tuple((k, _deep(v, depth - 1, seen))
                                              for k, v in list(value.items())[:_MAX_ITEMS]))
-    attrs = getattr(value, "__dict__", None)
-    if type(attrs) is dict and not isinstance(value, torch.nn.Module | type | types.ModuleType) \
-            and type(value).__module__.split(".")[0] not in _LIBRARIES:
+    attrs = _attributes(value)
+    if attrs is not None:
         return (id(value), tuple((k, _deep(v, depth - 1, seen))
                                  for k, v in list(attrs.items())[:_MAX_ITEMS]))
     return ("object", id(value))
+
+
+def _attributes(value: Any) -> dict | None:
+    """The attributes (``__dict__``) of a plain object that is looked into: not a module,
+    class or Python module, nor an object of :data:`_LIBRARIES`; else None."""
+    attrs = getattr(value, "__dict__", None)
+    if type(attrs) is not dict or isinstance(value, torch.nn.Module | type | types.ModuleType) \
+            or type(value).__module__.split(".")[0] in _LIBRARIES:
+        return None
+    return attrs

@@ -401,7 +401,7 @@ class _Schedule:
         self.devices = list(devices)
         self.insertion = insertion
         self.rank_of = {d.name: i for i, d in enumerate(self.machine.devices)}
-        self.host = next((d for d in self.devices if d.startswith("cpu")), None)
+        self.host = _host_of(self.devices)
         self.index = ix = index or GraphIndex.of(graph, host_allowed=self.host is not None)
         self.ins, self.users, self.nbytes = ix.ins, ix.users, ix.nbytes
         self.outputs = set(graph.output_nodes)
@@ -1068,9 +1068,14 @@ def place(graph: Graph, cost: Any, policy: str = "heft", devices: Sequence[str] 
         return _place(graph, cost, policy, chosen, memory_limits(cost, memory), pins)
 
 
+def _host_of(devices: Iterable[str]) -> str | None:
+    """The host device among ``devices`` (the first CPU worker), which runs host scalars."""
+    return next((d for d in devices if d.startswith("cpu")), None)
+
+
 def _place(graph: Graph, cost: Any, policy: str, chosen: list[str],
            limits: dict[str, int | None], pins: Mapping[Node, str] | None = None) -> Placement:
-    index = GraphIndex.of(graph, host_allowed=any(d.startswith("cpu") for d in chosen))
+    index = GraphIndex.of(graph, host_allowed=_host_of(chosen) is not None)
     if policy != "heft":
         return _run(graph, cost, policy, chosen, limits, index, pins).placement(policy)
     try:
