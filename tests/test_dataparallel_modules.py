@@ -561,6 +561,31 @@ def test_a_grad_scaler_step_splits_and_equals_eager(optimizer, clip):
         assert float(opt.state[next(model.parameters())]["step"]) == 5  # 6 steps, 1 skipped
 
 
+@pytest.mark.parametrize("first_overflows", [False, True])
+def test_a_grad_scaler_step_traced_again_finds_its_stages_as_eager_left_them(first_overflows):
+    """A trace runs the step's ``unscale_`` and ``step`` on the GradScaler, which mark its
+    per-optimizer stage in place; a second trace (a smaller last batch: a new signature), or
+    the call after a first step that overflowed, ran on marks left by the first and raised
+    ``unscale_() is being called after step()``, which eager never raises."""
+    model, ref = _gelu_net(), _gelu_net()
+    opt, ref_opt = (SCALED["adamw"](m.parameters()) for m in (model, ref))
+    init = 2.0 ** (18 if first_overflows else 8)  # 2 ** 18: the first step overflows, not after
+    scaler, ref_scaler = (torch.amp.GradScaler("cpu", init_scale=init) for _ in range(2))
+    step = autopar.data_parallel(_scaled_step_of(model, opt, scaler, True), devices=CPUS,
+                                 shards=2)
+    ref_step = _scaled_step_of(ref, ref_opt, ref_scaler, True)
+    sizes = [10, 10, 10, 7, 10]
+    for k, ((x, y), size) in enumerate(zip(_batches(len(sizes)), sizes)):
+        x, y = x[:size], y[:size]
+        torch.testing.assert_close(step(x, y), ref_step(x, y), rtol=1e-3, atol=1e-3,
+                                   equal_nan=True)
+        assert scaler.get_scale() == ref_scaler.get_scale(), k
+        assert not scaler._per_optimizer_states  # update() left it empty, as eagerly
+    assert step.last is not None and step.last.sharded is not None
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)
+
+
 def test_train_and_eval_are_separate_captures():
     """Batch norm computes differently in eval(): a graph traced in train() must not serve it."""
     model, ref = _net(), _net()

@@ -145,8 +145,7 @@ class State:
             for scheduler in self.schedulers:  # a scheduler stepped in the trace: undone
                 stack.callback(scheduler.load_state_dict, scheduler.state_dict())
             for _, scaler in self.scalers:  # its tensors traced; its stages as they were
-                stack.callback(setattr, scaler, "_per_optimizer_states",
-                               scaler._per_optimizer_states)
+                stack.callback(setattr, scaler, "_per_optimizer_states", _stages_of(scaler))
                 scaler._maybe_opt_step = _branch_free_step  # (the instance's, for the trace)
                 stack.callback(delattr, scaler, "_maybe_opt_step")
                 for attr in _SCALER:
@@ -318,6 +317,16 @@ def _know_sign(number: Any, sign: int) -> None:
         return
     torch._check(number != 0)
     torch._check(number > 0 if sign > 0 else number < 0)
+
+
+def _stages_of(scaler: Any) -> dict:
+    """A copy of ``scaler``'s per-optimizer stages, two levels deep: a trace's ``unscale_`` and
+    ``step`` write into the dict in place (an entry for the optimizer, its stage, fake
+    ``found_inf``s) where no ``update()`` replaces it, and the copy is what is put back."""
+    stages = scaler._per_optimizer_states
+    return type(stages)(stages.default_factory, {  # a defaultdict, as GradScaler keeps it
+        k: {kk: dict(vv) if isinstance(vv, dict) else vv for kk, vv in v.items()}
+        for k, v in stages.items()})
 
 
 def _restore(opt: Optimizer, groups: list[dict], state: Any) -> None:
