@@ -586,6 +586,42 @@ def test_a_grad_scaler_step_traced_again_finds_its_stages_as_eager_left_them(fir
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)
 
 
+def test_gradients_of_channels_last_weights_come_back_in_their_layout():
+    """Autograd gives a parameter's ``.grad`` its strides (a channels-last convolution's weight:
+    channels last); the split's gradient is a sum of the shards', compact. It is handed back in
+    eager's layout, with eager's values, and the momentum built from it too."""
+    def conv_net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.GELU(),
+                                   torch.nn.Conv2d(8, 4, 3), torch.nn.Flatten(),
+                                   torch.nn.Linear(100, 2)).to(memory_format=torch.channels_last)
+    model, ref = conv_net(), conv_net()
+    x = torch.randn(6, 3, 9, 9).contiguous(memory_format=torch.channels_last)
+    opt, ref_opt = (OPTIMIZERS["sgd-momentum"](m.parameters()) for m in (model, ref))
+
+    def step_of(m, o):
+        def step(x):
+            o.zero_grad()
+            loss = m(x).square().mean()
+            loss.backward()
+            o.step()
+            return loss.detach()
+        return step
+
+    step = autopar.data_parallel(step_of(model, opt), devices=CPUS, shards=2)
+    ref_step = step_of(ref, ref_opt)
+    for _ in range(3):
+        torch.testing.assert_close(step(x), ref_step(x), **TOL)
+    assert step.last is not None and step.last.sharded is not None
+    weights = [(p, q) for p, q in zip(model.parameters(), ref.parameters()) if p.ndim == 4]
+    assert weights and all(not p.is_contiguous() for p, _ in weights)
+    for p, q in weights:
+        assert p.grad.stride() == q.grad.stride() == p.stride()
+        torch.testing.assert_close(p.grad, q.grad, **TOL)
+        assert opt.state[p]["momentum_buffer"].stride() == \
+            ref_opt.state[q]["momentum_buffer"].stride()
+
+
 def test_train_and_eval_are_separate_captures():
     """Batch norm computes differently in eval(): a graph traced in train() must not serve it."""
     model, ref = _net(), _net()

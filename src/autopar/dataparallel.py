@@ -29,8 +29,10 @@ Policy and invariants
   tensor argument that doesn't require grad and whose dim 0 equals the first such one's. A step
   with no parameters (inference) must name them.
 - After each call, the user's tensors hold what eager would have given (up to the summation
-  order of reduced gradients), on the devices eager would have used; the outputs are eager's
-  values, detached.
+  order of reduced gradients), on the devices eager would have used, each ``.grad`` in the
+  layout autograd gives it (the parameter's strides: channels last stays channels last). The
+  outputs are eager's values, detached and compact: gathered from the shards, an output that
+  is a view (``logits[:, -1]``, a transpose) comes back as a tensor of its own, contiguous.
 - k and devices: the graph is placed unsplit, and split over the home device (where the batch
   lives) and the next k-1 devices of its kind in ``devices``, for every k; the one with the
   least predicted time is the candidate, "don't split" included. Unless ``shards`` is given,
@@ -386,7 +388,7 @@ class DataParallelStep:
                 if c.graphs and _same_layout(held, grad):
                     copies.append((held, grad))
                 else:
-                    tensors[j].grad = grad.clone() if c.graphs else grad
+                    tensors[j].grad = _as_eager_grad(tensors[j], grad, c.graphs)
             nexts = c.sharded.replica_outputs if c.sharded is not None else []
             kept = []
             for (j, device), fresh in zip(nexts, outs[n + g + m:], strict=True):
@@ -432,6 +434,30 @@ class _PlanFailed(Exception):
 def _same_layout(a: torch.Tensor | None, b: torch.Tensor) -> bool:
     return a is not None and a.shape == b.shape and a.stride() == b.stride() and \
         a.dtype == b.dtype and a.device == b.device
+
+
+def _as_eager_grad(param: torch.Tensor, grad: torch.Tensor, copy: bool) -> torch.Tensor:
+    """``grad`` in the layout autograd gives ``param``'s ``.grad`` (its ``AccumulateGrad``): the
+    parameter's strides where it is dense and non-overlapping (a channels-last convolution's
+    weight), else contiguous. The plan's gradient is a collective's or a gather's, compact;
+    ``copy``: a new tensor even where the layout is already right (under CUDA graphs ``grad``
+    is a static buffer the next replay overwrites)."""
+    if _dense(param):
+        if grad.stride() != param.stride():
+            return grad.new_empty_strided(param.shape, param.stride()).copy_(grad)
+    elif not grad.is_contiguous():
+        return grad.contiguous()
+    return grad.clone() if copy else grad
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Do ``t``'s elements fill its storage span exactly, in some order of its dimensions?"""
+    expect = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != expect:
+            return False
+        expect *= size
+    return True
 
 
 def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
