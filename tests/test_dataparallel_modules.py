@@ -94,6 +94,24 @@ def test_twenty_module_steps_with_torch_optim_split_over_two_workers_equal_eager
     assert_same_training(model, ref, opt, ref_opt)
 
 
+@pytest.mark.parametrize(("options", "error"), [
+    ({"shards": 3}, "shards=3: between 1 and 2"),
+    ({"shards": 2, "batch_argnums": (5,)}, "batch_argnums names argument 5")])
+def test_a_mistake_in_the_options_is_raised_before_any_step_is_applied(options, error):
+    """The first call makes the optimizer's state and runs as written; the options were
+    checked only where a call is traced, so that call applied a step and the next raised."""
+    model = _net()
+    opt = OPTIMIZERS["adamw"](model.parameters())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    step = autopar.data_parallel(_step_of(model, opt), devices=CPUS, **options)
+    for x, y in _batches(2):
+        with pytest.raises((ValueError, TypeError), match=error):
+            step(x, y)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    assert not opt.state
+
+
 @pytest.mark.parametrize("optimizer", ["adamw-fused", "sgd-fused"])
 def test_a_fused_optimizer_in_a_step_traced_twice_equals_eager(optimizer, caplog):
     """The plain trace, then ``torch.func.functionalize`` over it (code that tests for

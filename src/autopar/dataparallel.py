@@ -92,7 +92,7 @@ from .ir.logs import first_line
 from .ir.routing import cuda_indices
 from .machine.detect import load_machine
 from .passes.cudagraphs import capture_rule
-from .passes.dataparallel import Choice, choose, resident, shard_devices
+from .passes.dataparallel import Choice, choose, devices_for, resident, shard_devices
 from .passes.fusion import fusion_devices, regions_to_fuse
 from .passes.shard import NotShardable, Sharded, torch_device
 from .runtime import Executor
@@ -263,6 +263,20 @@ class DataParallelStep:
         except StateNotReady:
             return None
 
+    def _check_arguments(self, args: tuple) -> None:
+        """The mistakes in ``batch_argnums`` and ``shards`` that the arguments show, raised
+        before a call runs anything: a call that runs as written (the first, which makes the
+        optimizer's state) would otherwise apply a step and a later one raise."""
+        check_batch_argnums(args, self.batch_argnums)
+        if self.shards is None:
+            return
+        named = [args[i] for i in self.batch_argnums or ()]
+        first = next((t for t in [*named, *tree_flatten(tuple(args))[0]]
+                      if isinstance(t, torch.Tensor)), None)
+        if first is not None:
+            devices_for(self._cost_model().machine.home(first.device).name,
+                        self.options.devices, self.shards)
+
     def _packed(self, args: tuple, kwargs: dict) -> tuple[Callable, tuple]:
         """The function and arguments that are traced: keyword arguments as a last dict."""
         if not kwargs:
@@ -327,6 +341,7 @@ class DataParallelStep:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.last = None
+        self._check_arguments(args)
         self.calls += 1
         try:
             compiled, tensors = self._prepared(*self._packed(args, kwargs),
@@ -472,6 +487,15 @@ def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         torch._foreach_copy_(dsts, srcs)
 
 
+def check_batch_argnums(args: Sequence[Any], batch_argnums: Sequence[int] | None) -> None:
+    """Raise TypeError where ``batch_argnums`` names a position of ``args`` that holds no
+    tensor."""
+    for i in batch_argnums or ():
+        if not 0 <= i < len(args) or not isinstance(args[i], torch.Tensor):
+            raise TypeError(f"batch_argnums names argument {i}, which is not a tensor "
+                            f"(the step got {len(args)} arguments)")
+
+
 def batch_inputs(step: StepGraph, args: Sequence[Any],
                  batch_argnums: Sequence[int] | None) -> dict[Node, int]:
     """The graph inputs split along dim 0: those of ``batch_argnums`` (positions of tensor
@@ -481,11 +505,9 @@ def batch_inputs(step: StepGraph, args: Sequence[Any],
     inputs = step.graph.inputs
     tensors = [x for x in tree_flatten(tuple(args))[0] if isinstance(x, torch.Tensor)]
     if batch_argnums is not None:
+        check_batch_argnums(args, batch_argnums)
         picked = []
         for i in batch_argnums:
-            if not 0 <= i < len(args) or not isinstance(args[i], torch.Tensor):
-                raise TypeError(f"batch_argnums names argument {i}, which is not a tensor "
-                                f"(the step got {len(args)} arguments)")
             # every position of that tensor (one tensor passed twice: ids and labels)
             picked += [j for j, t in enumerate(tensors) if t is args[i]]
         return {inputs[j]: 0 for j in picked}

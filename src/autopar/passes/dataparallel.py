@@ -31,7 +31,7 @@ from .fusion import FusedCost, fused_regions
 from .shard import NotShardable, Sharded, shard
 
 __all__ = ["AT_ONCE_SLACK", "FOREACH_TENSORS", "GRAPHS_ISSUE_SHARE", "Choice", "choose",
-           "predicted_run", "resident", "shard_devices", "with_graphs", "write_back"]
+           "devices_for", "predicted_run", "resident", "shard_devices", "with_graphs", "write_back"]
 
 log = logging.getLogger("autopar.dataparallel")
 
@@ -317,9 +317,15 @@ def _does_not_fit(plan: Any, timeline: Any, cost: Any) -> str | None:
 def shard_devices(batch: dict[Node, int], cost: Any, devices: Sequence[str],
                    shards: int | None) -> tuple[list[str], list[str]]:
     """The devices to place on (home added) and those that may take a shard (home first, then
-    the others of its kind), checking ``shards`` against them."""
+    the others of its kind), checking ``shards`` against them (:func:`devices_for`)."""
+    return devices_for(cost.machine.home(next(iter(batch)).device).name, devices, shards)
+
+
+def devices_for(home: str, devices: Sequence[str],
+                shards: int | None) -> tuple[list[str], list[str]]:
+    """:func:`shard_devices` for a batch on ``home``: raises ValueError where ``shards`` is
+    more than the devices of home's kind (or less than 1)."""
     devices = list(devices)
-    home = cost.machine.home(next(iter(batch)).device).name
     if home not in devices:
         devices.insert(0, home)
     kind = home.split(":")[0]
