@@ -46,6 +46,23 @@ def test_a_module_kept_split_equals_eager_and_explains_the_split(any_size, batch
     assert "runs split" in text and "split over cpu:0, cpu:1" in text
 
 
+def test_explain_says_why_a_call_over_two_workers_is_not_split():
+    """A call the model predicts too short for a split, and one with grad on, keep another
+    way; ``explain`` names why the split was not tried (it had said "the only candidate")."""
+    model = _mlp()
+    compiled = autopar.compile(model, devices=CPUS, candidates="split")
+    d = dispatcher_of(compiled)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert d.split.last is None
+    assert "split not tried (the call is predicted at" in d.explain()
+    assert "a split needs to pay for its copies" in d.explain()
+    compiled = autopar.compile(model, devices=CPUS, candidates="split")
+    compiled(x).sum().backward()  # grad on: the model's parameters require grad
+    assert "split not tried (not an inference call" in dispatcher_of(compiled).explain()
+
+
 def test_keyword_arguments_and_a_padding_mask_split_with_the_batch(any_size):
     """A Hugging Face encoder called with ``attention_mask=``: both split along the batch."""
     pytest.importorskip("transformers")

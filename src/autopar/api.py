@@ -875,7 +875,7 @@ class Dispatcher:
                     f"autopar left out (the capturing call's results differ from eager's: "
                     f"{off})")
             del want
-        split = self._split_candidate(args, kwargs, runner.executors[first:])
+        split = self._split_candidate(key, args, kwargs, runner.executors[first:])
         if split is not None:
             ways = (*ways, "split")
         if len(ways) <= 1:
@@ -949,9 +949,11 @@ class Dispatcher:
             self.forms.eager()
         return self.fn(*args, **kwargs)
 
-    def _split_candidate(self, args: tuple, kwargs: dict,
+    def _split_candidate(self, key: Any, args: tuple, kwargs: dict,
                          executors: Sequence[Any]) -> frozenset[int] | None:
-        """The GPU indices the split way touches where it is worth a trial, else None.
+        """The GPU indices the split way touches where it is worth a trial, else None, and
+        then, where two or more devices of the batch's kind are named, why not (in the
+        signature's verdicts: ``explain`` says it).
 
         Tried for inference calls (grad off, or no graph reading a tensor that requires grad:
         a frozen model under grad mode; no graph writing in place) whose graphs the model
@@ -960,21 +962,38 @@ class Dispatcher:
         and split over k devices, the fastest predicted kept) must predict a split. Capture and
         planning cost seconds on a big model: the first call of such a signature pays them."""
         split = self.split
-        if split is None or not self._inference() or self.runner.writes or \
-                sum(e.plan.placement.predicted_s for e in executors) < SPLIT_MIN_S:
+        if split is None:
             return None
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         if _of_kind(self.runner.options.devices,
                     tensors[0].device.type if tensors else None) < 2:
             return None
+        why = self._not_split(split, args, kwargs, executors)
+        if isinstance(why, str):
+            self.verdicts.setdefault(key, []).append(f"split not tried ({why})")
+            return None
+        return cuda_indices([*why.sharded.devices, *(str(t.device) for t in tensors)])
+
+    def _not_split(self, split: Any, args: tuple, kwargs: dict,
+                   executors: Sequence[Any]) -> Any:
+        """Why this call is not split (a phrase), else its split's compiled form."""
+        if not self._inference():
+            return "not an inference call: it reads tensors that require grad"
+        if self.runner.writes:
+            return "the call writes a tensor in place"
+        predicted = sum(e.plan.placement.predicted_s for e in executors)
+        if predicted < SPLIT_MIN_S:
+            return (f"the call is predicted at {fmt_seconds(predicted)}, under the "
+                    f"{fmt_seconds(SPLIT_MIN_S)} a split needs to pay for its copies")
         try:
             compiled = split.prepare(*args, **kwargs)
         except (TypeError, ValueError) as e:  # no batch to split (batch_inputs, shard_devices)
-            trials_log.debug("autopar: %s: not split: %s", self.name, e)
-            return None
-        if compiled is None or compiled.sharded is None:
-            return None
-        return cuda_indices([*compiled.sharded.devices, *(str(t.device) for t in tensors)])
+            return f"{type(e).__name__}: {first_line(e)}"
+        if isinstance(compiled, str):
+            return compiled
+        if compiled.sharded is None:
+            return "the split's plan predicts no split faster than one device"
+        return compiled
 
     def _tried(self, key: Any, trial: Trial, args: tuple, kwargs: dict) -> Any:
         way = trial.next_way()

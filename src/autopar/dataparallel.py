@@ -156,6 +156,8 @@ class DataParallelStep:
         self.refused: str | None = None  # why every call runs unsplit, once known
         self.full: str | None = None  # why new signatures run unsplit, once known
         self.never: str | None = None  # why no call will split (it changes Python state)
+        self.unsplit: dict[tuple, str] = {}  # why a signature runs unsplit (its capture, plan)
+        self._why: str | None = None  # the last signature's entry of unsplit
         self.calls = 0  # calls made (a first call with no .grad held runs as written)
         # the last call's param group floats (State.floats), and those seen to change: lifted
         self._floats: dict[tuple, tuple[str, float]] | None = None
@@ -255,13 +257,16 @@ class DataParallelStep:
         return "\n".join(lines)
 
     # -- calling ----------------------------------------------------------------------------
-    def prepare(self, *args: Any, **kwargs: Any) -> _Compiled | None:
+    def prepare(self, *args: Any, **kwargs: Any) -> _Compiled | str:
         """Capture and plan the signature of ``fn(*args, **kwargs)`` (once; nothing runs): its
-        compiled form, or None where it runs unsplit (the reason logged once)."""
+        compiled form, or why it runs unsplit (logged once)."""
         try:
-            return self._prepared(*self._packed(args, kwargs))[0]
-        except StateNotReady:
-            return None
+            compiled = self._prepared(*self._packed(args, kwargs))[0]
+        except StateNotReady as e:
+            return str(e)
+        if compiled is not None:
+            return compiled
+        return self.never or self.refused or self.full or self._why or "not captured"
 
     def _check_arguments(self, args: tuple) -> None:
         """The mistakes in ``batch_argnums`` and ``shards`` that the arguments show, raised
@@ -333,9 +338,11 @@ class DataParallelStep:
             except (Unsupported, NotShardable) as e:
                 log.warning("autopar: running %s unsplit: %s", self.name, e)
                 self._compiled[key] = None
+                self.unsplit[key] = str(e)
                 if isinstance(e, ChangesPython):  # so does every later signature's trace
                     self.never = str(e)
         compiled = self._compiled[key]
+        self._why = self.unsplit.get(key)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)] + state.tensors
         return compiled, tensors
 
