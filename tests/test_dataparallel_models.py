@@ -170,3 +170,37 @@ def test_a_big_inference_batch_splits_and_the_caller_state_is_part_of_the_key():
         assert got.dtype == want.dtype  # (layer norm runs in float32 under autocast)
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     assert len(step._compiled) == 2
+
+
+def test_a_causal_lms_cache_comes_back_split_and_serves_the_next_token():
+    """GPT-2 in ``eval()`` returns a ``DynamicCache`` (a plain object holding each layer's keys
+    and values), which the split's capture had refused: it runs split now, and each call hands
+    back a cache of its own, eager's values, that the next decoding step takes as eager's."""
+    from transformers import DynamicCache
+
+    m = MODELS["gpt2"]
+    model = m.make("tiny").eval()
+    kwargs = inputs_for(m, "tiny", batch=5)[1]
+    ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+
+    def infer(ids, mask):
+        return model(input_ids=ids, attention_mask=mask)
+
+    step = autopar.data_parallel(infer, devices=CPUS, shards=2, batch_argnums=(0, 1))
+    nxt = torch.randint(0, 50, (5, 1), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        outs = [step(ids, mask) for _ in range(3)]
+        want = infer(ids, mask)
+        assert step.last is not None and step.last.sharded.sizes in ((3, 2), (2, 3))
+        got = outs[1]
+        assert type(got.past_key_values) is DynamicCache
+        assert got.past_key_values is not outs[2].past_key_values
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+        more = torch.cat([mask, torch.ones_like(nxt)], 1)
+        after = model(input_ids=nxt, attention_mask=more, past_key_values=got.past_key_values)
+        ref_after = model(input_ids=nxt, attention_mask=more,
+                          past_key_values=want.past_key_values)
+        torch.testing.assert_close(after.logits, ref_after.logits, rtol=1e-5, atol=1e-5)
+        # the next token grew that cache, not the ones other calls handed back
+        assert outs[2].past_key_values.get_seq_length() == ids.shape[1]
+        assert step(ids, mask).past_key_values.get_seq_length() == ids.shape[1]

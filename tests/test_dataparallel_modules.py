@@ -830,6 +830,69 @@ def test_a_step_that_returns_nothing_splits():
     assert_same_training(model, ref, opt, ref_opt)
 
 
+class _Report:
+    """A result object no pytree knows (a user's plain class, as HF's ``DynamicCache``)."""
+
+    def __init__(self, loss, logits, note):
+        self.loss, self.parts, self.note = loss, {"logits": logits}, note
+
+
+def test_a_plain_object_the_step_returns_is_a_new_one_holding_eagers_values():
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    model, ref = _net(), _net()
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+
+    def step_of(m, o):
+        def step(x, y):
+            o.zero_grad()
+            logits = m(x)
+            loss = F.cross_entropy(logits, y)
+            loss.backward()
+            o.step()
+            return _Report(loss.detach(), logits.detach(), "made in the step")
+        return step
+
+    split = autopar.data_parallel(step_of(model, opt), devices=CPUS, shards=2)
+    ref_step = step_of(ref, ref_opt)
+    got = [split(x, y) for x, y in _batches(4)]
+    want = [ref_step(x, y) for x, y in _batches(4)]
+    assert split.last is not None and split.last.sharded is not None
+    for g, w in zip(got, want):
+        assert type(g) is _Report and g.note == "made in the step"
+        torch.testing.assert_close(g.loss, w.loss, **TOL)
+        torch.testing.assert_close(g.parts["logits"], w.parts["logits"], **TOL)
+    assert got[2] is not got[3] and got[2].parts is not got[3].parts
+    assert not any(isinstance(t, FakeTensor) or type(t) is not torch.Tensor
+                   for t in (got[3].loss, got[3].parts["logits"]))
+    assert_same_training(model, ref, opt, ref_opt)
+
+
+def test_a_step_returning_what_no_graph_can_give_back_runs_unsplit_and_says_why(caplog):
+    model, ref = _net(), _net()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+
+    def step_of(m, o):
+        def step(x, y):
+            o.zero_grad()
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            o.step()
+            return loss.detach(), m  # a module: not rebuilt from a graph's tensors
+        return step
+
+    split = autopar.data_parallel(step_of(model, opt), devices=CPUS, shards=2)
+    ref_step = step_of(ref, ref_opt)
+    with caplog.at_level(logging.WARNING, logger="autopar"):
+        for x, y in _batches(3):
+            (loss, m), (ref_loss, _) = split(x, y), ref_step(x, y)
+            assert m is model
+            torch.testing.assert_close(loss, ref_loss, **TOL)
+    assert split.last is None
+    assert "the step returns a Sequential, which holds what a graph can't give back" in \
+        caplog.text
+
+
 def test_one_hot_targets_split_and_an_out_of_range_class_still_raises():
     """``F.one_hot`` checks its classes with ``_assert_async`` (an op that makes no tensor,
     which had stopped the capture: "has no output metadata"); it runs as eager's does. (No

@@ -32,7 +32,9 @@ Policy and invariants
   order of reduced gradients), on the devices eager would have used, each ``.grad`` in the
   layout autograd gives it (the parameter's strides: channels last stays channels last). The
   outputs are eager's values, detached and compact: gathered from the shards, an output that
-  is a view (``logits[:, -1]``, a transpose) comes back as a tensor of its own, contiguous.
+  is a view (``logits[:, -1]``, a transpose) comes back as a tensor of its own, contiguous;
+  a plain object holding tensors (a ``DynamicCache``) as a new one of its type a call
+  (:func:`autopar.capture.step.capture_step`'s ``_Held``).
 - k and devices: the graph is placed unsplit, and split over the home device (where the batch
   lives) and the next k-1 devices of its kind in ``devices``, for every k; the one with the
   least predicted time is the candidate, "don't split" included. Unless ``shards`` is given,

@@ -45,8 +45,8 @@ from torch.utils._pytree import tree_flatten
 
 from .direct import free_values
 
-__all__ = ["Watched", "changed", "read_key", "records", "restore", "snapshot", "watch",
-           "world"]
+__all__ = ["Watched", "changed", "held_tensors", "read_key", "records", "restore", "snapshot",
+           "watch", "world"]
 
 _PLAIN = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
 _CONTAINERS = (list, dict, set)
@@ -277,6 +277,32 @@ def _deep(value: Any, depth: int, seen: set[int]) -> Any:
         return (id(value), tuple((k, _deep(v, depth - 1, seen))
                                  for k, v in list(attrs.items())[:_MAX_ITEMS]))
     return ("object", id(value))
+
+
+def held_tensors(value: Any, depth: int = _ARG_DEPTH) -> list[torch.Tensor] | None:
+    """The tensors within ``depth`` levels of ``value`` (items of lists, tuples and dicts,
+    attributes of a plain object: see :func:`_attributes`), in order, each once; None where
+    anything within it is neither such a container nor a plain value nor a tensor (a module,
+    an object of :data:`_LIBRARIES`) or lies deeper than ``depth``: where the list may be
+    incomplete. Every item is looked at (a cache of 80 layers holds 160 tensors)."""
+    found: dict[int, torch.Tensor] = {}
+
+    def walk(v: Any, left: int) -> bool:
+        if isinstance(v, _PLAIN):
+            return True
+        if isinstance(v, torch.Tensor):
+            found.setdefault(id(v), v)
+            return True
+        if left == 0:
+            return False
+        if type(v) in (list, tuple):
+            return all(walk(item, left - 1) for item in v)
+        if type(v) is dict:
+            return all(walk(item, left - 1) for item in v.values())
+        attrs = _attributes(v)
+        return attrs is not None and all(walk(item, left - 1) for item in attrs.values())
+
+    return list(found.values()) if walk(value, depth) else None
 
 
 def _attributes(value: Any) -> dict | None:

@@ -4,6 +4,7 @@ into one functional graph (see :mod:`autopar.dataparallel` for why not ``torch.c
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -15,7 +16,7 @@ from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import register_pytree_node, tree_flatten, tree_map, tree_unflatten
 
 from ..ir.graph import Graph, Node
 from ..ir.locks import tracing
@@ -124,11 +125,7 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
                                  compiling=found["compiling"]), FunctionalFusedUpdates():
             out = fn(*tree_unflatten(full, spec))
             after = {j: fs[j].grad for j in params}
-        outs, out_spec = tree_flatten(out)
-        bad = [o for o in outs if not isinstance(o, (torch.Tensor, *_NUMBERS, type(None)))]
-        if bad:
-            raise Unsupported(f"the step returns a {type(bad[0]).__name__}; only tensors, "
-                              "numbers (loss.item()) and None are captured")
+        outs, out_spec = tree_flatten(tree_map(_held, out))
         grads = [j for j in params if after[j] is not None
                  and (j not in holds or after[j] is not fs[holds[j]])]
         cleared = [j for j in holds if after[j] is None]
@@ -238,6 +235,39 @@ def capture_step(fn: Callable, args: Sequence[Any], name: str | None = None,
 _NUMBERS = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
 """What a step may return besides tensors: Python numbers (``loss.item()``: the graph reads
 it on the host, as eager does) and constants."""
+
+
+def _held(value: Any) -> Any:
+    """An output leaf as the trace keeps it: a tensor, a number or None as itself; a plain
+    Python object holding tensors (a Hugging Face ``DynamicCache``, a dataclass no pytree
+    knows) as a :class:`_Held` of it, whose tensors are graph outputs."""
+    if isinstance(value, (torch.Tensor, *_NUMBERS, type(None))):
+        return value
+    tensors = pystate.held_tensors(value)
+    if tensors is None:
+        raise Unsupported(f"the step returns a {type(value).__name__}, which holds what a "
+                          "graph can't give back; only tensors, numbers (loss.item()), None "
+                          "and plain objects holding them are captured")
+    return _Held(value, tensors)
+
+
+class _Held:
+    """A plain object the step returns and the tensors it holds. Flattened (a pytree node),
+    it is those tensors; unflattened around a call's tensors, it is a deep copy of the object
+    the trace returned with each of its tensors replaced by the call's (so a call's cache is
+    a new object of the user's type, as eager's is; its other values are the trace's)."""
+
+    def __init__(self, template: Any, tensors: list[torch.Tensor]) -> None:
+        self.template, self.tensors = template, tensors
+
+
+def _unflatten_held(children: Any, context: Any) -> Any:
+    template, ids = context
+    return copy.deepcopy(template, memo=dict(zip(ids, children, strict=True)))
+
+
+register_pytree_node(_Held, lambda h: (h.tensors, (h.template, [id(t) for t in h.tensors])),
+                     _unflatten_held, serialized_type_name="autopar.capture.step._Held")
 
 
 def _hooks_onto(real: torch.Tensor, traced: torch.Tensor) -> None:
