@@ -46,7 +46,7 @@ def test_a_module_kept_split_equals_eager_and_explains_the_split(any_size, batch
     assert "runs split" in text and "split over cpu:0, cpu:1" in text
 
 
-def test_explain_says_why_a_call_over_two_workers_is_not_split():
+def test_explain_says_why_a_call_over_two_workers_is_not_split(monkeypatch):
     """A call the model predicts too short for a split, and one with grad on, keep another
     way; ``explain`` names why the split was not tried (it had said "the only candidate")."""
     model = _mlp()
@@ -58,8 +58,9 @@ def test_explain_says_why_a_call_over_two_workers_is_not_split():
     assert d.split.last is None
     assert "split not tried (the call is predicted at" in d.explain()
     assert "a split needs to pay for its copies" in d.explain()
+    monkeypatch.setattr(autopar.api, "SPLIT_MIN_S", 0.0)  # long enough, but with grad on:
     compiled = autopar.compile(model, devices=CPUS, candidates="split")
-    compiled(x).sum().backward()  # grad on: the model's parameters require grad
+    compiled(x).sum().backward()  # the model's parameters require grad
     assert "split not tried (not an inference call" in dispatcher_of(compiled).explain()
 
 

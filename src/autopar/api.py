@@ -953,7 +953,8 @@ class Dispatcher:
                          executors: Sequence[Any]) -> frozenset[int] | None:
         """The GPU indices the split way touches where it is worth a trial, else None, and
         then, where two or more devices of the batch's kind are named, why not (in the
-        signature's verdicts: ``explain`` says it).
+        signature's verdicts: ``explain`` says it; a call predicted too short to split only
+        where the candidates were named, not ``"auto"``: every small call would say it).
 
         Tried for inference calls (grad off, or no graph reading a tensor that requires grad:
         a frozen model under grad mode; no graph writing in place) whose graphs the model
@@ -968,23 +969,26 @@ class Dispatcher:
         if _of_kind(self.runner.options.devices,
                     tensors[0].device.type if tensors else None) < 2:
             return None
-        why = self._not_split(split, args, kwargs, executors)
+        predicted = sum(e.plan.placement.predicted_s for e in executors)
+        if predicted < SPLIT_MIN_S:
+            why: Any = (f"the call is predicted at {fmt_seconds(predicted)}, under the "
+                        f"{fmt_seconds(SPLIT_MIN_S)} a split needs to pay for its copies")
+            said = self.runner.options.candidates != WAYS
+        else:
+            why, said = self._not_split(split, args, kwargs), True
         if isinstance(why, str):
-            self.verdicts.setdefault(key, []).append(f"split not tried ({why})")
+            if said:
+                self.verdicts.setdefault(key, []).append(f"split not tried ({why})")
             return None
         return cuda_indices([*why.sharded.devices, *(str(t.device) for t in tensors)])
 
-    def _not_split(self, split: Any, args: tuple, kwargs: dict,
-                   executors: Sequence[Any]) -> Any:
-        """Why this call is not split (a phrase), else its split's compiled form."""
+    def _not_split(self, split: Any, args: tuple, kwargs: dict) -> Any:
+        """Why this call, long enough, is not split (a phrase), else its split's compiled
+        form."""
         if not self._inference():
             return "not an inference call: it reads tensors that require grad"
         if self.runner.writes:
             return "the call writes a tensor in place"
-        predicted = sum(e.plan.placement.predicted_s for e in executors)
-        if predicted < SPLIT_MIN_S:
-            return (f"the call is predicted at {fmt_seconds(predicted)}, under the "
-                    f"{fmt_seconds(SPLIT_MIN_S)} a split needs to pay for its copies")
         try:
             compiled = split.prepare(*args, **kwargs)
         except (TypeError, ValueError) as e:  # no batch to split (batch_inputs, shard_devices)
