@@ -615,21 +615,12 @@ def test_gradients_of_channels_last_weights_come_back_in_their_layout():
                                    torch.nn.Linear(100, 2)).to(memory_format=torch.channels_last)
     model, ref = conv_net(), conv_net()
     x = torch.randn(6, 3, 9, 9).contiguous(memory_format=torch.channels_last)
+    y = torch.tensor([0, 1, 1, 0, 1, 0])
     opt, ref_opt = (OPTIMIZERS["sgd-momentum"](m.parameters()) for m in (model, ref))
-
-    def step_of(m, o):
-        def step(x):
-            o.zero_grad()
-            loss = m(x).square().mean()
-            loss.backward()
-            o.step()
-            return loss.detach()
-        return step
-
-    step = autopar.data_parallel(step_of(model, opt), devices=CPUS, shards=2)
-    ref_step = step_of(ref, ref_opt)
+    step = autopar.data_parallel(_step_of(model, opt, clip=None), devices=CPUS, shards=2)
+    ref_step = _step_of(ref, ref_opt, clip=None)
     for _ in range(3):
-        torch.testing.assert_close(step(x), ref_step(x), **TOL)
+        torch.testing.assert_close(step(x, y), ref_step(x, y), **TOL)
     assert step.last is not None and step.last.sharded is not None
     weights = [(p, q) for p, q in zip(model.parameters(), ref.parameters()) if p.ndim == 4]
     assert weights and all(not p.is_contiguous() for p, _ in weights)
