@@ -243,6 +243,8 @@ def test_other_optimizers_split_or_say_why_not(make, caplog):
         assert step.last is None
         assert f"torch/optim/{type(opt).__name__.lower()}.py:" in caplog.text and \
             "branches on a number computed from tensors, which a trace can't decide" in caplog.text
+        assert "runs unsplit, through autopar.compile: can't trace the step at" in \
+            step.explain()  # explain says why, not only the log
     else:
         assert step.last is not None and len(step._compiled) == 1
 

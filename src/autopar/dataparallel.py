@@ -222,10 +222,10 @@ class DataParallelStep:
             names = self._floats or {}
             lifted = ", ".join(names[k][0] for k in sorted(self.varying) if k in names)
             lines.append(f"{name}: inputs of the trace, having changed between calls: {lifted}")
-        for k, c in enumerate(self._compiled.values()):
+        for k, (key, c) in enumerate(self._compiled.items()):
             if c is None:
-                lines.append(f"{name} [{k}]: runs unsplit, through autopar.compile (see the "
-                             "warning logged at capture)")
+                lines.append(f"{name} [{k}]: runs unsplit, through autopar.compile: "
+                             f"{self.unsplit.get(key, 'not captured')}")
                 continue
             predicted = ", ".join(f"{label} {v * 1e3:.3f} ms"
                                   for label, v in c.choice.predicted.items())
