@@ -463,25 +463,14 @@ def _same_layout(a: torch.Tensor | None, b: torch.Tensor) -> bool:
 def _as_eager_grad(param: torch.Tensor, grad: torch.Tensor, copy: bool) -> torch.Tensor:
     """``grad`` in the layout autograd gives ``param``'s ``.grad`` (its ``AccumulateGrad``): the
     parameter's strides where it is dense and non-overlapping (a channels-last convolution's
-    weight), else contiguous. The plan's gradient is a collective's or a gather's, compact;
-    ``copy``: a new tensor even where the layout is already right (under CUDA graphs ``grad``
-    is a static buffer the next replay overwrites)."""
-    if _dense(param):
-        if grad.stride() != param.stride():
-            return grad.new_empty_strided(param.shape, param.stride()).copy_(grad)
-    elif not grad.is_contiguous():
-        return grad.contiguous()
+    weight), else contiguous: ``torch.empty_like``'s rule. The plan's gradient is a
+    collective's or a gather's, compact; ``copy``: a new tensor even where the layout is
+    already right (under CUDA graphs ``grad`` is a static buffer the next replay overwrites)."""
+    if grad.stride() != param.stride():
+        want = torch.empty_like(param, dtype=grad.dtype, device=grad.device)
+        if want.stride() != grad.stride():
+            return want.copy_(grad)
     return grad.clone() if copy else grad
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Do ``t``'s elements fill its storage span exactly, in some order of its dimensions?"""
-    expect = 1
-    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1):
-        if stride != expect:
-            return False
-        expect *= size
-    return True
 
 
 def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
