@@ -199,6 +199,38 @@ def test_a_parameter_updated_in_place_goes_through_dynamo_once():
         assert len(calls) == 2
 
 
+def test_a_module_converted_or_unfrozen_goes_through_dynamo():
+    """``module.double()`` and ``requires_grad_(True)`` keep the parameter objects (``.data``
+    assigned, a flag set): their layout is checked with the arguments'. A learned entry had
+    run the float32 graph on float64 weights ("mat1 and mat2 must have the same dtype"), and
+    a frozen model's inference graph after the unfreeze (outputs with no grad)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 5), torch.nn.Tanh())
+    compiled = autopar.compile(model, devices="cpu:0", guards="arguments",
+                               candidates="autopar")
+    model.requires_grad_(False)
+    x = torch.randn(4, 10)
+    for _ in range(3):  # grad mode on, nothing requires grad: an inference entry
+        torch.testing.assert_close(compiled(x), model(x))
+    calls = through_dynamo(compiled.forward)
+    compiled(x)
+    assert not calls
+    model.requires_grad_(True)
+    out = compiled(x)
+    assert out.requires_grad and len(calls) == 1
+    out.sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).sum().backward()
+    for got, p in zip(want, model.parameters()):
+        torch.testing.assert_close(got, p.grad)
+    with torch.no_grad():
+        compiled(x)
+        model.double()
+        xd = x.double()
+        torch.testing.assert_close(compiled(xd), model(xd))
+
+
 def mm_global(x):
     return x @ W
 

@@ -42,9 +42,11 @@ Policy
   thread count; 0.17 us on the VM, as much as grad mode and autocast alone cost), no
   autocast, a module's ``training`` as learned; and its
   cheap checks hold: every parameter and buffer the graph reads has the ``_version`` it had
-  (an optimizer's in-place step changes it), every global or closure tensor is still the
-  object bound to its name. A check that fails sends the call through dynamo, which re-guards
-  it (and recaptures what changed) and the entry is learned again.
+  (an optimizer's in-place step changes it) and the layout it had (in the same C++ check as
+  the arguments, about 0.08 us a tensor: ``module.double()``, ``.to(...)`` and
+  ``requires_grad_`` keep the parameter objects but change these), every global or closure
+  tensor is still the object bound to its name. A check that fails sends the call through
+  dynamo, which re-guards it (and recaptures what changed) and the entry is learned again.
 - Entries: at most ``MAX_ENTRIES``, the latest learned or used first (the head); each is one
   generated function; the head's miss tries the others in order (:meth:`Direct._walk`).
 - Traced by running (a plain function, not a module's forward, whose scalars dynamo failed to
@@ -371,7 +373,8 @@ class _Code:
                                           "_state": state.check}
         # (the global state's own description: an entry per state, as dynamo's per guard)
         self.signature: list[Any] = [grad, n, state.__getstate__()]  # (a str)
-        self.tensors: list[tuple[str, torch.Tensor]] = []  # (argument, the call's tensor)
+        # (argument or fixed tensor's name, the learned call's tensor): one layout check
+        self.tensors: list[tuple[str, torch.Tensor]] = []
 
     def name(self, value: Any) -> str:
         if id(value) not in self.names:
@@ -393,6 +396,7 @@ class _Code:
 
     def fixed(self, x: torch.Tensor, where: tuple) -> str:
         t = self.name(x)
+        self.tensors.append((t, x))  # its layout too: .to(dtype), .double(), requires_grad_
         if where[0] == "version":
             self.check(f"{t}._version == {x._version}")
         elif where[0] == "global":
@@ -441,7 +445,7 @@ class _Code:
 
     def build(self, program: Callable, feeds: list[str], ret: str) -> Callable:
         self.namespace["_program"] = program
-        if self.tensors:  # every tensor argument at once, in C++ (dynamo's own tensor check)
+        if self.tensors:  # every tensor read at once, in C++ (dynamo's own tensor check)
             self.namespace["_tensors_match"] = layout_check([t for _, t in self.tensors])
             self.checks.insert(0, f"_tensors_match({', '.join(a for a, _ in self.tensors)})")
         header, came, miss = positional_entry("entry", self.n, "_next")
