@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import autopar
+from _torch_versions import dynamo_guards_requires_grad_of_parameters
 from autopar.api import Options
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -199,36 +200,48 @@ def test_a_parameter_updated_in_place_goes_through_dynamo_once():
         assert len(calls) == 2
 
 
-def test_a_module_converted_or_unfrozen_goes_through_dynamo():
-    """``module.double()`` and ``requires_grad_(True)`` keep the parameter objects (``.data``
-    assigned, a flag set): their layout is checked with the arguments'. A learned entry had
-    run the float32 graph on float64 weights ("mat1 and mat2 must have the same dtype"), and
-    a frozen model's inference graph after the unfreeze (outputs with no grad)."""
+def _frozen_entry():
+    """A module whose parameters are frozen, a learned entry for it (grad mode on, nothing
+    requiring grad: an inference graph), and the count of calls through dynamo from then."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(10, 5), torch.nn.Tanh())
     compiled = autopar.compile(model, devices="cpu:0", guards="arguments",
                                candidates="autopar")
     model.requires_grad_(False)
     x = torch.randn(4, 10)
-    for _ in range(3):  # grad mode on, nothing requires grad: an inference entry
+    for _ in range(3):
         torch.testing.assert_close(compiled(x), model(x))
     calls = through_dynamo(compiled.forward)
     compiled(x)
     assert not calls
+    return model, compiled, x, calls
+
+
+def test_a_module_converted_goes_through_dynamo():
+    """``module.double()`` keeps the parameter objects (``.data`` assigned): their layout is
+    checked with the arguments'. A learned entry had run the float32 graph on float64 weights
+    ("mat1 and mat2 must have the same dtype")."""
+    model, compiled, x, calls = _frozen_entry()
+    model.double()
+    xd = x.double()
+    torch.testing.assert_close(compiled(xd), model(xd))
+    assert len(calls) == 1
+
+
+@dynamo_guards_requires_grad_of_parameters
+def test_a_module_unfrozen_goes_through_dynamo_and_records_for_backward():
+    """``requires_grad_(True)`` on a frozen module's parameters: the entry had run the
+    inference graph, outputs with no grad."""
+    model, compiled, x, calls = _frozen_entry()
     model.requires_grad_(True)
     out = compiled(x)
     assert out.requires_grad and len(calls) == 1
     out.sum().backward()
-    want = [p.grad.clone() for p in model.parameters()]
+    got = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     model(x).sum().backward()
-    for got, p in zip(want, model.parameters()):
-        torch.testing.assert_close(got, p.grad)
-    with torch.no_grad():
-        compiled(x)
-        model.double()
-        xd = x.double()
-        torch.testing.assert_close(compiled(xd), model(xd))
+    for g, p in zip(got, model.parameters()):
+        torch.testing.assert_close(g, p.grad)
 
 
 def mm_global(x):
