@@ -162,6 +162,25 @@ def test_no_grad_outputs_keep_no_autograd_graph():
             assert all(t.is_inference() for t in flat_tensors(compiled(*args, **kwargs)))
 
 
+@pytest.mark.parametrize("options", [{}, {"guards": "arguments"}, TWO_WORKERS["heft"]],
+                         ids=["defaults", "guards=arguments", "two-workers"])
+def test_generate_under_inference_mode_makes_its_inputs_there(options):
+    """``generate`` under ``inference_mode`` makes each forward's inputs (and its cache)
+    inside the mode: inference tensors, which have no version counter; a compiled forward's
+    first call read one (to see whether the call wrote it) and raised "Inference tensors do
+    not track version counter"."""
+    m = MODELS["gpt2"]
+    model = m.make("tiny").eval()
+    ref = copy.deepcopy(model)
+    model.forward = autopar.compile(model.forward, **options)
+    ids = inputs_for(m, "tiny", batch=2)[1]["input_ids"]
+    kw = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    with torch.inference_mode():
+        for _ in range(2):
+            torch.testing.assert_close(model.generate(ids, **kw), ref.generate(ids, **kw),
+                                       rtol=0, atol=0)
+
+
 OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01),
     "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),

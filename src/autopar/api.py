@@ -1194,7 +1194,8 @@ class Dispatcher:
         owner = getattr(self.fn, "__self__", None)
         if isinstance(owner, torch.nn.Module):
             tensors += [*owner.parameters(), *owner.buffers()]
-        return [(t._version, t.shape, t.stride(), t.storage_offset()) for t in tensors]
+        return [(pystate.version_of(t), t.shape, t.stride(), t.storage_offset())
+                for t in tensors]
 
     def _graphs_may_pay(self, trial: Trial) -> bool:
         """Whether a decided trial calls for a second one, of its winner against CUDA graphs

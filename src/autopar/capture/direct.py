@@ -246,8 +246,8 @@ class Direct:
                 return None  # a symbolic size or an unspecialized number
             if id(x) in at:
                 feeds.append(f"a{at[id(x)]}")
-            elif id(x) in fixed and j not in written:
-                feeds.append(code.fixed(x, fixed[id(x)]))
+            elif id(x) in fixed and j not in written and not x.is_inference():
+                feeds.append(code.fixed(x, fixed[id(x)]))  # (an inference tensor: no version)
             else:
                 return None  # read from somewhere not checked, or a buffer written
         ret = _result(result, outputs)

@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_flatten
 from .direct import free_values
 
 __all__ = ["Watched", "changed", "held_tensors", "read_key", "records", "restore", "snapshot",
-           "watch", "world"]
+           "version_of", "watch", "world"]
 
 _PLAIN = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
 _CONTAINERS = (list, dict, set)
@@ -254,6 +254,13 @@ _ARG_DEPTH = 4
 ``DynamicCache`` holds its tensors three down (``cache.layers[i].keys``)."""
 
 
+def version_of(t: torch.Tensor) -> Any:
+    """``t._version``, or for an inference tensor (made under ``torch.inference_mode``: no
+    version counter, and reading it raises) a new object each read: compared with any other
+    read it differs, so a call given one is taken to have written it (never repeated)."""
+    return object() if t.is_inference() else t._version
+
+
 def _deep(value: Any, depth: int, seen: set[int]) -> Any:
     """A record of ``value`` that changes where anything within ``depth`` levels of it does: a
     plain value as itself, a tensor by identity and version, a list, tuple or dict by its
@@ -262,7 +269,7 @@ def _deep(value: Any, depth: int, seen: set[int]) -> Any:
     if isinstance(value, _PLAIN):
         return value
     if isinstance(value, torch.Tensor):
-        return ("tensor", id(value), value._version)
+        return ("tensor", id(value), version_of(value))
     if depth == 0 or id(value) in seen:
         return ("object", id(value))
     seen.add(id(value))
