@@ -181,6 +181,19 @@ def test_generate_under_inference_mode_makes_its_inputs_there(options):
                                        rtol=0, atol=0)
 
 
+def test_generate_of_a_compiled_module_says_it_runs_the_modules_own_forward(caplog):
+    """``compiled.generate`` is the module's: its forward passes are not the compiled ones (as
+    under ``torch.compile``'s wrapper). Said once, with the idiom that compiles them."""
+    m = MODELS["gpt2"]
+    compiled = autopar.compile(m.make("tiny").eval())
+    ids = inputs_for(m, "tiny", batch=1)[1]["input_ids"]
+    with caplog.at_level("WARNING", logger="autopar"):
+        for _ in range(2):
+            compiled.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    said = [r for r in caplog.records if "generate runs the module's own forward" in r.message]
+    assert len(said) == 1 and "model.forward = autopar.compile(model.forward)" in said[0].message
+
+
 OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01),
     "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),

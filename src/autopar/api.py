@@ -470,11 +470,25 @@ class CompiledModule(torch._dynamo.eval_frame.OptimizedModule):
     compiled code are this process's, and the copy chooses anew (as the wrapper alone, it
     would keep autopar's backend, shared with the original, and skip the measured choice)."""
 
-    # a class attribute, so that the wrapper's __setattr__ sets it on the instance (not the module)
+    # class attributes, so that the wrapper's __setattr__ sets them on the instance (not the
+    # module)
     autopar_options: dict[str, Any] | None = None
+    said_generate = False  # the warning of __getattr__ said
 
     def __reduce__(self) -> tuple[Callable, tuple[torch.nn.Module, dict[str, Any]]]:
         return _compiled_again, (self._orig_mod, self.autopar_options or {})
+
+    def __getattr__(self, name: str) -> Any:
+        value = super().__getattr__(name)
+        if name == "generate" and callable(value) and not self.said_generate:
+            self.said_generate = True
+            log.warning(
+                "autopar: %s.generate runs the module's own forward, not the compiled one (as "
+                "torch.compile's wrapper does): to compile generation's forward passes, "
+                "compile the forward: model.forward = autopar.compile(model.forward)",
+                type(self._orig_mod).__name__)
+        return value
+
 
 
 def _compiled_again(module: torch.nn.Module, options: dict[str, Any]) -> CompiledModule:
