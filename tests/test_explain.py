@@ -66,6 +66,34 @@ def test_a_tiny_matmul_with_host_inputs_stays_on_the_host():
     assert "calls the function itself" in report.to_text()
 
 
+W_GLOBAL = torch.randn(64, 32)  # a weight the function below reads as a global
+NET = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.ReLU())
+
+
+def reads_globals(x, head):
+    return head(NET(x @ W_GLOBAL))
+
+
+def test_weights_and_modules_the_code_reaches_are_faked_without_a_run():
+    """A global weight, a global module and a module passed as an argument: their tensors
+    are real, which fake tracing refused ("Please convert all Tensors to FakeTensors",
+    blamed on the user's line); now faked, with the arguments' device where they live on the
+    CPU, and nothing of theirs is written."""
+    head = torch.nn.Linear(16, 4)
+    before = [t.clone() for t in (W_GLOBAL, *NET.parameters(), *head.parameters())]
+    report = autopar.explain(reads_globals, torch.randn(8, 64), head, machine="h200x2",
+                             inputs_on="cuda:0")
+    ops = report.plan.graph.ops
+    assert sum(n.op is torch.ops.aten.mm.default for n in ops) == 1
+    assert sum(n.op is torch.ops.aten.addmm.default for n in ops) == 2
+    assert {n.device for n in ops} <= {"cuda:0", "cuda:1", "cpu:0"}
+    assert {g.device for g in report.plan.graph.inputs} == {"cuda:0"}  # W taken to cuda:0
+    assert not any(n.op is torch.ops.aten.empty_strided.default for n in ops)
+    for a, b in zip(before, (W_GLOBAL, *NET.parameters(), *head.parameters())):
+        assert torch.equal(a, b)
+    assert autopar.explain(reads_globals, torch.randn(8, 64), head).rows  # on the host too
+
+
 def test_code_that_names_cuda_is_explained_on_any_machine():
     """``x.to("cuda")``, ``.cuda()`` and ``device="cuda"`` mean cuda:0 when explained (on a
     CPU-only build there is no current device to ask). W3 written for the GPU with host data:

@@ -15,14 +15,16 @@ import torch
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental import symbolic_shapes
-from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..ir.graph import Graph, Node, TensorMeta
 from ..ir.locks import tracing
 from ..ir.logs import quiet
 from .dynamo import capturing_scalars, make_backend
 from .fx import Unsupported, from_fx
+from .state import find_state
 
 __all__ = ["capture_by_running", "relabel_devices", "trace_fake"]
 
@@ -56,6 +58,31 @@ class _IndexedCuda(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _FakedReads(torch.overrides.TorchFunctionMode):
+    """Hands each torch function a fake tensor in place of a real one it was given (a global
+    weight the traced code reads), made once per real tensor by ``fake`` (on ``inputs_on``
+    where it lives on the CPU, as the arguments are): the trace computes nothing on it and
+    writes nothing into it."""
+
+    def __init__(self, fake: Callable[[torch.Tensor], Any]) -> None:
+        super().__init__()
+        self.fake, self.made = fake, {}
+
+    def _swap(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or isinstance(value, fake_tensor.FakeTensor) \
+                or torch._is_functional_tensor(value) or value.device.type == "meta":
+            return value
+        got = self.made.get(id(value))
+        if got is None:
+            with disable_proxy_modes_tracing():  # a constant of the trace, not an op of it
+                got = self.made[id(value)] = (value, self.fake(value))  # (the real one kept)
+        return got[1]
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        args, kwargs = tree_map(self._swap, (tuple(args), kwargs or {}))
+        return func(*args, **kwargs)
+
+
 def _needs_a_run(error: BaseException) -> bool:
     """Is ``error`` fake tensors' own limit rather than the code's: a value read from a tensor
     (a slice bound, ``.item()``), an output shape decided by data, a kernel fake tensors lack,
@@ -86,13 +113,16 @@ def trace_fake(fn: Callable, args: Sequence[Any], inputs_on: str | None = None,
                name: str | None = None) -> Graph:
     """Capture ``fn(*args)`` as a functional Graph without computing anything.
 
-    Tensors among ``args`` (and an ``nn.Module``'s parameters and buffers) are replaced by fake
-    tensors of the same shape, dtype and strides; those built on the CPU are taken to live on
-    ``inputs_on`` (e.g. ``"cuda:0"``), so code written for a GPU can be explained on a CPU-only
-    machine (where ``"cuda"`` without an index means ``cuda:0``). In-place updates of inputs
-    appear as ``aten.copy_`` nodes at the end. Forward only: it traces under ``no_grad``.
+    Tensors among ``args``, and the parameters and buffers of every ``nn.Module`` the call
+    reaches (``fn`` itself, the arguments, its globals and closure variables: what
+    :func:`~autopar.capture.state.find_state` finds), are replaced by fake tensors of the
+    same shape, dtype and strides; those built on the CPU are taken to live on ``inputs_on``
+    (e.g. ``"cuda:0"``), so code written for a GPU can be explained on a CPU-only machine
+    (where ``"cuda"`` without an index means ``cuda:0``). Another real tensor it reads (a
+    global weight) is faked where it lives. In-place updates of inputs appear as
+    ``aten.copy_`` nodes at the end. Forward only: it traces under ``no_grad``.
     """
-    mode = FakeTensorMode()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     def fake(x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
@@ -102,13 +132,24 @@ def trace_fake(fn: Callable, args: Sequence[Any], inputs_on: str | None = None,
             return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype,
                                        device=device)
 
+    def faked(module: torch.nn.Module) -> dict[str, Any]:
+        return {k: fake(v) for k, v in {**dict(module.named_parameters(remove_duplicate=False)),
+                                        **dict(module.named_buffers(remove_duplicate=False))
+                                        }.items()}
+
     call = fn
     if isinstance(fn, torch.nn.Module):
-        state = {k: fake(v) for k, v in {**dict(fn.named_parameters()),
-                                         **dict(fn.named_buffers())}.items()}
+        state = faked(fn)
 
         def call(*a: Any) -> Any:
             return torch.func.functional_call(fn, state, a)
+    try:
+        reached = [m for _, m in find_state(fn, args).modules if m is not fn]
+    except Exception:  # (an optimizer's state not made yet, ...): the modules it names only
+        reached = []
+    swaps = contextlib.ExitStack()
+    for module in reached:  # (entered around the trace below, left after it)
+        swaps.enter_context(_reparametrize_module(module, faked(module)))
 
     # the tensors are the graph's inputs; the rest of the arguments (a Python number, a
     # flag) are constants of the trace, as eager's call sees them
@@ -130,7 +171,7 @@ def trace_fake(fn: Callable, args: Sequence[Any], inputs_on: str | None = None,
     try:
         indexed = contextlib.nullcontext() if torch.cuda.is_available() else _IndexedCuda()
         # forward only: no autograd on fake GPU tensors; FX patches the process while it traces
-        with mode, torch.no_grad(), indexed, tracing():
+        with mode, torch.no_grad(), indexed, tracing(), swaps, _FakedReads(fake):
             gm = quiet(traced)(*fake_args)  # fake tensors' log of a user's shape mistake: off
     except Exception as e:  # data-dependent ops, backward(), device code fake tensors can't take
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

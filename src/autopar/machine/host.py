@@ -132,7 +132,8 @@ def cpu_fusion_unavailable() -> str | None:
 
 # -- what this host can run -------------------------------------------------------------
 _NO_CUDA = ("not compiled with cuda", "not linked with support for cuda", "no nvidia driver",
-            "no cuda gpus are available", "cuda driver version is insufficient")
+            "no cuda gpus are available", "cuda driver version is insufficient",
+            "with arguments from the 'cuda' backend")  # an op run for real on a fake GPU tensor
 
 
 def no_cuda_error(error: BaseException) -> bool:
