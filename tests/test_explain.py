@@ -212,6 +212,53 @@ def test_cli_says_what_is_wrong():
     assert result.exit_code == 2 and "has no function 'missing'" in result.output
 
 
+USERS_FILE = """\
+import torch
+
+def raises(x):
+    y = x @ x
+    raise RuntimeError("boom in user code")
+
+def noisy(x):
+    print("hello from user code")
+    return x * 2
+
+def kwonly(x, *, scale):
+    return x * scale
+
+def example_inputs():
+    return (torch.rand(4, 4),)
+"""
+
+
+def test_cli_says_the_users_mistakes_in_one_line_and_keeps_json_clean(tmp_path):
+    """A function that raises (run for real), a file that doesn't import, keyword-only
+    arguments, a picture of another suffix, a folder that isn't there: one line each, no
+    traceback; the user's prints go to stderr, so ``--json`` stays JSON."""
+    app = typer.Typer()
+    app.command()(explain_command)
+    runner = CliRunner()
+    user = tmp_path / "user.py"
+    user.write_text(USERS_FILE)
+    (tmp_path / "broken.py").write_text("def f(x)\n    return x\n")
+    cases = {
+        f"{user}:raises": "raises(...) raised RuntimeError: boom in user code (at user.py:5)",
+        f"{tmp_path / 'broken.py'}:f": "broken.py:1: SyntaxError",
+        f"{user}:kwonly": "keyword-only arguments without defaults (scale)"}
+    for target, said in cases.items():
+        result = runner.invoke(app, [target, "--run"])
+        assert result.exit_code == 2 and said in result.output, result.output
+        assert "Traceback" not in result.output
+    result = runner.invoke(app, [f"{user}:noisy", "--json"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["rows"]
+    assert "hello from user code" in result.stderr
+    result = runner.invoke(app, [f"{user}:noisy", "--graph", str(tmp_path / "g.pdf"),
+                                 "--trace", str(tmp_path / "no" / "t.json")])
+    assert result.exit_code == 1 and "predicted" in result.stdout
+    assert "name a .dot, .svg or .png file" in result.stderr
+    assert "can't write" in result.stderr and "No such file or directory" in result.stderr
+
+
 def test_a_training_step_is_explained_by_running_it_once():
     """backward() can't be traced with fake inputs; run=True captures forward, backward and the
     optimizer step by running once, and takes CPU values to live on inputs_on."""

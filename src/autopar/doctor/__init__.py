@@ -96,7 +96,14 @@ from ..cost.model import CostModel
 from ..machine.detect import load_machine
 from ..machine.host import no_cuda_error
 from ..machine.model import Machine
-from ..report.userfile import UserFileError, example_args, load_module, needs_args, targets
+from ..report.userfile import (
+    UserFileError,
+    example_args,
+    load_module,
+    needs_args,
+    targets,
+    users_error,
+)
 from .beliefs import (
     _device_name,
     _Devices,
@@ -289,7 +296,13 @@ def doctor_file(path: str | Path, func: str | None = None,
             for name, fn in targets(module, path, func, listed="__doctor__"):
                 with session.setup():
                     args = example_args(module, path, name) if needs_args(fn) else ()
-                reports.append(session.diagnose(fn, args, repeat))
+                try:
+                    reports.append(session.diagnose(fn, args, repeat))
+                except Exception as e:  # the user's function raised: one line, if it did
+                    said = users_error(e, path, f"{name}(...)")
+                    if said is None:
+                        raise
+                    raise DoctorError(said) from None
     except UserFileError as e:
         raise DoctorError(str(e)) from None
     return reports
@@ -300,8 +313,10 @@ def _hint_without_cuda(session: _Session) -> Iterator[None]:
     """Code written for a GPU, run for real on a host without CUDA: say how to simulate one."""
     try:
         yield
-    except (AssertionError, RuntimeError) as e:
-        if session.simulated or torch.cuda.is_available() or not no_cuda_error(e):
+    except (AssertionError, RuntimeError, UserFileError) as e:
+        cause = e.__cause__ if isinstance(e, UserFileError) else e  # (example_inputs' error)
+        if session.simulated or torch.cuda.is_available() or cause is None or \
+                not no_cuda_error(cause):
             raise
         raise DoctorError(f"the code needs CUDA ({e}), and this host has none: simulate a GPU "
                           "machine with --machine h200x2 (or another preset)") from e

@@ -153,12 +153,16 @@ def _draw(placement: Placement, path: Path, critical: list[Node], max_nodes: int
 
 def render(placement: Placement, path: str | Path, critical: list[Node] = (),
            max_nodes: int = 80) -> Path:
-    """Write the picture: ``.dot`` text, or ``.svg``/``.png`` through Graphviz, else drawn
-    with matplotlib; returns the path written. Raises :class:`MissingRenderer` (after writing
-    the ``.dot`` text next to ``path``) when neither is installed."""
+    """Write the picture: ``.dot`` (or ``.gv``) text, or ``.svg``/``.png`` through Graphviz,
+    else drawn with matplotlib (another suffix: ValueError); returns the path written. Raises
+    :class:`MissingRenderer` (after writing the ``.dot`` text next to ``path``) when neither is
+    installed."""
     path = Path(path)
+    if path.suffix not in (".dot", ".gv", ".svg", ".png"):
+        raise ValueError(f"can't write the placed graph as {path.name}: name a .dot, .svg or "
+                         ".png file")
     dot = to_dot(placement, critical, max_nodes)
-    if path.suffix not in (".svg", ".png"):
+    if path.suffix in (".dot", ".gv"):
         path.write_text(dot)
         return path
     exe = shutil.which("dot")

@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["UserFileError", "example_args", "load_module", "needs_args", "targets"]
+__all__ = ["UserFileError", "example_args", "functions_of", "load_module", "needs_args",
+           "targets", "users_error"]
 
 
 class UserFileError(ValueError):
@@ -35,10 +36,31 @@ def load_module(path: Path) -> Any:
     sys.path.insert(0, folder)  # the file's own imports of its neighbours
     try:
         spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise UserFileError(f"{e.filename}:{e.lineno}: SyntaxError: {e.msg}") from None
+    except Exception as e:  # the file's own code raised as it was imported
+        raise UserFileError(users_error(e, path, f"importing {path}") or
+                            f"importing {path} raised {type(e).__name__}: {e}") from None
     finally:
         with contextlib.suppress(ValueError):
             sys.path.remove(folder)
     return module
+
+
+def users_error(error: BaseException, path: Path, what: str) -> str | None:
+    """One line for an exception the user's code raised: ``what`` (e.g. "step(...)"), the
+    exception's type and first line, and the last line of the file at ``path`` its traceback
+    passed through; None where it never passed through that file (not the user's error)."""
+    where = None
+    tb, mine = error.__traceback__, str(Path(path).resolve())
+    while tb is not None:
+        if str(Path(tb.tb_frame.f_code.co_filename).resolve()) == mine:
+            where = f"{Path(path).name}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    if where is None:
+        return None
+    first = (str(error).strip().splitlines() or [""])[0]
+    return f"{what} raised {type(error).__name__}: {first} (at {where})"
 
 
 def targets(module: Any, path: Path, func: str | None,
@@ -61,11 +83,16 @@ def targets(module: Any, path: Path, func: str | None,
             continue
         fn = getattr(module, n, None)
         if not callable(fn):
-            have = sorted(k for k, v in vars(module).items()
-                          if inspect.isfunction(v) and not k.startswith("_"))
-            raise UserFileError(f"{path} has no function {n!r}; its functions: {have}")
+            raise UserFileError(f"{path} has no function {n!r}; its functions: "
+                                f"{functions_of(module)}")
         out.append((n, fn))
     return out
+
+
+def functions_of(module: Any) -> list[str]:
+    """The public functions a user's file defines or imports, sorted."""
+    return sorted(k for k, v in vars(module).items()
+                  if inspect.isfunction(v) and not k.startswith("_"))
 
 
 def needs_args(fn: Callable[..., Any]) -> bool:
@@ -73,6 +100,11 @@ def needs_args(fn: Callable[..., Any]) -> bool:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return False
+    keyword = [p.name for p in params if p.default is p.empty and p.kind is p.KEYWORD_ONLY]
+    if keyword:
+        raise UserFileError(f"{getattr(fn, '__name__', fn)}() has keyword-only arguments "
+                            f"without defaults ({', '.join(keyword)}); example inputs are "
+                            "passed by position: wrap it in a function that takes them so")
     return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
                for p in params)
 
@@ -84,7 +116,11 @@ def example_args(module: Any, path: Path, name: str, provider: str = "example_in
         raise UserFileError(f"{name}() in {path} takes arguments: define {provider}() in the "
                             "file, returning its arguments (a tuple), or a dict of them by "
                             "function name")
-    inputs = make()
+    try:
+        inputs = make()
+    except Exception as e:
+        raise UserFileError(users_error(e, path, f"{provider}()") or
+                            f"{provider}() raised {type(e).__name__}: {e}") from e
     if isinstance(inputs, dict):
         if name not in inputs:
             raise UserFileError(f"{provider}() in {path} returns a dict without {name!r} "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -11,7 +13,14 @@ from autopar.capture.fx import Unsupported
 from autopar.report.explain import explain as run_explain
 from autopar.report.graphviz import MissingRenderer, render
 from autopar.report.trace import save_chrome_trace, save_gantt
-from autopar.report.userfile import UserFileError, example_args, load_module, needs_args
+from autopar.report.userfile import (
+    UserFileError,
+    example_args,
+    functions_of,
+    load_module,
+    needs_args,
+    users_error,
+)
 
 from . import policy_names, preset_names
 
@@ -50,36 +59,52 @@ def explain(
         raise typer.BadParameter("write FILE.py:FUNC, e.g. model.py:step", param_hint="TARGET")
     path = Path(file)
     try:
-        module = load_module(path)
-        fn = getattr(module, func, None)
-        if not callable(fn):
-            raise UserFileError(f"{path} has no function {func!r}")
-        args = example_args(module, path, func, provider=inputs) if needs_args(fn) else ()
-        report = run_explain(fn, *args, machine=machine, policy=policy, inputs_on=inputs_on,
-                             run=run)
+        # what the user's code prints goes to stderr: stdout is the report (JSON with --json)
+        with contextlib.redirect_stdout(sys.stderr):
+            module = load_module(path)
+            fn = getattr(module, func, None)
+            if not callable(fn):
+                raise UserFileError(f"{path} has no function {func!r}; its functions: "
+                                    f"{functions_of(module)}")
+            args = example_args(module, path, func, provider=inputs) if needs_args(fn) else ()
+            report = run_explain(fn, *args, machine=machine, policy=policy,
+                                 inputs_on=inputs_on, run=run)
     except (UserFileError, Unsupported, ValueError) as e:
         typer.echo(f"autopar explain: {e}", err=True)
         raise typer.Exit(2) from None
-    written = []
-    if trace is not None:
-        written.append(save_chrome_trace(report.timeline, trace, report.plan.graph,
-                                         extra=[report.eager_timeline]))
-    if png is not None:
-        written.append(save_gantt(report.timeline, png, predicted=report.eager_timeline,
-                                  title=f"{report.graph_name}: {report.policy} vs eager",
-                                  labels=(f"{report.policy}, predicted", "eager, predicted")))
-    missing = None
-    if graph is not None:
+    except Exception as e:  # the user's function raised, run for real (--run): one line
+        said = users_error(e, path, f"{func}(...)")
+        if said is None:
+            raise
+        typer.echo(f"autopar explain: {said}", err=True)
+        raise typer.Exit(2) from None
+    # the report first, then each file asked for: one that can't be written is said, the
+    # others and the report are kept
+    typer.echo(report.to_json() if json else report.to_text())
+    writes = {
+        trace: lambda: save_chrome_trace(report.timeline, trace, report.plan.graph,
+                                         extra=[report.eager_timeline]),
+        png: lambda: save_gantt(report.timeline, png, predicted=report.eager_timeline,
+                                title=f"{report.graph_name}: {report.policy} vs eager",
+                                labels=(f"{report.policy}, predicted", "eager, predicted")),
+        graph: lambda: render(report.plan.placement, graph, report.critical_nodes)}
+    failed = False
+    for where, write in writes.items():
+        if where is None:
+            continue
         try:
-            written.append(render(report.plan.placement, graph, report.critical_nodes))
-        except MissingRenderer as e:
-            missing = e
-    if json:
-        typer.echo(report.to_json())
-    else:
-        typer.echo(report.to_text())
-        for p in written:
-            typer.echo(f"wrote {p}")
-    if missing is not None:  # the file asked for was not written
-        typer.echo(f"autopar explain: {missing}", err=True)
+            wrote = write()
+        except (MissingRenderer, ValueError) as e:
+            typer.echo(f"autopar explain: {e}", err=True)
+            failed = True
+        except ImportError as e:
+            typer.echo(f"autopar explain: can't write {where}: {e} (pip install "
+                       "'autopar[plot]')", err=True)
+            failed = True
+        except OSError as e:
+            typer.echo(f"autopar explain: can't write {where}: {e.strerror or e}", err=True)
+            failed = True
+        else:
+            typer.echo(f"wrote {wrote}", err=json)
+    if failed:  # a file asked for was not written
         raise typer.Exit(1)
