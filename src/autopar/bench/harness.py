@@ -565,7 +565,7 @@ def save_timeline_png(timeline: Any, path: Path, title: str) -> Path | None:
 
 # -- one call for the commands and scripts -----------------------------------------------------
 def resolve_size(size: str, n_gpus: int) -> str:
-    """``"auto"``: WORKLOADS.md's sizes with a GPU, the small ones without."""
+    """``"auto"``: the full sizes (benchmarks/README.md) with a GPU, the small ones without."""
     if size == "auto":
         return "full" if n_gpus else "small"
     if size not in SIZES:

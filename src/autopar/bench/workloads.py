@@ -1,4 +1,4 @@
-"""The workloads autopar is measured on: W1-W6 of WORKLOADS.md and four that real users have.
+"""The workloads autopar is measured on: W1-W6 (benchmarks/README.md) and four that real users have.
 
 A :class:`Workload` is data and functions, kept in one registry (:data:`WORKLOADS`, in table
 order); :func:`select` picks by name. Every workload has an *eager* form, the code a user writes
@@ -8,7 +8,7 @@ Policy
 - Inputs come from ``make_inputs(devices, size)`` with a fixed seed, drawn on the host and moved
   to the *home* device (the first GPU named in ``devices``, else the host), so every variant of a
   workload sees the same values on any machine. Never zeros.
-- ``size="full"`` is WORKLOADS.md's size (for GPUs); ``"small"`` keeps each workload to a few
+- ``size="full"``: the sizes of benchmarks/README.md (GPUs); ``"small"`` keeps each to a few
   milliseconds on a 2-core CPU, for CPU machines and CI.
 - The hand-tuned form runs on inputs made by ``prepare_hand(inputs, gpus)`` outside the timed
   region: bounds read back to Python once, the second input copied to the second GPU up front,
@@ -254,7 +254,7 @@ def _w3_case(shape: tuple[int, int, int], mode: str) -> Workload:
 
 
 # -- W4: two chains written for one device -----------------------------------------------------
-CHAIN = 50  # matmuls per chain, as in WORKLOADS.md
+CHAIN = 50  # matmuls per chain, as in benchmarks/README.md
 _SIDE = {"full": 4000, "small": 96}
 
 

@@ -25,7 +25,7 @@ def bench(
     workloads: Annotated[list[str] | None, typer.Argument(
         help="Workloads to run (default: all), e.g. W1 W3 ensemble4.")] = None,
     size: Annotated[str, typer.Option(
-        help="full (WORKLOADS.md's sizes), small (CPU-sized), or auto (full with a GPU).")
+        help="full (benchmarks/README.md's sizes), small (CPU-sized), auto (full with a GPU).")
     ] = "auto",
     variants: Annotated[str, typer.Option(
         help="Comma-separated variants among eager, hand, compile, autopar.")

@@ -1,4 +1,4 @@
-"""``autopar demo``: every workload of WORKLOADS.md on this machine, eager against autopar.
+"""``autopar demo``: every workload of benchmarks/README.md on this machine, eager against autopar.
 
 Detects the machine (calibrating quickly when it has no profile yet), runs each workload in its
 eager, hand-tuned, ``torch.compile`` and autopar forms, and prints one table (its last columns:
