@@ -21,7 +21,7 @@ def host(monkeypatch, tmp_path):
     monkeypatch.setattr(calibrate_mod, "BUSY_SPREAD", 100.0)  # smoke numbers are rough
     state = {"load": 0.0, "others": 0.0}
     monkeypatch.setattr(calibrate_mod, "_load_per_core", lambda: state["load"])
-    monkeypatch.setattr(calibrate_mod, "_other_cpu_share", lambda start: state["others"])
+    monkeypatch.setattr(calibrate_mod, "other_cpu_share", lambda start: state["others"])
     monkeypatch.setattr(calibrate_mod, "_reference_s", lambda: 1e-3)
     return state
 
@@ -75,21 +75,21 @@ def test_other_processes_share_is_read_from_the_host():
     import sys
     import time
 
-    start = calibrate_mod._cpu_busy()
+    start = calibrate_mod.cpu_busy()
     if start is None:
         pytest.skip("no /proc/stat")
     time.sleep(0.3)
-    if (idle := calibrate_mod._other_cpu_share(start)) > 0.25:  # (a test run beside this one)
+    if (idle := calibrate_mod.other_cpu_share(start)) > 0.25:  # (a test run beside this one)
         pytest.skip(f"other processes use {idle:.0%} of the cores while this one sleeps")
-    start = calibrate_mod._cpu_busy()
+    start = calibrate_mod.cpu_busy()
     sum(range(3_000_000))  # own work
-    assert calibrate_mod._other_cpu_share(start) < 0.5
+    assert calibrate_mod.other_cpu_share(start) < 0.5
     spinner = subprocess.Popen([sys.executable, "-c",
                                 "import time\nt = time.time()\nwhile time.time() - t < 1.0: pass"])
     time.sleep(0.2)  # the interpreter has started
-    start = calibrate_mod._cpu_busy()
+    start = calibrate_mod.cpu_busy()
     time.sleep(0.6)
-    share = calibrate_mod._other_cpu_share(start)
+    share = calibrate_mod.other_cpu_share(start)
     spinner.wait()
     assert share > 0.5 / (os.cpu_count() or 1), share  # one of the cores was someone else's
 

@@ -45,6 +45,7 @@ from ..api import dispatcher_of, parse_devices
 from ..dataparallel import predict_step
 from ..ir.logs import quiet
 from ..ir.units import fmt_seconds
+from ..machine.calibrate import BUSY_OTHERS, cpu_busy, other_cpu_share
 from ..machine.host import host_info
 from ..machine.presets import PRESETS
 from ..report.explain import explain
@@ -271,7 +272,19 @@ class Report:
                 elif texts[i].startswith("error"):
                     styled[i] = f"[red]{styled[i]}[/]"
             table.add_row(*styled)
-        return Group(table, *(Text(n, style="dim") for n in notes))
+        busy = self.busy()
+        return Group(table, *(Text(n, style="dim") for n in notes),
+                     *([Text(busy, style="yellow")] if busy else []))
+
+    def busy(self) -> str:
+        """A warning where other processes used over ``BUSY_OTHERS`` of the host's cores while
+        the workloads were timed (the times are then theirs too), else ""."""
+        share = self.machine.get("others_share", 0.0)
+        if share <= BUSY_OTHERS:
+            return ""
+        return (f"this host was busy: other processes used {share:.0%} of its cores while "
+                "timing; times include their contention, and ratios may not hold on an idle "
+                "host")
 
 
 def _set_fields(d: dict[str, Any]) -> dict[str, Any]:
@@ -599,8 +612,10 @@ def collect(names: Iterable[str] | None = None, *, size: str = "auto",
     n_gpus = sum(d.startswith("cuda") for d in devs)
     size = resolve_size(size, n_gpus)
     sim_gpus = gpus_of(simulate_on) if simulate_on else 0  # checks the name before running
+    busy_at = cpu_busy()
     rows = run_suite(select(names, size, n_gpus), variants, devs, size, warmup=warmup,
                      repeat=repeat, budget_s=budget_s, progress=progress)
+    others = other_cpu_share(busy_at)  # other processes' share of the cores while timing
     timelines: dict[str, Any] = {}
     if simulate_on:
         by_name = {r.workload: r for r in rows}
@@ -616,7 +631,8 @@ def collect(names: Iterable[str] | None = None, *, size: str = "auto",
             row.simulated, timelines[w.name] = simulate(w, simulate_on)
         order = list(WORKLOADS)
         rows = sorted(by_name.values(), key=lambda r: order.index(r.workload))
-    report = Report(fingerprint(command), size, list(devs), list(variants), rows)
+    machine = {**fingerprint(command), "others_share": round(others, 3)}
+    report = Report(machine, size, list(devs), list(variants), rows)
     return report, timelines
 
 

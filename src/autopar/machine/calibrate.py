@@ -81,7 +81,8 @@ from autopar.machine.model import (
     link_key,
 )
 
-__all__ = ["MODES", "Progress", "calibrate", "console_progress", "profile_tables"]
+__all__ = ["BUSY_OTHERS", "MODES", "Progress", "calibrate", "console_progress", "cpu_busy",
+           "other_cpu_share", "profile_tables"]
 
 Progress = Callable[[str, int, int], None]
 """``progress(what, done, total)``: called before each measuring step and once at the end."""
@@ -184,7 +185,7 @@ def _load_per_core() -> float:
         return 0.0
 
 
-def _cpu_busy() -> tuple[float, float, float] | None:
+def cpu_busy() -> tuple[float, float, float] | None:
     """(wall clock, seconds the host's CPUs were busy (steal included), seconds this process
     ran) now, from ``/proc/stat`` (None where there is none)."""
     try:
@@ -199,11 +200,11 @@ def _cpu_busy() -> tuple[float, float, float] | None:
     return time.perf_counter(), (sum(fields) - idle - guest) / tick, own.user + own.system
 
 
-def _other_cpu_share(start: tuple[float, float, float] | None) -> float:
+def other_cpu_share(start: tuple[float, float, float] | None) -> float:
     """The share of the host's cores that other processes (and the hypervisor's steal) used
-    since ``start`` (a :func:`_cpu_busy` reading): a competitor running all along, which
+    since ``start`` (a :func:`cpu_busy` reading): a competitor running all along, which
     neither the load before nor the reference loop's drift sees."""
-    end = _cpu_busy()
+    end = cpu_busy()
     if start is None or end is None or end[0] <= start[0]:
         return 0.0
     others = (end[1] - start[1]) - (end[2] - start[2])
@@ -649,7 +650,7 @@ def _calibrate(mode: str, host: dict[str, Any] | None, progress: Progress | None
         done += 1
 
     _spreads.clear()
-    load, reference, busy_at = _load_per_core(), _reference_s(), _cpu_busy()
+    load, reference, busy_at = _load_per_core(), _reference_s(), cpu_busy()
     with torch.no_grad():
         cpu, handoff = _calibrate_cpu(m, step)
         devices = {"cpu": cpu}
@@ -667,7 +668,7 @@ def _calibrate(mode: str, host: dict[str, Any] | None, progress: Progress | None
         step("view ops")
         base = torch.ones(16, 16)
         view = host_time(lambda: aten.view.default(base, [256]), m)
-    quality = _quality(load, _reference_s() / reference - 1, _other_cpu_share(busy_at))
+    quality = _quality(load, _reference_s() / reference - 1, other_cpu_share(busy_at))
     if progress is not None:
         progress("done", total, total)
     return Profile(fingerprint=fingerprint_of(host), host=host, devices=devices, links=links,

@@ -31,8 +31,9 @@ def explain(
     target: Annotated[str, typer.Argument(
         help="FILE.py:FUNC, the function to explain.", show_default=False)],
     machine: Annotated[str, typer.Option(
-        "--machine", "-m", help=f"auto (this host) or a preset: {preset_names()}. Nothing "
-                                "runs, so any preset works anywhere.")] = "auto",
+        "--machine", "-m", help=f"auto (this host) or a preset: {preset_names()}. Predicted, "
+                                "not run (but with --run), so any preset works anywhere.")
+    ] = "auto",
     inputs_on: Annotated[str | None, typer.Option(
         "--inputs-on", help="Device of the machine where CPU-built example inputs are taken "
                             "to live, e.g. cuda:0.")] = None,
