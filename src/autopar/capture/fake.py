@@ -86,12 +86,14 @@ class _FakedReads(torch.overrides.TorchFunctionMode):
 def _needs_a_run(error: BaseException) -> bool:
     """Is ``error`` fake tensors' own limit rather than the code's: a value read from a tensor
     (a slice bound, ``.item()``), an output shape decided by data, a kernel fake tensors lack,
-    or code for a GPU this torch can't fake (see :func:`autopar.machine.host.no_cuda_error`)?"""
+    a ``backward()`` (the trace is of the forward pass), or code for a GPU this torch can't
+    fake (see :func:`autopar.machine.host.no_cuda_error`)?"""
     limits = (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
               fake_tensor.UnsupportedOperatorException, symbolic_shapes.GuardOnDataDependentSymNode)
     text = str(error).lower()
-    return isinstance(error, limits) or any(
-        k in text for k in ("data-dependent", "data dependent", "cuda", "nvidia"))
+    return isinstance(error, limits) or any(k in text for k in (
+        "data-dependent", "data dependent", "cuda", "nvidia",
+        "backward() called inside", "does not require grad and does not have a grad_fn"))
 
 
 def _users_line(error: BaseException, fn: Callable) -> str | None:

@@ -316,4 +316,5 @@ def _in_sequence(reports: list[ExplainReport], captured: str) -> ExplainReport:
         timeline=chain([r.timeline for r in reports]),
         eager_timeline=chain([r.eager_timeline for r in reports]),
         plan=main.plan, critical_nodes=main.critical_nodes, captured=captured,
-        syncs=[sync for r in reports for sync in r.syncs])
+        syncs=[sync for r in reports for sync in r.syncs],
+        runs_as_eager=all(r.runs_as_eager for r in reports))
