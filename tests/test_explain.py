@@ -285,7 +285,11 @@ def test_a_training_step_is_explained_by_running_it_once():
     assert len(graphs) >= 2 and any("backward" in g for g in graphs)
     assert "aten.nll_loss_backward" in {row.op for row in report.rows}
     assert {row.eager_device for row in report.rows} == {"cuda:0"}
-    assert report.predicted_s == pytest.approx(report.timeline.makespan)
+    # no faster than the one thread issuing it all: the tiny step's launches bind it, so the
+    # plan kept is eager's placement (HEFT's spread over the host and two GPUs, priced device
+    # by device, had predicted 2.06x for such a step)
+    assert report.predicted_s == pytest.approx(max(report.timeline.makespan, report.issue_s))
+    assert report.issue_s > 0 and report.speedup <= 1.0 + 1e-9
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # it ran
 
 

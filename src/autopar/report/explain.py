@@ -38,10 +38,11 @@ from ..ir.units import fmt_seconds
 from ..machine.detect import load_machine
 from ..machine.host import no_cuda_error
 from ..machine.model import Machine
+from ..passes.fusion import fusion_devices, prefer_fused
 from ..runtime.sequential import SequentialRunner
-from ..schedule.place import Placement, place
+from ..schedule.place import Placement, place, places_by_cost
 from ..schedule.plan import make_plan
-from ..schedule.simulate import runs_as_eager, simulate
+from ..schedule.simulate import issue_s, runs_as_eager, simulate
 from ..schedule.steps import Plan
 from ..schedule.timeline import Timeline
 
@@ -82,6 +83,7 @@ class ExplainReport:
     captured: str = "traced with fake inputs"
     syncs: list[str] = field(default_factory=list)
     runs_as_eager: bool = False  # simulate.runs_as_eager: eager's sequence, not the executor
+    issue_s: float = 0.0  # the plan's seconds on the one thread that issues all its work
 
     @property
     def speedup(self) -> float:
@@ -94,6 +96,7 @@ class ExplainReport:
             "speedup": self.speedup, "critical_path": self.critical_path,
             "transfers": self.transfers, "transfer_bytes": self.transfer_bytes,
             "captured": self.captured, "syncs": self.syncs, "runs_as_eager": self.runs_as_eager,
+            "issue_s": self.issue_s,
             "rows": [asdict(r) for r in self.rows],
         }
 
@@ -122,6 +125,11 @@ class ExplainReport:
             f"{fmt_seconds(self.eager_predicted_s)}: "
             f"{self.speedup:.2f}x; {self.transfers} transfers, "
             f"{self.transfer_bytes / 1e6:.3g} MB moved")
+        if self.issue_s > self.timeline.makespan:
+            console.print(f"bound by the issuing thread: {fmt_seconds(self.issue_s)} of "
+                          "launches, host ops and copies on the one thread that issues the "
+                          "host's and every GPU's work (the devices' own time "
+                          f"{fmt_seconds(self.timeline.makespan)})")
         for sync in self.syncs:
             console.print(f"host sync: {sync}")
         if self.runs_as_eager and self.plan.graph.folded:
@@ -214,6 +222,10 @@ def explain_graph(graph: Graph, machine: Machine | str | None = None,
     cost = CostModel(machine)
     placement = place(graph, cost, policy=policy, devices=devices)
     plan = make_plan(placement, cost)
+    if places_by_cost(policy):  # the plan autopar.compile keeps (see prefer_fused)
+        chosen = list(devices) if devices is not None else [d.name for d in machine.devices]
+        plan = prefer_fused(plan, graph, cost, chosen, fusion_devices(chosen, "auto"))
+        placement = plan.placement
     eager_plan = make_plan(place(graph, cost, policy="single"), cost)
     timeline = simulate(plan, cost)
     eager_timeline = simulate(eager_plan, cost)
@@ -231,9 +243,12 @@ def explain_graph(graph: Graph, machine: Machine | str | None = None,
             times=times, why=placement.notes.get(n, ""), source=n.source))
     copies = plan.copies()
     path = critical_path(placement, cost)
+    # no faster than the one thread that issues it all (runtime.interleave), eager included
+    issue, eager_issue = issue_s(plan, cost), issue_s(eager_plan, cost)
     return ExplainReport(
         graph_name=graph.name, machine=machine.name, policy=policy,
-        predicted_s=timeline.makespan, eager_predicted_s=eager_timeline.makespan,
+        predicted_s=max(timeline.makespan, issue),
+        eager_predicted_s=max(eager_timeline.makespan, eager_issue), issue_s=issue,
         rows=rows, critical_path=[f"{op_name(n.op)}{n!r}" for n in path],
         transfers=len(copies),
         transfer_bytes=sum(m.nbytes for s in copies for m in s.value.tensor_metas),
@@ -317,4 +332,5 @@ def _in_sequence(reports: list[ExplainReport], captured: str) -> ExplainReport:
         eager_timeline=chain([r.eager_timeline for r in reports]),
         plan=main.plan, critical_nodes=main.critical_nodes, captured=captured,
         syncs=[sync for r in reports for sync in r.syncs],
-        runs_as_eager=all(r.runs_as_eager for r in reports))
+        runs_as_eager=all(r.runs_as_eager for r in reports),
+        issue_s=sum(r.issue_s for r in reports))
