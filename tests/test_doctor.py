@@ -231,6 +231,24 @@ def test_scalars_made_inside_the_function():
     assert only(report, "gpu-scalar").line == line_of(inside, "# scalar")
 
 
+def test_a_tensor_made_from_python_data_on_the_gpu_each_call_is_a_copy_the_host_waits_for():
+    """``torch.tensor(0.01, device=x.device)`` in the function: the number is copied from
+    pageable host memory at every call (it had been seen only as a GPU scalar operand, costing
+    nothing); made once outside, nothing is said."""
+    def per_call(x):
+        lr = torch.tensor(0.01, device=x.device)  # made here
+        return x - lr * x.sign()
+
+    report = sim(per_call, torch.rand(600, 600))
+    f = only(report, "host-data")
+    assert f.line == line_of(per_call, "# made here") and f.count == 1
+    assert f.cost_s > 0 and f.saving_s == pytest.approx(f.cost_s)
+    assert "copied to cuda:0 from pageable host memory" in report.to_text()
+    assert "make it once, outside the function" in report.to_text()
+    lr = 0.01
+    assert sim(lambda x: x - lr * x.sign(), torch.rand(600, 600)).select("host-data") == []
+
+
 def test_a_scalar_computed_on_the_gpu_is_no_gpu_scalar():
     def normalise(x):
         return x / x.sum()

@@ -17,6 +17,8 @@ Hazards (``Finding.kind`` / ``Finding.subkind``)
 - ``pageable-copy``: a blocking device->host copy into pageable memory (staged, slow).
 - ``ping-pong``: a value copied from one device to another and back with nothing computed on it
   in between (host->device->host or device->host->device).
+- ``host-data``: a tensor made from Python data on a GPU (``torch.tensor(0.01,
+  device="cuda")``) at every call: a copy from pageable host memory the host waits for.
 - ``gpu-scalar``: a 0-dim GPU tensor that came from the host (an argument, a constant, a copy,
   a result of scalar-only ops on such) used as a number: as an operand beside larger tensors, or
   as the only kind of operand (``a ** 2``: a kernel launch a Python number would not need).
@@ -52,6 +54,7 @@ Costs and savings (per event; the model is :class:`autopar.cost.model.CostModel`
 - pageable-copy, pageable-nonblocking: cost measured, else the pageable link's time; saves the
   pageable minus the pinned link time.
 - ping-pong: costs and saves both transfers.
+- host-data: costs and saves its measured time, else the pageable host->GPU link's time.
 - gpu-scalar: a scalar-only op costs and saves its GPU time (Python arithmetic is free); an
   operand use costs 0 (the kernel runs anyway) and is reported because it keeps the scalar on
   the GPU.

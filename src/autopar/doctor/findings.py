@@ -26,7 +26,7 @@ class DoctorError(ValueError):
 class Finding:
     """One hazard at one source line: how often per call, what it costs, how to fix it."""
 
-    kind: str  # sync | pageable-copy | ping-pong | gpu-scalar | tiny-gpu-op
+    kind: str  # sync | pageable-copy | ping-pong | host-data | gpu-scalar | tiny-gpu-op
     subkind: str  # for sync: item, branch, index, slice-bound, ...; else ""
     file: str
     line: int
@@ -184,6 +184,10 @@ FIXES: dict[tuple[str, str], str] = {
         "autopar.compile place them"),
     ("ping-pong", ""): (
         "keep using the value where it already was: nothing is computed between the two copies"),
+    ("host-data", ""): (
+        "make it once, outside the function (a module buffer, or an argument already on the "
+        "GPU), or keep it a Python number: torch.tensor(...) on a GPU copies from the host and "
+        "waits, at every call"),
     ("gpu-scalar", ""): (
         "keep the scalar a Python number (or a 0-dim CPU tensor): it then rides in the kernel's "
         "arguments, and scalar-only math like a ** 2 runs on the host without a kernel launch"),

@@ -202,10 +202,24 @@ class _Watch:
             self._on_shape_sync(func, args, kwargs, out, "bool-mask", elapsed)
         elif name in ("aten::_to_copy", "aten::copy_"):
             self._on_copy(func, args, kwargs, out, elapsed)
-        elif name in _FACTORY_LIKE or not ins:
-            pass  # a value made from host data: it came from the host
+        elif name in _FACTORY_LIKE:  # a value made from Python data (torch.tensor(...))
+            if outs and _is_gpu(self.devices.where(outs[0])):
+                self._on_host_data(func, outs[0], elapsed)
+        elif not ins:
+            pass  # a value made on the spot (a factory): nothing came from elsewhere
         elif outs and op_kind(func) != "view":
             self._on_compute(func, args, kwargs, out, ins, outs)
+
+    def _on_host_data(self, func: Any, t: torch.Tensor, elapsed: float) -> None:
+        """``torch.tensor(data, device=gpu)``: the data copied from pageable host memory to the
+        GPU, at every call, the host waiting for it."""
+        device, nbytes = self.devices.where(t), _nbytes(t)
+        real = not self.devices.simulated
+        cost = elapsed if real else self.est.link_s(nbytes, "cpu", device, False)
+        self.emit("host-data", "", device, cost, real, cost,
+                  f"a tensor made from Python data ({fmt_bytes(nbytes)}) is copied to {device} "
+                  "from pageable host memory at each call, the host waiting for it",
+                  op_name(func))
 
     def _on_read(self, t: torch.Tensor, elapsed: float) -> None:
         device = self.devices.where(t)
