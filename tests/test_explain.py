@@ -92,6 +92,11 @@ def test_weights_and_modules_the_code_reaches_are_faked_without_a_run():
     for a, b in zip(before, (W_GLOBAL, *NET.parameters(), *head.parameters())):
         assert torch.equal(a, b)
     assert autopar.explain(reads_globals, torch.randn(8, 64), head).rows  # on the host too
+    with pytest.raises(Unsupported, match="fails on the example inputs"):
+        autopar.explain(reads_globals, torch.randn(8, 63), head)  # a shape mistake
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    assert not any(isinstance(t, FakeTensor) for t in (*NET.parameters(), *head.parameters()))
 
 
 def test_code_that_names_cuda_is_explained_on_any_machine():

@@ -83,6 +83,15 @@ class _FakedReads(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def _swapped(modules: list[tuple[torch.nn.Module, dict[str, Any]]]) -> Any:
+    """Each module with its tensors replaced by the given ones while the block runs."""
+    with contextlib.ExitStack() as stack:
+        for module, tensors in modules:
+            stack.enter_context(_reparametrize_module(module, tensors))
+        yield
+
+
 def _needs_a_run(error: BaseException) -> bool:
     """Is ``error`` fake tensors' own limit rather than the code's: a value read from a tensor
     (a slice bound, ``.item()``), an output shape decided by data, a kernel fake tensors lack,
@@ -134,10 +143,13 @@ def trace_fake(fn: Callable, args: Sequence[Any], inputs_on: str | None = None,
             return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype,
                                        device=device)
 
+    made: dict[int, Any] = {}
+
     def faked(module: torch.nn.Module) -> dict[str, Any]:
-        return {k: fake(v) for k, v in {**dict(module.named_parameters(remove_duplicate=False)),
-                                        **dict(module.named_buffers(remove_duplicate=False))
-                                        }.items()}
+        """The module's tensors by name, each faked once (tied weights share their fake)."""
+        named = {**dict(module.named_parameters(remove_duplicate=False)),
+                 **dict(module.named_buffers(remove_duplicate=False))}
+        return {k: made.setdefault(id(v), fake(v)) for k, v in named.items()}
 
     call = fn
     if isinstance(fn, torch.nn.Module):
@@ -146,12 +158,9 @@ def trace_fake(fn: Callable, args: Sequence[Any], inputs_on: str | None = None,
         def call(*a: Any) -> Any:
             return torch.func.functional_call(fn, state, a)
     try:
-        reached = [m for _, m in find_state(fn, args).modules if m is not fn]
+        reached = [(m, faked(m)) for _, m in find_state(fn, args).modules if m is not fn]
     except Exception:  # (an optimizer's state not made yet, ...): the modules it names only
         reached = []
-    swaps = contextlib.ExitStack()
-    for module in reached:  # (entered around the trace below, left after it)
-        swaps.enter_context(_reparametrize_module(module, faked(module)))
 
     # the tensors are the graph's inputs; the rest of the arguments (a Python number, a
     # flag) are constants of the trace, as eager's call sees them
@@ -173,7 +182,7 @@ def trace_fake(fn: Callable, args: Sequence[Any], inputs_on: str | None = None,
     try:
         indexed = contextlib.nullcontext() if torch.cuda.is_available() else _IndexedCuda()
         # forward only: no autograd on fake GPU tensors; FX patches the process while it traces
-        with mode, torch.no_grad(), indexed, tracing(), swaps, _FakedReads(fake):
+        with mode, torch.no_grad(), indexed, tracing(), _swapped(reached), _FakedReads(fake):
             gm = quiet(traced)(*fake_args)  # fake tensors' log of a user's shape mistake: off
     except Exception as e:  # data-dependent ops, backward(), device code fake tensors can't take
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
