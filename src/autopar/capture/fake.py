@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..ir.graph import Graph, Node, TensorMeta
 from ..ir.locks import tracing
-from ..ir.logs import quiet
+from ..ir.logs import line_in, quiet
 from .dynamo import capturing_scalars, make_backend
 from .fx import Unsupported, from_fx
 from .state import find_state
@@ -110,14 +110,8 @@ def _users_line(error: BaseException, fn: Callable) -> str | None:
     ``fn`` (an ``nn.Module``: its ``forward``), or None."""
     code = getattr(fn, "__code__", None) or getattr(getattr(type(fn), "forward", None),
                                                      "__code__", None)
-    if code is None:
-        return None
-    found, tb = None, error.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename == code.co_filename:
-            found = f"{Path(code.co_filename).name}:{tb.tb_lineno}"
-        tb = tb.tb_next
-    return found
+    line = None if code is None else line_in(error, code.co_filename)
+    return None if line is None else f"{Path(code.co_filename).name}:{line}"
 
 
 def trace_fake(fn: Callable, args: Sequence[Any], inputs_on: str | None = None,

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from types import CodeType
 from typing import Any
 
-__all__ = ["TOPICS", "first_line", "quiet", "quiet_code", "set_logs"]
+__all__ = ["TOPICS", "first_line", "line_in", "quiet", "quiet_code", "set_logs"]
 
 TOPICS = ("capture", "placement", "trials", "runtime", "torch", "dataparallel", "explain",
           "calibrate")
@@ -169,3 +169,15 @@ def first_line(e: BaseException) -> str:
     quote of an error."""
     text = str(e).strip()
     return text.splitlines()[0] if text else ""
+
+
+def line_in(e: BaseException, filename: str) -> int | None:
+    """The line of the last frame of ``e``'s traceback in the file ``filename`` (compared as
+    real paths), or None where the traceback never passed through it: where a user's own
+    file stands in an error's messages."""
+    target, found, tb = os.path.realpath(filename), None, e.__traceback__
+    while tb is not None:
+        if os.path.realpath(tb.tb_frame.f_code.co_filename) == target:
+            found = tb.tb_lineno
+        tb = tb.tb_next
+    return found

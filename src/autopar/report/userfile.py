@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..ir.logs import first_line, line_in
+
 __all__ = ["UserFileError", "example_args", "functions_of", "load_module", "needs_args",
            "targets", "users_error"]
 
@@ -51,16 +53,11 @@ def users_error(error: BaseException, path: Path, what: str) -> str | None:
     """One line for an exception the user's code raised: ``what`` (e.g. "step(...)"), the
     exception's type and first line, and the last line of the file at ``path`` its traceback
     passed through; None where it never passed through that file (not the user's error)."""
-    where = None
-    tb, mine = error.__traceback__, str(Path(path).resolve())
-    while tb is not None:
-        if str(Path(tb.tb_frame.f_code.co_filename).resolve()) == mine:
-            where = f"{Path(path).name}:{tb.tb_lineno}"
-        tb = tb.tb_next
-    if where is None:
+    line = line_in(error, str(path))
+    if line is None:
         return None
-    first = (str(error).strip().splitlines() or [""])[0]
-    return f"{what} raised {type(error).__name__}: {first} (at {where})"
+    return (f"{what} raised {type(error).__name__}: {first_line(error)} "
+            f"(at {Path(path).name}:{line})")
 
 
 def targets(module: Any, path: Path, func: str | None,
