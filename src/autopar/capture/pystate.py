@@ -33,6 +33,7 @@ Policy
 
 from __future__ import annotations
 
+import itertools
 import random
 import sys
 import types
@@ -263,9 +264,9 @@ def version_of(t: torch.Tensor) -> Any:
 
 def _deep(value: Any, depth: int, seen: set[int]) -> Any:
     """A record of ``value`` that changes where anything within ``depth`` levels of it does: a
-    plain value as itself, a tensor by identity and version, a list, tuple or dict by its
-    items, a plain object (not torch's) by its attributes; anything else, or past ``depth``,
-    by identity."""
+    plain value as itself, a tensor by identity and version, a list, tuple, dict or plain
+    object by its items (:func:`_items`, the first ``_MAX_ITEMS``); anything else, or past
+    ``depth``, by identity."""
     if isinstance(value, _PLAIN):
         return value
     if isinstance(value, torch.Tensor):
@@ -273,25 +274,18 @@ def _deep(value: Any, depth: int, seen: set[int]) -> Any:
     if depth == 0 or id(value) in seen:
         return ("object", id(value))
     seen.add(id(value))
-    if type(value) in (list, tuple):
-        return (id(value), len(value),
-                tuple(_deep(v, depth - 1, seen) for v in value[:_MAX_ITEMS]))
-    if type(value) is dict:
-        return (id(value), len(value), tuple((k, _deep(v, depth - 1, seen))
-                                             for k, v in list(value.items())[:_MAX_ITEMS]))
-    attrs = _attributes(value)
-    if attrs is not None:
-        return (id(value), tuple((k, _deep(v, depth - 1, seen))
-                                 for k, v in list(attrs.items())[:_MAX_ITEMS]))
-    return ("object", id(value))
+    looked = _items(value, _MAX_ITEMS)
+    if looked is None:
+        return ("object", id(value))
+    size, items = looked
+    return (id(value), size, tuple((k, _deep(v, depth - 1, seen)) for k, v in items))
 
 
 def held_tensors(value: Any, depth: int = _ARG_DEPTH) -> list[torch.Tensor] | None:
-    """The tensors within ``depth`` levels of ``value`` (items of lists, tuples and dicts,
-    attributes of a plain object: see :func:`_attributes`), in order, each once; None where
-    anything within it is neither such a container nor a plain value nor a tensor (a module,
-    an object of :data:`_LIBRARIES`) or lies deeper than ``depth``: where the list may be
-    incomplete. Every item is looked at (a cache of 80 layers holds 160 tensors)."""
+    """The tensors within ``depth`` levels of ``value`` (:func:`_items`), in order, each once;
+    None where anything within it is neither such a container nor a plain value nor a tensor
+    (a module, an object of :data:`_LIBRARIES`) or lies deeper than ``depth``: where the list
+    may be incomplete. Every item is looked at (a cache of 80 layers holds 160 tensors)."""
     found: dict[int, torch.Tensor] = {}
 
     def walk(v: Any, left: int) -> bool:
@@ -300,16 +294,22 @@ def held_tensors(value: Any, depth: int = _ARG_DEPTH) -> list[torch.Tensor] | No
         if isinstance(v, torch.Tensor):
             found.setdefault(id(v), v)
             return True
-        if left == 0:
-            return False
-        if type(v) in (list, tuple):
-            return all(walk(item, left - 1) for item in v)
-        if type(v) is dict:
-            return all(walk(item, left - 1) for item in v.values())
-        attrs = _attributes(v)
-        return attrs is not None and all(walk(item, left - 1) for item in attrs.values())
+        looked = _items(v) if left else None
+        return looked is not None and all(walk(item, left - 1) for _, item in looked[1])
 
     return list(found.values()) if walk(value, depth) else None
+
+
+def _items(value: Any, limit: int | None = None) -> tuple[int, list[tuple[Any, Any]]] | None:
+    """What is looked into within ``value``: how many items it has, and the first ``limit``
+    (all: None) of them, a list's or tuple's by index, a dict's by key, a plain object's
+    attributes (:func:`_attributes`) by name; None for anything else."""
+    if type(value) in (list, tuple):
+        return len(value), list(enumerate(value[:limit]))
+    items = value if type(value) is dict else _attributes(value)
+    if items is None:
+        return None
+    return len(items), list(itertools.islice(items.items(), limit))
 
 
 def _attributes(value: Any) -> dict | None:
