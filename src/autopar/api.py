@@ -490,7 +490,6 @@ class CompiledModule(torch._dynamo.eval_frame.OptimizedModule):
         return value
 
 
-
 def _compiled_again(module: torch.nn.Module, options: dict[str, Any]) -> CompiledModule:
     """A :class:`CompiledModule` unpickled or copied: ``module`` compiled with ``options``."""
     return compile(module, **options)  # type: ignore[return-value]

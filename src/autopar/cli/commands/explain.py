@@ -82,15 +82,15 @@ def explain(
     # the report first, then each file asked for: one that can't be written is said, the
     # others and the report are kept
     typer.echo(report.to_json() if json else report.to_text())
-    writes = {
-        trace: lambda: save_chrome_trace(report.timeline, trace, report.plan.graph,
-                                         extra=[report.eager_timeline]),
-        png: lambda: save_gantt(report.timeline, png, predicted=report.eager_timeline,
-                                title=f"{report.graph_name}: {report.policy} vs eager",
-                                labels=(f"{report.policy}, predicted", "eager, predicted")),
-        graph: lambda: render(report.plan.placement, graph, report.critical_nodes)}
+    writes = [
+        (trace, lambda: save_chrome_trace(report.timeline, trace, report.plan.graph,
+                                          extra=[report.eager_timeline])),
+        (png, lambda: save_gantt(report.timeline, png, predicted=report.eager_timeline,
+                                 title=f"{report.graph_name}: {report.policy} vs eager",
+                                 labels=(f"{report.policy}, predicted", "eager, predicted"))),
+        (graph, lambda: render(report.plan.placement, graph, report.critical_nodes))]
     failed = False
-    for where, write in writes.items():
+    for where, write in writes:  # (a list: two options may name one path)
         if where is None:
             continue
         try:
