@@ -148,6 +148,56 @@ def test_a_shape_decided_by_a_value_runs_eagerly_with_one_logged_reason(caplog):
     assert reasons and all("eagerly" in r for r in reasons)
 
 
+@torch.library.custom_op("autopar_test::rows_and_count", mutates_args=())
+def _rows_and_count(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    return x * 2, x.shape[0]
+
+
+@_rows_and_count.register_fake
+def _(x):
+    return torch.empty_like(x), x.shape[0]
+
+
+def test_an_op_returning_a_known_number_among_its_tensors_is_captured(caplog):
+    """cuDNN's and flash attention return the sequence lengths beside their tensors
+    (``max_q``, ``max_k``): a number known at capture time is that number in the graph, and
+    the graph is autopar's, not run eagerly (HF text models under bf16 autocast on an H100
+    were, until 2026-12-05)."""
+    built = []
+
+    def build(graph, phase):
+        built.append(graph)
+        return SequentialRunner(graph)
+
+    def f(x):
+        y, n = torch.ops.autopar_test.rows_and_count(x)
+        return (y + 1).reshape(n, -1).sum(1) * n
+
+    compiled = torch.compile(f, backend=make_backend(build))
+    with caplog.at_level(logging.WARNING, logger="autopar"):
+        x = torch.randn(6, 4)
+        torch.testing.assert_close(compiled(x), f(x))
+    assert not [r for r in caplog.records if r.name.startswith("autopar")]
+    (graph,) = built
+    assert next(n.op for n in graph.ops) is torch.ops.autopar_test.rows_and_count.default
+
+
+def test_a_trial_times_the_gpus_holding_the_calls_tensors():
+    """A trial times eager's and Inductor's calls on the GPUs the graphs touch and on those
+    holding the call's tensors: where dynamo's graph ran eagerly (autopar could not represent
+    it) no plan names a GPU, and the trial, timing the host alone, could never see a
+    launch-bound call and try CUDA graphs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    compiled = autopar.compile(lambda x, y=None: x + 1)
+    with FakeTensorMode():
+        x = torch.empty(3, device="cuda:0")
+    assert compiled.runner.graphs == 0
+    assert compiled._trial_gpus((x,), {}) == (frozenset({0}), frozenset({0}))
+    assert compiled._trial_gpus((torch.ones(3),), {"y": [x]})[0] == frozenset({0})
+    assert compiled._trial_gpus((torch.ones(3),), {}) == (frozenset(), frozenset())
+
+
 def test_autopar_compile_places_a_new_shape_too(caplog):
     """The second shape makes dynamo's graph dynamic: its static graph for that shape is
     placed at its first call. A third shape is of a family whose sizes vary

@@ -236,6 +236,21 @@ def test_random_ops_run_only_where_eager_runs_them():
     assert all(cm.can_run(plain, d) for d in m.devices)
 
 
+def test_gpu_only_kernels_stay_off_the_host():
+    """cuDNN's and the memory-efficient attention have no CPU kernel: an op eager runs on a
+    GPU with one of them can't be placed on the host (its run there would fail)."""
+    m = preset("h200x2")
+    cm = CostModel(m)
+    g = Graph("attention")
+    q = g.input(TensorMeta.make((2, 4, 16, 8), torch.bfloat16, device="cuda:1"))
+    h = g.input(TensorMeta.make((2, 4, 16, 8)))
+    efficient = g.call(aten._scaled_dot_product_efficient_attention.default,
+                       (q, q, q, None, False))
+    assert [d.name for d in m.devices if cm.can_run(efficient, d)] == ["cuda:0", "cuda:1"]
+    on_host = g.call(aten._scaled_dot_product_flash_attention_for_cpu.default, (h, h, h))
+    assert cm.can_run(on_host, "cpu:1")
+
+
 def test_op_too_big_for_a_device_cannot_run_there():
     node = add(2**28, "cuda:0")  # 1 GiB each way: 3 GiB moved, the toy GPU has 1 GiB
     cm = CostModel(toy_machine())

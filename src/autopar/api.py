@@ -896,8 +896,7 @@ class Dispatcher:
                              _describe(key), ways[0] if ways else "autopar")
             self._keep(key, ways[0] if ways else "autopar")
         else:
-            touched = runner.gpus_touched()
-            eager_gpus, ours = touched if touched is not None else (runner.gpus, runner.gpus)
+            eager_gpus, ours = self._trial_gpus(args, kwargs)
             gpus = {w: ours if w == "autopar" else eager_gpus for w in ways}
             if split is not None:
                 gpus["split"] = split
@@ -905,6 +904,20 @@ class Dispatcher:
             trials_log.info("autopar: %s: timing calls %s for %s", self.name,
                             ", ".join(ways), _describe(key))
         return out
+
+    def _trial_gpus(self, args: tuple, kwargs: dict) -> tuple[frozenset[int], frozenset[int]]:
+        """The GPUs a trial times for eager's and Inductor's calls, and for autopar's: those
+        the graphs touch, and those holding the call's tensors (a graph dynamo handed
+        autopar that it ran eagerly, as it can't represent it, is in no plan: HF text models
+        under bf16 autocast on an H100, whose cuDNN attention returns sequence lengths, went
+        untimed on the GPU until 2026-12-05, so their launch-bound calls never tried CUDA
+        graphs)."""
+        runner = self.runner
+        touched = runner.gpus_touched()
+        eager, ours = touched if touched is not None else (runner.gpus, runner.gpus)
+        held = cuda_indices(str(t.device) for t in tree_flatten((args, kwargs))[0]
+                            if isinstance(t, torch.Tensor))
+        return eager | held, ours | held
 
     def _varying(self, key: Any) -> Family | None:
         """The family of a new signature ``key`` where that family's sizes vary (it has had
@@ -937,8 +950,7 @@ class Dispatcher:
                 self.verdicts[family] = [f"{way} (the only way for any size)"]
                 self._keep(family, way)
             else:
-                touched = self.runner.gpus_touched()
-                gpus = touched[0] if touched is not None else self.runner.gpus
+                gpus = self._trial_gpus(args, kwargs)[0]
                 self.trials[family] = Trial({w: gpus for w in ways}, name=self.name)
         if way is None:
             return self._tried(family, self.trials[family], args, kwargs)

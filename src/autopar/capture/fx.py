@@ -12,7 +12,9 @@ Policy
   per input tensor however often dynamo asked for it; arithmetic on such numbers
   (``operator.add``, ``torch.sym_max``...) and runtime asserts on them are nodes too, and the
   tensor ops that take them as arguments refer to them. ``aten.sym_size`` and friends whose
-  value is a known int become that int.
+  value is a known int become that int, as does a known number among an op's outputs (cuDNN's
+  and flash attention's ``max_q`` and ``max_k``, the sequence lengths): its ``getitem`` is
+  that number, the op's metadata has None in its place.
 - Tensor constants made inside the function (``torch.tensor(10.0, device=A.device)``) are
   folded first (:func:`autopar.capture.fold.fold_constants`): arithmetic on them is computed at
   capture time, ``a1 * A`` takes a Python number, ``.item()`` of one is that number; only where the
@@ -78,11 +80,19 @@ def _meta_of(value: Any, what: str) -> Any:
         if value.layout != torch.strided:
             raise Unsupported(f"{what} has layout {value.layout}")
         return TensorMeta.of(value)
-    if isinstance(value, (tuple, list)):
-        return tuple(_meta_of(v, what) if v is not None else None for v in value)
+    if isinstance(value, (tuple, list)):  # a number among them is no value of the graph's
+        return tuple(None if v is None or _known_element(v) else _meta_of(v, what)
+                     for v in value)
     if value is None:
         return None
-    raise Unsupported(f"{what} produces a {type(value).__name__}, not a tensor")
+    raise Unsupported(f"{what} produces {type(value).__name__} {value!r}, not a tensor")
+
+
+def _known_element(value: Any) -> bool:
+    """Whether an element of an op's tuple of outputs is a number known at capture time
+    (cuDNN's and flash attention's ``max_q``, ``max_k``: the sequence lengths): a ``getitem``
+    of it becomes that number, as a known size does."""
+    return not isinstance(value, torch.Tensor) and known_number(value) is not None
 
 
 def _check_constant(x: Any, what: str) -> Any:
@@ -188,6 +198,9 @@ def from_fx(gm: torch.fx.GraphModule, name: str = "graph") -> tuple[Graph, list[
         if target is operator.getitem and not isinstance(fx_node.args[0].meta.get("val"),
                                                          (tuple, list)):
             raise Unsupported(f"{what} indexes a non-tuple value")
+        if target is operator.getitem and _known_element(val):
+            env[fx_node] = known_number(val)
+            continue
         meta = _meta_of(val, what)
         if meta is None and target is not operator.getitem:
             raise Unsupported(f"{what} has no output metadata")

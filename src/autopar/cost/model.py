@@ -29,8 +29,9 @@ Policy, in order of preference for a node ``n`` on device ``d``
 
 Where an op may run (:meth:`CostModel.can_run`): random ops only where eager runs them (any CPU
 worker for CPU values, which share the host generator; the same GPU for GPU values, each GPU
-having its own generator) so random streams stay identical; other ops anywhere their inputs and
-output fit in the device's memory.
+having its own generator) so random streams stay identical; an op eager runs on a GPU that has
+no CPU kernel (cuDNN's, flash and memory-efficient attention) on GPUs only; other ops anywhere
+their inputs and output fit in the device's memory.
 
 History: per key ``"<device>|<op>(<input metas and arguments>)"`` the last ``max_samples``
 measured seconds. Outliers (modified z-score over 3.5, from the median absolute deviation,
@@ -57,7 +58,7 @@ import torch
 
 from autopar.ir.collective import COMM, inline, is_collective, take
 from autopar.ir.graph import Node, TensorMeta, op_name
-from autopar.ir.ops import SCALAR_FUNCTIONS, is_fused_update
+from autopar.ir.ops import SCALAR_FUNCTIONS, has_host_kernel, is_fused_update
 from autopar.ir.routing import home_device, pool
 from autopar.machine.model import (
     Device,
@@ -452,6 +453,9 @@ class CostModel:
             return dev.is_cpu if home.startswith("cpu") else dev.name == _cuda_name(home)
         if node.is_input or node.kind in ("view", "getitem"):
             return True
+        if dev.is_cpu and not has_host_kernel(node.op) and \
+                not (node.device or "cpu").startswith("cpu"):
+            return False  # a GPU-only kernel (cuDNN's attention) stays off the host
         need = node.in_bytes + _bytes_written(node)
         return need <= self.machine.profile.device(dev.name).memory_bytes
 

@@ -15,8 +15,8 @@ from .graph import LOCAL_SCALAR_DENSE
 PLAIN_VALUES = (int, float, bool, str, type(None))
 """Python values that stand for themselves: passed to an op, keyed or checked by value."""
 
-__all__ = ["SCALAR_FUNCTIONS", "SCALAR_OPS", "SIZE_OPS", "always_a_view", "is_fused_update",
-           "known_number"]
+__all__ = ["SCALAR_FUNCTIONS", "SCALAR_OPS", "SIZE_OPS", "always_a_view", "has_host_kernel",
+           "is_fused_update", "known_number"]
 
 _aten = torch.ops.aten
 SCALAR_OPS = frozenset({LOCAL_SCALAR_DENSE, _aten._assert_scalar.default,
@@ -53,6 +53,20 @@ def always_a_view(op: Any) -> bool:
             and not op.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd)
             and len(op._schema.returns) == 1
             and isinstance(op._schema.returns[0].type, torch.TensorType))
+    return got
+
+
+_HOST_KERNEL: dict[Any, bool] = {}
+
+
+def has_host_kernel(op: Any) -> bool:
+    """Can the host run ``op``: an ATen op with a CPU kernel, its own or a composite one
+    (``_scaled_dot_product_cudnn_attention`` and the other fused attention kernels have CUDA
+    ones only); anything else (Python arithmetic, a function of numbers) can."""
+    got = _HOST_KERNEL.get(op)
+    if got is None:
+        got = _HOST_KERNEL[op] = not isinstance(op, torch._ops.OpOverload) or \
+            torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), "CPU")
     return got
 
 
