@@ -236,19 +236,29 @@ def test_random_ops_run_only_where_eager_runs_them():
     assert all(cm.can_run(plain, d) for d in m.devices)
 
 
-def test_gpu_only_kernels_stay_off_the_host():
+def test_kernels_of_one_kind_of_device_stay_on_it(monkeypatch):
     """cuDNN's and the memory-efficient attention have no CPU kernel: an op eager runs on a
-    GPU with one of them can't be placed on the host (its run there would fail)."""
+    GPU with one of them can't be placed on the host (its run there would fail); the CPU's
+    int4 weight packing stays off GPUs where torch is built with CUDA (a CPU-only build registers
+    no CUDA kernels, so there nothing is ruled out)."""
+    import autopar.cost.model as cost_mod
+
     m = preset("h200x2")
     cm = CostModel(m)
     g = Graph("attention")
     q = g.input(TensorMeta.make((2, 4, 16, 8), torch.bfloat16, device="cuda:1"))
     h = g.input(TensorMeta.make((2, 4, 16, 8)))
+    w = g.input(TensorMeta.make((64, 64), torch.int32))
     efficient = g.call(aten._scaled_dot_product_efficient_attention.default,
                        (q, q, q, None, False))
     assert [d.name for d in m.devices if cm.can_run(efficient, d)] == ["cuda:0", "cuda:1"]
-    on_host = g.call(aten._scaled_dot_product_flash_attention_for_cpu.default, (h, h, h))
-    assert cm.can_run(on_host, "cpu:1")
+    on_host = g.call(aten._convert_weight_to_int4pack_for_cpu.default, (w, 2))
+    plain = g.call(aten.add.Tensor, (h, h))
+    monkeypatch.setattr(cost_mod, "_CUDA_BUILT", True)
+    assert [d.name for d in m.devices if cm.can_run(on_host, d)] == ["cpu:0", "cpu:1"]
+    assert all(cm.can_run(plain, d) for d in m.devices)
+    monkeypatch.setattr(cost_mod, "_CUDA_BUILT", False)
+    assert cm.can_run(on_host, "cuda:0")
 
 
 def test_op_too_big_for_a_device_cannot_run_there():

@@ -29,9 +29,10 @@ Policy, in order of preference for a node ``n`` on device ``d``
 
 Where an op may run (:meth:`CostModel.can_run`): random ops only where eager runs them (any CPU
 worker for CPU values, which share the host generator; the same GPU for GPU values, each GPU
-having its own generator) so random streams stay identical; an op eager runs on a GPU that has
-no CPU kernel (cuDNN's, flash and memory-efficient attention) on GPUs only; other ops anywhere
-their inputs and output fit in the device's memory.
+having its own generator) so random streams stay identical; an op with a kernel for eager's
+kind of device only (cuDNN's, flash and memory-efficient attention on GPUs; CPU-only kernels
+such as int4 weight packing on the host) on that kind (GPUs are asked about only where torch
+is built with CUDA); other ops anywhere their inputs and output fit in the device's memory.
 
 History: per key ``"<device>|<op>(<input metas and arguments>)"`` the last ``max_samples``
 measured seconds. Outliers (modified z-score over 3.5, from the median absolute deviation,
@@ -58,7 +59,7 @@ import torch
 
 from autopar.ir.collective import COMM, inline, is_collective, take
 from autopar.ir.graph import Node, TensorMeta, op_name
-from autopar.ir.ops import SCALAR_FUNCTIONS, has_host_kernel, is_fused_update
+from autopar.ir.ops import SCALAR_FUNCTIONS, has_kernel, is_fused_update
 from autopar.ir.routing import home_device, pool
 from autopar.machine.model import (
     Device,
@@ -67,6 +68,8 @@ from autopar.machine.model import (
     _write_json_atomic,
     check_envelope,
 )
+
+_CUDA_BUILT = torch.backends.cuda.is_built()  # else no CUDA kernel is registered to ask about
 
 __all__ = ["COLLECTIVE_LATENCY_S", "PYTHON_NUMBER_OP_S", "CostModel", "History", "HistoryStats",
            "OpCost", "reads_to_host"]
@@ -453,9 +456,10 @@ class CostModel:
             return dev.is_cpu if home.startswith("cpu") else dev.name == _cuda_name(home)
         if node.is_input or node.kind in ("view", "getitem"):
             return True
-        if dev.is_cpu and not has_host_kernel(node.op) and \
-                not (node.device or "cpu").startswith("cpu"):
-            return False  # a GPU-only kernel (cuDNN's attention) stays off the host
+        home = node.device or "cpu"
+        if dev.is_cpu != home.startswith("cpu") and not has_kernel(
+                node.op, "CPU" if dev.is_cpu else "CUDA") and (dev.is_cpu or _CUDA_BUILT):
+            return False  # a kernel of eager's kind of device only (cuDNN's attention)
         need = node.in_bytes + _bytes_written(node)
         return need <= self.machine.profile.device(dev.name).memory_bytes
 

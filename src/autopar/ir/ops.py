@@ -15,7 +15,7 @@ from .graph import LOCAL_SCALAR_DENSE
 PLAIN_VALUES = (int, float, bool, str, type(None))
 """Python values that stand for themselves: passed to an op, keyed or checked by value."""
 
-__all__ = ["SCALAR_FUNCTIONS", "SCALAR_OPS", "SIZE_OPS", "always_a_view", "has_host_kernel",
+__all__ = ["SCALAR_FUNCTIONS", "SCALAR_OPS", "SIZE_OPS", "always_a_view", "has_kernel",
            "is_fused_update", "known_number"]
 
 _aten = torch.ops.aten
@@ -56,17 +56,20 @@ def always_a_view(op: Any) -> bool:
     return got
 
 
-_HOST_KERNEL: dict[Any, bool] = {}
+_KERNELS: dict[tuple[Any, str], bool] = {}
 
 
-def has_host_kernel(op: Any) -> bool:
-    """Can the host run ``op``: an ATen op with a CPU kernel, its own or a composite one
-    (``_scaled_dot_product_cudnn_attention`` and the other fused attention kernels have CUDA
-    ones only); anything else (Python arithmetic, a function of numbers) can."""
-    got = _HOST_KERNEL.get(op)
+def has_kernel(op: Any, key: str) -> bool:
+    """Has ``op`` a kernel for dispatch key ``key`` ("CPU", "CUDA"), its own or a composite
+    one: ``_scaled_dot_product_cudnn_attention`` and the other fused attention kernels have
+    CUDA ones only, ``_convert_weight_to_int4pack_for_cpu`` a CPU one only. Anything
+    that is not an ATen op (Python arithmetic, a function of numbers) runs anywhere. A build
+    without CUDA registers no CUDA kernels: ask for "CUDA" only where
+    ``torch.backends.cuda.is_built()``."""
+    got = _KERNELS.get((op, key))
     if got is None:
-        got = _HOST_KERNEL[op] = not isinstance(op, torch._ops.OpOverload) or \
-            torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), "CPU")
+        got = _KERNELS[op, key] = not isinstance(op, torch._ops.OpOverload) or \
+            torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), key)
     return got
 
 
