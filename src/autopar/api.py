@@ -35,6 +35,7 @@ import operator
 import os
 import re
 import statistics
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -69,6 +70,7 @@ from .choose import (
 from .cost.model import CostModel
 from .dataparallel import DataParallelStep
 from .ir.graph import LOCAL_SCALAR_DENSE, Graph
+from .ir.locks import Gate
 from .ir.logs import first_line, quiet
 from .ir.ops import PLAIN_VALUES
 from .ir.routing import cuda_indices
@@ -680,6 +682,15 @@ class _Route:
         self.head = head
 
 
+class _Unsettled:
+    """A call :meth:`Dispatcher._settled` left to the lock (nothing of it ran): its key."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
+
+
 class Dispatcher:
     """What :func:`compile` returns for a function (and puts in a module's ``forward``): each
     call goes the way the measured choice (:mod:`autopar.choose`) kept for its argument
@@ -747,6 +758,10 @@ class Dispatcher:
         #: eager way runs them as built (:mod:`autopar.capture.optim`); None: none found yet
         self.forms: OptimizerForms | None = None
         self._forms_looked = False
+        # threads: one at a time past a kept way (capture, trial, verdict); where a split may
+        # be captured (it swaps the module's parameters), no call in flight meanwhile
+        self._lock = threading.RLock()
+        self._gate = Gate() if split is not None else None
         functools.update_wrapper(self, fn)
 
     @property
@@ -827,6 +842,18 @@ class Dispatcher:
     __call__ = property(operator.attrgetter("_route.head"))
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
+        if self._gate is None:
+            out = self._settled(args, kwargs)
+        else:
+            with self._gate.shared():  # a split's capture in another thread swaps the module
+                out = self._settled(args, kwargs)
+        if type(out) is not _Unsettled:
+            return out
+        with self._lock:  # one thread at a time captures, tries and decides
+            return self._unsettled(out.key, args, kwargs)
+
+    def _settled(self, args: tuple, kwargs: dict) -> Any:
+        """A call of a signature whose way is kept, else its :class:`_Unsettled`."""
         refs = self._last_refs
         if refs and not kwargs and self._last_grad == _grad_enabled() and \
                 _same_signature(args, refs, self._last_metas, 0, self._last_grad) == len(refs):
@@ -839,6 +866,14 @@ class Dispatcher:
             return self._plain(args, kwargs, remember=key is not None)
         if way is not None:
             return self.way(way)(*args, **kwargs)
+        return _Unsettled(key)
+
+    def _unsettled(self, key: Any, args: tuple, kwargs: dict) -> Any:
+        """A call of a signature not kept yet: its trial's, its family's, or its capture."""
+        way = self.kept.get(key)  # decided while this thread waited for the lock?
+        if way is not None or self.only is not None:
+            return self._plain(args, kwargs, remember=False) if way == "eager" else \
+                (self.only if way is None else self.way(way))(*args, **kwargs)
         trial = self.trials.get(key)
         if trial is not None:
             return self._tried(key, trial, args, kwargs)
@@ -888,7 +923,11 @@ class Dispatcher:
                     f"autopar left out (the capturing call's results differ from eager's: "
                     f"{off})")
             del want
-        split = self._split_candidate(key, args, kwargs, runner.executors[first:])
+        if self._gate is None:
+            split = self._split_candidate(key, args, kwargs, runner.executors[first:])
+        else:
+            with self._gate.exclusive():  # no call of the module in flight while it is swapped
+                split = self._split_candidate(key, args, kwargs, runner.executors[first:])
         if split is not None:
             ways = (*ways, "split")
         if len(ways) <= 1:
@@ -966,7 +1005,7 @@ class Dispatcher:
         and the route set to the signature's plain entry where it has one (:meth:`_plain_entry`)."""
         if remember and not kwargs:
             self._remember(args)
-            if self.only is None and self.forms is None:
+            if self.only is None and self.forms is None and self._gate is None:
                 entry = self._plain_entry(args)
                 if entry is not None:
                     self._route = _Route(entry)
@@ -1053,7 +1092,7 @@ class Dispatcher:
                 out = want
                 live = [w for w in trial.ways if w not in trial.dropped]
                 if len(live) == 1:  # nothing left to compare: kept at once
-                    del self.trials[key]
+                    self.trials.pop(key, None)
                     self.verdicts.setdefault(key, []).append(f"{live[0]} ({trial.summary()})")
                     self._keep(key, live[0])
                     return out
@@ -1127,7 +1166,7 @@ class Dispatcher:
                                                   trial.ways.index(w))) \
                 if trial.times else "eager"  # the function itself is right whatever was tried
         if won is not None:
-            del self.trials[key]
+            self.trials.pop(key, None)
             trials_log.info("autopar: %s: %s kept for %s (medians: %s)", self.name, won,
                             self._describe(key), trial.summary())
             self.verdicts.setdefault(key, []).append(f"{won} ({trial.summary()})")
@@ -1157,7 +1196,7 @@ class Dispatcher:
         64-128: a captured length came back 4 times in 240 calls)."""
         for member in self.families.get(family, ()):
             if member in self.trials and member not in self.kept:
-                del self.trials[member]
+                self.trials.pop(member, None)
                 trials_log.info("autopar: %s: %s takes its family's verdict, %s, before its "
                                 "own trial ended", self.name, self._describe(member), way)
                 self._by_family.add(member)

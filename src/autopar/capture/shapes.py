@@ -7,9 +7,10 @@ shapes (its "automatic dynamic" recompile) or when the user marked a dimension d
 Policy
 - :class:`PerShape` stands in for such a graph. At each call it keys the arguments by their
   signature (each tensor's shape, strides, dtype and device; each other argument's value); the
-  first call of a signature traces the graph again on fake tensors of those shapes
-  (``make_fx``), every size now a number, and hands that static graph to the builder, as dynamo
-  would have handed it a static graph. Later calls of the signature look it up: one dict
+  first call of a signature makes the graph static for those shapes (every size input
+  replaced by its number, every value recomputed on fake tensors of those shapes:
+  :func:`_static_graph`) and hands it to the builder, as dynamo would have handed it a static
+  graph. Later calls of the signature look it up: one dict
   lookup per call.
 - A signature whose graph can't be made static (a size decided by a value the graph reads, as
   ``x[:n.item()]``) or placed runs the dynamic graph eagerly, with the reason logged once per
@@ -26,9 +27,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
-
-from ..ir.locks import tracing
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 log = logging.getLogger("autopar.capture")
 
@@ -49,6 +49,30 @@ def is_symbolic(example_inputs: Sequence[Any]) -> bool:
                                                for s in (*x.shape, *x.stride())):
             return True
     return False
+
+
+def _static_graph(gm: torch.fx.GraphModule, args: Sequence[Any]) -> torch.fx.GraphModule:
+    """``gm`` for ``args``: each input that is not a tensor (a size) replaced by its value and
+    every node's value recomputed on fake tensors of the arguments' shapes
+    (``FakeTensorProp``, an interpreter: no FX trace, so no process-wide tracing flag that
+    would refuse other threads' compiled calls while it runs, as ``make_fx`` did)."""
+    graph = torch.fx.Graph()
+    given: dict[torch.fx.Node, Any] = {}
+    tensors = []
+    for node, value in zip(gm.graph.find_nodes(op="placeholder"), args, strict=True):
+        if isinstance(value, torch.Tensor):
+            given[node] = graph.placeholder(node.name)
+            given[node].meta = dict(node.meta)
+            tensors.append(value)
+        else:
+            given[node] = value
+    out = graph.graph_copy(gm.graph, given)
+    graph.output(out)
+    static = torch.fx.GraphModule(gm, graph)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with torch.no_grad():
+        FakeTensorProp(static, mode).propagate(*[mode.from_tensor(t) for t in tensors])
+    return static
 
 
 def _signature(args: Sequence[Any]) -> tuple:
@@ -93,17 +117,9 @@ class PerShape:
             self.runs[key] = (tensors, None)
             return self.runs[key]
 
-        def static(*tensor_args: torch.Tensor) -> Any:
-            full = list(args)
-            for i, t in zip(tensors, tensor_args):
-                full[i] = t
-            return self.gm(*full)
-
         run: Run | None
         try:
-            with torch.no_grad(), tracing():  # FX patches the process while it traces
-                traced = make_fx(static, tracing_mode="fake")(*[args[i] for i in tensors])
-            run = self.specialize(traced, label)
+            run = self.specialize(_static_graph(self.gm, args), label)
             log.info("autopar: %s placed for shapes %s", label, shapes)
         except Exception as e:  # any failure: this signature runs eagerly
             log.warning("autopar: %s runs eagerly for shapes %s: %s: %s", self.label, shapes,

@@ -18,17 +18,24 @@ Policy
   hold it), and a call refused at the entry itself (the flag rose after that look; nothing of
   the call ran) is made again once the lock is free. A trace in the calling thread (the user's
   ``symbolic_trace`` of code calling a compiled function) is refused as dynamo refuses it.
+- A :class:`Gate` lets any number of calls run at once, or one section that must see no call
+  in flight in another thread (a split's capture, which swaps the user's module's parameters
+  for fake ones while it traces: a call of that module in another thread then read
+  FunctionalTensors, and two overlapping swaps each put back the other's fakes for good,
+  2026-12-05). A thread's own calls never wait for its own section, nor it for them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.fx._symbolic_trace as _fx
 
-__all__ = ["enter", "tracing"]
+__all__ = ["Gate", "enter", "tracing"]
 
 _own = threading.RLock()
 
@@ -62,3 +69,48 @@ def enter(compiled: Callable, args: tuple, kwargs: dict) -> Any:
     with tracing():
         pass
     return compiled(*args, **kwargs)
+
+
+class Gate:
+    """Calls at once (:meth:`shared`) or one exclusive section (:meth:`exclusive`) at a time
+    (module docstring). Reentrant per thread both ways."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._calls: Counter[int] = Counter()  # thread -> its calls in flight
+        self._owner: int | None = None  # the thread in the exclusive section
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._cond:
+            while self._owner is not None and self._owner != me:
+                self._cond.wait()
+            self._calls[me] += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._calls[me] -= 1
+                if not self._calls[me]:
+                    del self._calls[me]
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._cond:
+            while (self._owner is not None and self._owner != me) or \
+                    any(t != me for t in self._calls):
+                self._cond.wait()
+            self._owner = me
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._depth -= 1
+                if not self._depth:
+                    self._owner = None
+                self._cond.notify_all()
