@@ -842,11 +842,15 @@ class Dispatcher:
     __call__ = property(operator.attrgetter("_route.head"))
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
-        if self._gate is None:
+        gate = self._gate
+        if gate is None:
             out = self._settled(args, kwargs)
-        else:
-            with self._gate.shared():  # a split's capture in another thread swaps the module
+        else:  # a split's capture in another thread swaps the module: not meanwhile
+            gate.enter()
+            try:
                 out = self._settled(args, kwargs)
+            finally:
+                gate.leave()
         if type(out) is not _Unsettled:
             return out
         with self._lock:  # one thread at a time captures, tries and decides

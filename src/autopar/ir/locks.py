@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -72,40 +71,45 @@ def enter(compiled: Callable, args: tuple, kwargs: dict) -> Any:
 
 
 class Gate:
-    """Calls at once (:meth:`shared`) or one exclusive section (:meth:`exclusive`) at a time
-    (module docstring). Reentrant per thread both ways."""
+    """Calls at once (:meth:`enter` ... :meth:`leave`) or one exclusive section
+    (:meth:`exclusive`) at a time (module docstring). Reentrant per thread both ways. A call
+    takes no lock while no section is open: it appends its thread to a list, then looks for
+    an owner; a section sets its owner, then waits for the list to hold no other thread (under
+    the GIL one of the two sees the other). ~0.1 us a call, where a Condition's lock taken on
+    entry and exit cost ~0.6 us (x @ y at two shapes on the 2-core VM, 2026-12-05)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
-        self._calls: Counter[int] = Counter()  # thread -> its calls in flight
+        self._calls: list[int] = []  # one entry per call in flight: its thread
         self._owner: int | None = None  # the thread in the exclusive section
         self._depth = 0
 
-    @contextlib.contextmanager
-    def shared(self) -> Iterator[None]:
+    def enter(self) -> None:
         me = threading.get_ident()
-        with self._cond:
-            while self._owner is not None and self._owner != me:
-                self._cond.wait()
-            self._calls[me] += 1
-        try:
-            yield
-        finally:
+        self._calls.append(me)
+        while self._owner is not None and self._owner != me:
+            self._calls.remove(me)
             with self._cond:
-                self._calls[me] -= 1
-                if not self._calls[me]:
-                    del self._calls[me]
+                while self._owner is not None and self._owner != me:
+                    self._cond.wait()
+            self._calls.append(me)
+
+    def leave(self) -> None:
+        self._calls.remove(threading.get_ident())
+        if self._owner is not None:
+            with self._cond:
                 self._cond.notify_all()
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
         me = threading.get_ident()
         with self._cond:
-            while (self._owner is not None and self._owner != me) or \
-                    any(t != me for t in self._calls):
+            while self._owner is not None and self._owner != me:
                 self._cond.wait()
             self._owner = me
             self._depth += 1
+            while any(t != me for t in tuple(self._calls)):
+                self._cond.wait(0.01)
         try:
             yield
         finally:
