@@ -429,6 +429,30 @@ def test_a_kept_eager_layout_is_served_by_its_plain_entry(monkeypatch):
     assert len(entered) == before + 3
 
 
+def test_signatures_that_alternate_stop_routing_plain_entries():
+    """Two layouts kept as eager, called in turn: each call would miss the other's entry and
+    route its own anew; after ``PLAIN_SWITCHES`` switches the route is the Dispatcher's and
+    stays so. One layout called again and again keeps its entry."""
+    from autopar import api
+
+    def mm(x, y):
+        return x @ y
+
+    compiled = autopar.compile(mm, devices="cpu:0")
+    shapes = [(torch.randn(5, 10), torch.randn(10, 5)), (torch.randn(6, 10), torch.randn(10, 6))]
+    for _ in range(6):
+        torch.testing.assert_close(compiled(*shapes[0]), mm(*shapes[0]))
+    assert compiled._route.head.__name__ == "plain"
+    for i in range(2 * api.PLAIN_SWITCHES + 4):
+        x, y = shapes[i % 2]
+        torch.testing.assert_close(compiled(x, y), mm(x, y))
+    assert compiled._switches == api.PLAIN_SWITCHES
+    assert compiled._route.head == compiled._call
+    for _ in range(4):
+        torch.testing.assert_close(compiled(*shapes[0]), mm(*shapes[0]))
+    assert compiled._route.head == compiled._call
+
+
 def test_the_same_tensors_in_lists_and_tuples_skip_the_key_too(monkeypatch):
     """Weights passed as a list or tuple: the same tensors in the same order skip the key, and
     so does a list changed in place to another tensor of the same shape; one more weight is
