@@ -429,6 +429,44 @@ def test_a_kept_eager_layout_is_served_by_its_plain_entry(monkeypatch):
     assert len(entered) == before + 3
 
 
+def test_a_compiled_block_under_non_reentrant_checkpointing_matches_eager():
+    """``torch.utils.checkpoint(compiled, x, use_reentrant=False)``: the recomputation in
+    backward must save what the forward saved; a trial's calls took different ways for the
+    two (CheckpointError at the third step, 2026-12-05). Calls under saved-tensor hooks run
+    eagerly while their signature is not settled."""
+    import copy
+
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
+    ref = copy.deepcopy(block)
+    compiled = autopar.compile(block, candidates=("eager", "autopar", "inductor"))
+    for _ in range(6):
+        x = torch.randn(3, 4, requires_grad=True)
+        checkpoint(compiled, x, use_reentrant=False).sum().backward()
+        y = x.detach().clone().requires_grad_(True)
+        checkpoint(ref, y, use_reentrant=False).sum().backward()
+        torch.testing.assert_close(x.grad, y.grad)
+    for p, q in zip(block.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_torch_func_grad_of_a_compiled_function_is_eagers():
+    """``torch.func.grad(autopar.compile(f))``: the capture's snapshot of the random
+    generators failed under the transform ("Cannot access data pointer of Tensor that
+    doesn't have storage"); such calls run eagerly until a way is kept."""
+    def f(x, w):
+        return (x.sin() * w).sum()
+
+    compiled = autopar.compile(f)
+    x, w = torch.randn(3), torch.randn(3)
+    for _ in range(3):
+        torch.testing.assert_close(torch.func.grad(compiled)(x, w), torch.func.grad(f)(x, w))
+    torch.testing.assert_close(torch.func.vmap(compiled)(x[:, None], w[:, None]),
+                               torch.func.vmap(f)(x[:, None], w[:, None]))
+
+
 def test_signatures_that_alternate_stop_routing_plain_entries():
     """Two layouts kept as eager, called in turn: each call would miss the other's entry and
     route its own anew; after ``PLAIN_SWITCHES`` switches the route is the Dispatcher's and

@@ -686,6 +686,13 @@ class _Route:
         self.head = head
 
 
+def _transformed() -> bool:
+    """Whether a ``torch.func`` transform or saved-tensor hooks (activation checkpointing)
+    are in force in this thread."""
+    return torch._C._functorch.peek_interpreter_stack() is not None or \
+        torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
 class _Unsettled:
     """A call :meth:`Dispatcher._settled` left to the lock (nothing of it ran): its key."""
 
@@ -759,6 +766,7 @@ class Dispatcher:
         self._trial_refs: tuple[list, list] = ([], [])  # eager's turn in a trial: its tensors
         self._plain_entries: dict[Any, Callable] = {}  # kept-eager layouts -> their entries
         self._switches = 0  # plain entries routed in place of another (PLAIN_SWITCHES)
+        self._said_beside = False  # _beside_autograd's warning given
         #: the optimizers the function steps, as built and as dynamo's trace left them: the
         #: eager way runs them as built (:mod:`autopar.capture.optim`); None: none found yet
         self.forms: OptimizerForms | None = None
@@ -883,6 +891,8 @@ class Dispatcher:
         if way is not None or self.only is not None:
             return self._plain(args, kwargs, remember=False) if way == "eager" else \
                 (self.only if way is None else self.way(way))(*args, **kwargs)
+        if _transformed():
+            return self._beside_autograd(args, kwargs)
         trial = self.trials.get(key)
         if trial is not None:
             return self._tried(key, trial, args, kwargs)
@@ -966,6 +976,22 @@ class Dispatcher:
         held = cuda_indices(str(t.device) for t in tree_flatten((args, kwargs))[0]
                             if isinstance(t, torch.Tensor))
         return eager | held, ours | held
+
+    def _beside_autograd(self, args: tuple, kwargs: dict) -> Any:
+        """A new signature's call under a ``torch.func`` transform or saved-tensor hooks
+        (``torch.utils.checkpoint``'s, ``use_reentrant=False``): eager's, nothing captured
+        or tried. A trial's next call may take another way than this one, and checkpoint's
+        recomputation of the call must save what its forward saved (another way saved other
+        tensors: CheckpointError); capture's snapshot of the random generators fails under a
+        transform. A signature kept from calls outside them serves these too."""
+        if not self._said_beside:
+            self._said_beside = True
+            trials_log.warning(
+                "autopar: %s: calls under activation checkpointing (saved-tensor hooks) or a "
+                "torch.func transform run eagerly until calls outside them have chosen a way; "
+                "to compile a checkpointed block, compile the function that calls "
+                "checkpoint", self.name)
+        return self._plain(args, kwargs, remember=False)
 
     def _varying(self, key: Any) -> Family | None:
         """The family of a new signature ``key`` where that family's sizes vary (it has had
