@@ -723,6 +723,12 @@ def test_torch_compile_options_convention_reaches_autopar():
     with pytest.raises(Exception, match=r"unknown autopar option\(s\) 'devics'"):
         torch.compile(lambda a: a + 1, backend="autopar", options={"devics": "cpu:0"})(x)
     torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"mode='reduce-overhead' is Inductor's.*cuda_graphs"):
+        torch.compile(lambda a: a + 2, backend="autopar", mode="reduce-overhead")(x)
+    torch._dynamo.reset()
+    g = torch.compile(lambda a: a + 3, backend="autopar", mode="default")
+    torch.testing.assert_close(g(x), x + 3)
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])

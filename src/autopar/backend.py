@@ -40,6 +40,12 @@ def autopar_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     can't ask dynamo to trace again with graph breaks (:func:`autopar.compile` does), and
     the error would reach a user whose code runs eagerly.
     """
+    mode = kwargs.pop("mode", None)
+    if mode not in (None, "default"):
+        raise ValueError(
+            f"torch.compile's mode={mode!r} is Inductor's: autopar chooses CUDA graphs itself "
+            "(option cuda_graphs: 'auto', True or False, e.g. torch.compile(fn, "
+            "backend='autopar', options={'cuda_graphs': True})); leave mode out")
     merged = {**(options or {}), **kwargs}
     key = tuple(sorted((k, repr(v)) for k, v in merged.items()))
     if key not in _BACKENDS:
