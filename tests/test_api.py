@@ -129,6 +129,35 @@ def test_a_dynamic_graph_is_placed_once_per_shape(caplog):
     assert len(placed) == 2 and "[5]" in placed[1]
 
 
+def test_a_dynamic_graph_keeps_at_most_max_signatures(caplog, monkeypatch):
+    """Past ``MAX_SIGNATURES`` static graphs a dynamic graph's new sizes run eagerly, said
+    once, and nothing more is kept for them (a key a new size, for ever, before 2026-12-05)."""
+    import gc
+
+    from autopar.capture import shapes
+
+    monkeypatch.setattr(shapes, "MAX_SIGNATURES", 2)
+    built = []
+
+    def build(graph, phase):
+        built.append(graph)
+        return SequentialRunner(graph)
+
+    def f(x):
+        return x.sin() * 2
+
+    compiled = torch.compile(f, backend=make_backend(build), dynamic=True)
+    with caplog.at_level(logging.WARNING, logger="autopar"):
+        for n in range(3, 10):
+            x = torch.randn(n)
+            torch.testing.assert_close(compiled(x), f(x))
+    assert len(built) == 2
+    (per_shape,) = [o for o in gc.get_objects() if type(o) is shapes.PerShape]
+    assert len(per_shape.runs) == 2
+    said = [r for r in caplog.records if "signatures: new ones run eagerly" in r.getMessage()]
+    assert len(said) == 1
+
+
 def test_a_shape_decided_by_a_value_runs_eagerly_with_one_logged_reason(caplog):
     """``x[:n]`` with ``n`` read from a tensor: no static graph exists; that graph runs eagerly
     (never a wrong result) and says why."""

@@ -418,3 +418,26 @@ def test_ops_run_through_the_python_binding_that_provably_dispatches_them():
     torch.testing.assert_close(got[1], (X + X).view(32))
     torch.testing.assert_close(got[2], torch.nn.functional.gelu(X @ W.T))
 
+
+
+def test_no_value_of_a_call_outlives_it_on_a_worker_thread():
+    """A CPU worker's thread kept its last job, whose closure held the call's values (inputs,
+    activations, outputs, parameters' aliases), until its next job: on two workers an input,
+    or a split's output with the input's storage, outlived its call (2026-12-05)."""
+    import gc
+    import weakref
+
+    import autopar
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+    c = autopar.compile(m, devices="cpu:0,cpu:1", policy="round_robin", candidates=("autopar",))
+    for _ in range(3):
+        x = torch.randn(8, 64)
+        out = c(x)
+        out.sum().backward()
+        torch.testing.assert_close(out, m(x))
+        left = weakref.ref(x), weakref.ref(out)
+        del x, out
+        gc.collect()
+        assert [r() is None for r in left] == [True, True]

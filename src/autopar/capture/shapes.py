@@ -94,6 +94,7 @@ class PerShape:
         self.label = label
         self.specialize = specialize
         self.runs: dict[tuple, tuple[list[int], Run | None]] = {}
+        self.full = False  # MAX_SIGNATURES met (said once)
 
     def __call__(self, args: list) -> Any:
         args = list(args)
@@ -110,12 +111,12 @@ class PerShape:
         tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         label = f"{self.label}#{len(self.runs) + 1}"
         shapes = ", ".join(str(list(args[i].shape)) for i in tensors)
-        if len(self.runs) >= MAX_SIGNATURES:
-            if len(self.runs) == MAX_SIGNATURES:
+        if len(self.runs) >= MAX_SIGNATURES:  # not kept: runs stays bounded
+            if not self.full:
+                self.full = True
                 log.warning("autopar: %s has met %d signatures: new ones run eagerly",
                             self.label, MAX_SIGNATURES)
-            self.runs[key] = (tensors, None)
-            return self.runs[key]
+            return tensors, None
 
         run: Run | None
         try:

@@ -517,6 +517,7 @@ class _Worker(_PerDevice):
         while True:
             fn = self.jobs.get()
             fn()
+            del fn
 
 
 def _planned_times(slots: dict[Any, Any]) -> Any:
@@ -773,11 +774,13 @@ class Executor:
 
     def _job(self, device: str, call: _Call, finished: threading.Event, state: CallerState):
         def job() -> None:
+            nonlocal call
             try:
                 with state.applied():
                     self._run(device, call)
             finally:
-                finished.set()
+                call = None  # the worker keeps no value of the call once it is told: none
+                finished.set()  # outlives the call (it held the last one's until its next job)
         return job
 
     def _run(self, device: str, call: _Call) -> None:
