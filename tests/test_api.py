@@ -479,6 +479,12 @@ def test_a_compiled_block_under_non_reentrant_checkpointing_matches_eager():
         torch.testing.assert_close(x.grad, y.grad)
     for p, q in zip(block.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+    assert not compiled.forward.kept  # nothing settled under checkpointing
+    offloaded = autopar.compile(copy.deepcopy(ref), candidates=("eager", "autopar"))
+    with torch.autograd.graph.save_on_cpu():  # other saved-tensor hooks: captured as ever
+        for _ in range(3):
+            offloaded(torch.randn(3, 4, requires_grad=True)).sum().backward()
+    assert offloaded.forward.kept
 
 
 def test_torch_func_grad_of_a_compiled_function_is_eagers():

@@ -687,10 +687,14 @@ class _Route:
 
 
 def _transformed() -> bool:
-    """Whether a ``torch.func`` transform or saved-tensor hooks (activation checkpointing)
-    are in force in this thread."""
-    return torch._C._functorch.peek_interpreter_stack() is not None or \
-        torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    """Whether a ``torch.func`` transform or activation checkpointing's saved-tensor hooks
+    (``torch.utils.checkpoint``'s, in its forward or its recomputation) are in force in this
+    thread. Other hooks (``torch.autograd.graph.save_on_cpu``) see each call's tensors saved
+    as any other way's, and are not counted."""
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return True
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
 
 
 class _Unsettled:
@@ -978,16 +982,17 @@ class Dispatcher:
         return eager | held, ours | held
 
     def _beside_autograd(self, args: tuple, kwargs: dict) -> Any:
-        """A new signature's call under a ``torch.func`` transform or saved-tensor hooks
-        (``torch.utils.checkpoint``'s, ``use_reentrant=False``): eager's, nothing captured
-        or tried. A trial's next call may take another way than this one, and checkpoint's
-        recomputation of the call must save what its forward saved (another way saved other
-        tensors: CheckpointError); capture's snapshot of the random generators fails under a
-        transform. A signature kept from calls outside them serves these too."""
+        """A new signature's call under a ``torch.func`` transform or activation
+        checkpointing (``torch.utils.checkpoint``, ``use_reentrant=False``): eager's,
+        nothing captured or tried. A trial's next call may take another way than this one,
+        and checkpoint's recomputation of the call must save what its forward saved (another
+        way saved other tensors: CheckpointError); capture's snapshot of the random
+        generators fails under a transform. A signature kept from calls outside them serves
+        these too."""
         if not self._said_beside:
             self._said_beside = True
             trials_log.warning(
-                "autopar: %s: calls under activation checkpointing (saved-tensor hooks) or a "
+                "autopar: %s: calls under activation checkpointing or a "
                 "torch.func transform run eagerly until calls outside them have chosen a way; "
                 "to compile a checkpointed block, compile the function that calls "
                 "checkpoint", self.name)
