@@ -29,6 +29,7 @@ Policy
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import operator
@@ -892,9 +893,12 @@ class Dispatcher:
     def _unsettled(self, key: Any, args: tuple, kwargs: dict) -> Any:
         """A call of a signature not kept yet: its trial's, its family's, or its capture."""
         way = self.kept.get(key)  # decided while this thread waited for the lock?
-        if way is not None or self.only is not None:
-            return self._plain(args, kwargs, remember=False) if way == "eager" else \
-                (self.only if way is None else self.way(way))(*args, **kwargs)
+        if way == "eager":
+            return self._plain(args, kwargs, remember=False)
+        if way is not None:
+            return self.way(way)(*args, **kwargs)
+        if self.only is not None:
+            return self.only(*args, **kwargs)
         if _transformed():
             return self._beside_autograd(args, kwargs)
         trial = self.trials.get(key)
@@ -946,11 +950,9 @@ class Dispatcher:
                     f"autopar left out (the capturing call's results differ from eager's: "
                     f"{off})")
             del want
-        if self._gate is None:
+        # no call of the module in flight while a split's capture swaps its parameters
+        with self._gate.exclusive() if self._gate is not None else contextlib.nullcontext():
             split = self._split_candidate(key, args, kwargs, runner.executors[first:])
-        else:
-            with self._gate.exclusive():  # no call of the module in flight while it is swapped
-                split = self._split_candidate(key, args, kwargs, runner.executors[first:])
         if split is not None:
             ways = (*ways, "split")
         if len(ways) <= 1:
@@ -1136,7 +1138,7 @@ class Dispatcher:
                 out = want
                 live = [w for w in trial.ways if w not in trial.dropped]
                 if len(live) == 1:  # nothing left to compare: kept at once
-                    self.trials.pop(key, None)
+                    del self.trials[key]
                     self.verdicts.setdefault(key, []).append(f"{live[0]} ({trial.summary()})")
                     self._keep(key, live[0])
                     return out
@@ -1210,7 +1212,7 @@ class Dispatcher:
                                                   trial.ways.index(w))) \
                 if trial.times else "eager"  # the function itself is right whatever was tried
         if won is not None:
-            self.trials.pop(key, None)
+            del self.trials[key]
             trials_log.info("autopar: %s: %s kept for %s (medians: %s)", self.name, won,
                             self._describe(key), trial.summary())
             self.verdicts.setdefault(key, []).append(f"{won} ({trial.summary()})")
@@ -1240,7 +1242,7 @@ class Dispatcher:
         64-128: a captured length came back 4 times in 240 calls)."""
         for member in self.families.get(family, ()):
             if member in self.trials and member not in self.kept:
-                self.trials.pop(member, None)
+                del self.trials[member]
                 trials_log.info("autopar: %s: %s takes its family's verdict, %s, before its "
                                 "own trial ended", self.name, self._describe(member), way)
                 self._by_family.add(member)

@@ -109,14 +109,14 @@ class PerShape:
 
     def _build(self, args: list, key: tuple) -> tuple[list[int], Run | None]:
         tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        label = f"{self.label}#{len(self.runs) + 1}"
-        shapes = ", ".join(str(list(args[i].shape)) for i in tensors)
         if len(self.runs) >= MAX_SIGNATURES:  # not kept: runs stays bounded
             if not self.full:
                 self.full = True
                 log.warning("autopar: %s has met %d signatures: new ones run eagerly",
                             self.label, MAX_SIGNATURES)
             return tensors, None
+        label = f"{self.label}#{len(self.runs) + 1}"
+        shapes = ", ".join(str(list(args[i].shape)) for i in tensors)
 
         run: Run | None
         try:

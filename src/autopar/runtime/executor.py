@@ -517,7 +517,6 @@ class _Worker(_PerDevice):
         while True:
             fn = self.jobs.get()
             fn()
-            del fn
 
 
 def _planned_times(slots: dict[Any, Any]) -> Any:
@@ -779,8 +778,10 @@ class Executor:
                 with state.applied():
                     self._run(device, call)
             finally:
-                call = None  # the worker keeps no value of the call once it is told: none
-                finished.set()  # outlives the call (it held the last one's until its next job)
+                # dropped before the caller is told: the worker's loop keeps this job until
+                # its next one, and with it the call's values (2026-12-05)
+                call = None
+                finished.set()
         return job
 
     def _run(self, device: str, call: _Call) -> None:
