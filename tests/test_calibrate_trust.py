@@ -107,3 +107,44 @@ def test_show_prints_each_steps_spread_and_when(host):
     assert result.exit_code == 0, result.output
     assert "spread" in result.stdout and "measured 20" in result.stdout
     assert "cpu: dispatch overhead" in result.stdout and "host quiet" in result.stdout
+
+
+# -- the host's memory curves, as a program meets memory (benchmarks/NOTES.md, 2026-12-05 (g))
+def _timed_by_name(seconds: dict[str, float]):
+    """A Timer that runs ``fn`` twice and says ``seconds[its name]``: which op each curve
+    point was read from."""
+    def timer(fn):
+        fn()
+        fn()
+        name = getattr(fn, "__name__", "")
+        return seconds.get(name, 1e-6)
+    return timer
+
+
+def test_streamed_host_curves_take_write_from_fresh_memory_alone():
+    n = 1 << 12
+    timer = _timed_by_name({"sum": 4e-6, "add": 5e-6, "fresh": 3e-6, "exp": 8e-6})
+    streamed = calibrate_mod._curves(timer, "cpu", (), (n,), 1e12, 1.0, streamed=True)
+    assert streamed["read"] == ((8.0 * n, 8.0 * n / 4e-6),)
+    assert streamed["write"] == ((4.0 * n, 4.0 * n / 3e-6),)  # not add less sum
+    assert streamed["exp"] == ((float(n), n / 8e-6),)
+    plain = calibrate_mod._curves(timer, "cpu", (), (n,), 1e12, 1.0)  # as a GPU's are
+    assert plain["write"] == ((4.0 * n, pytest.approx(4.0 * n / 1e-6)),)  # add less sum
+
+
+def test_streamed_operands_turn_over_distinct_arrays_and_hold_fresh_outputs(monkeypatch):
+    import weakref
+
+    n = 1 << 10
+    monkeypatch.setattr(calibrate_mod, "HELD_BYTES", 3 * 4 * n)  # three outputs held
+    ops = calibrate_mod._Operands(n, "cpu", streamed=True)
+    sums = [float(ops.sum()) for _ in range(4)]
+    assert len(set(sums)) == 4  # four different arrays, not one in cache
+    one = calibrate_mod._Operands(n, "cpu", streamed=False)
+    assert len({float(one.sum()) for _ in range(3)}) == 1
+    ops.fresh()
+    first = weakref.ref(ops._held[0])
+    ops.fresh()
+    assert first() is not None  # alive while the "call" goes on
+    ops.fresh()  # the third: the call's values let go together
+    assert first() is None and not ops._held

@@ -11,12 +11,16 @@ What is measured, per device
   ``launch_s``; GPU: kernel time): ``matmul``, float32 FLOP/s of square ``aten.mm`` over a range of
   sizes, tf32 off; ``read``, bytes/s of ``aten.sum`` over 2n floats; ``write``, bytes/s of the
   4n-byte output of ``aten.add`` on two n-float arrays (allocated as eager does), its 8n bytes of
-  reading taken off; ``exp``, elements/s of ``aten.exp`` (its whole time: where it is no slower
-  than its bytes, it adds nothing); ``conv``, float32 FLOP/s of a 3x3 ``aten.convolution``
-  (stride 1, same padding, batch 8, as many channels out as in) over a range of channel counts
-  and image sides (on the 2-core VM a small convolution runs 1.3-4.7x below the matmul curve
-  at its FLOPs, a big one 2x above it). One size per other dtype (tf32, float16, bfloat16,
-  float64) gives that dtype's ratio to float32.
+  reading taken off (on the host, these and ``exp`` streamed as in a program,
+  ``STREAM_BYTES``: operands taken in turn from 256 MB of arrays, outputs kept alive a while,
+  and ``write`` from ``aten.full``);
+  ``exp``, elements/s of
+  ``aten.exp`` (its whole time: where it is no slower than its bytes, it adds nothing);
+  ``conv``, float32 FLOP/s of a 3x3 ``aten.convolution`` (stride 1, same padding, batch 8, as
+  many channels out as in) over a range of channel counts and image sides (on the 2-core VM a
+  small convolution runs 1.3-4.7x below the matmul curve at its FLOPs, a big one 2x above it).
+  One size per other dtype (tf32, float16, bfloat16, float64) gives that dtype's ratio to
+  float32.
 - links: host<->GPU pinned (into a pre-allocated pinned buffer) and pageable (``.to()`` /
   ``.cpu()`` with fresh host memory, as eager code does), GPU<->GPU; a few sizes each, kept as
   samples (pageable copies of fresh memory slow down sharply past 32 MB, where glibc stops
@@ -56,6 +60,7 @@ Policy
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import queue
@@ -350,13 +355,69 @@ def _conv_flops(c: int, side: int) -> float:
     return 2.0 * 8 * c * c * 9 * side * side
 
 
+STREAM_BYTES = 256 << 20
+"""The host's ``read`` op takes its operands in turn from this many bytes of arrays (at most
+``STREAM_PAIRS`` of them), and its ``write`` and ``exp`` ops keep their latest outputs alive, up to
+``HELD_OUTPUTS`` of them and ``HELD_BYTES`` in all, as a program's live values are: a program
+reads what earlier ops wrote, not one array in cache, and its outputs land in memory the
+allocator must map afresh. Timed as one array over and over, a host op of 128 KB-4 MB ran 1.3-4x
+faster than in a program (the 2-core VM: ``add`` of 512 KB outputs 11.6 us against 50 streamed;
+GPT-2's 4 MB ``mul``s 580 us in eager's run against 230 in a loop; a 512 KB ``where`` on an H100
+host 53-130 us in a plan that had priced it at 10): plans put memory-bound ops on the host that
+ran slower there than on the GPU (benchmarks/NOTES.md, 2026-12-05 (g))."""
+STREAM_PAIRS = 1024
+HELD_OUTPUTS = 16
+HELD_BYTES = 256 << 20
+
+
+class _Operands:
+    """Operands of a ``sum`` and an ``add`` of n floats, streamed or not (see ``STREAM_BYTES``):
+    each call takes the next of a ring of views of one buffer, made up front. ``fresh``: n
+    floats written into fresh memory (``full``, nothing read), and ``exp`` of the next operand,
+    their outputs kept until ``HELD_OUTPUTS`` are alive, then all let go (a call's values freed
+    at its end). Unstreamed: one pair."""
+
+    def __init__(self, n: int, device: str, streamed: bool) -> None:
+        pairs = max(2, min(STREAM_PAIRS, STREAM_BYTES // (8 * n))) if streamed else 1
+        buf = torch.rand(2 * n * pairs, device=device)
+        both = [buf[2 * k * n:(2 * k + 2) * n] for k in range(pairs)]
+        self.first = both[0][:n]
+        self._n = n
+        self._both = itertools.cycle(both)
+        self._pairs = itertools.cycle([(b[:n], b[n:]) for b in both])
+        self._held_max = max(1, min(HELD_OUTPUTS, HELD_BYTES // (4 * n)))
+        self._held: list[torch.Tensor] = []
+
+    def sum(self) -> Any:
+        return aten.sum.default(next(self._both))
+
+    def add(self) -> Any:
+        return aten.add.Tensor(*next(self._pairs))
+
+    def fresh(self) -> None:
+        self._hold(aten.full.default([self._n], 1.0))
+
+    def exp(self) -> None:
+        self._hold(aten.exp.default(next(self._pairs)[0]))
+
+    def _hold(self, out: torch.Tensor) -> None:
+        held = self._held
+        held.append(out)
+        if len(held) >= self._held_max:
+            held.clear()
+
+
 def _curves(timer: Timer, device: str, mm_sizes: tuple[int, ...], add_sizes: tuple[int, ...],
-            max_bytes: float, max_op_s: float) -> dict[str, tuple[tuple[float, float], ...]]:
+            max_bytes: float, max_op_s: float, streamed: bool = False
+            ) -> dict[str, tuple[tuple[float, float], ...]]:
     """The ``matmul``, ``read``, ``write``, ``exp`` and ``conv`` curves of a device (see
     autopar.machine.model.CURVES).
 
-    ``read`` from ``sum`` over 2n floats (8n bytes read); ``write`` from ``add`` of two n-float
-    arrays, less the time of reading its 8n bytes: what producing 4n fresh bytes costs. Sizes
+    ``read`` from ``sum`` over 2n floats (8n bytes read); ``write``, what producing 4n fresh bytes
+    costs: ``add`` of two n-float arrays less the time of reading its 8n bytes, or, ``streamed``
+    (the host: operands and outputs as a program has them, ``STREAM_BYTES``), ``full`` of n
+    floats into memory kept alive a while (on the 2-core VM, streamed ``sum`` and ``full`` add
+    up to ``add`` within 25%; add less sum swung from 0 to 100 us at 4 MB). Sizes
     whose op the curve so far predicts to take over ``max_op_s`` are skipped.
     """
     def too_slow(points: list[tuple[float, float]], size: float) -> bool:
@@ -378,13 +439,18 @@ def _curves(timer: Timer, device: str, mm_sizes: tuple[int, ...], add_sizes: tup
     for n in add_sizes:
         if 20 * n > max_bytes or too_slow(write, 4.0 * n):
             break
-        a, b, both = _rand(n, device=device), _rand(n, device=device), _rand(2 * n, device=device)
-        t_read = timer(lambda x=both: aten.sum.default(x))
-        t_add = timer(lambda a=a, b=b: aten.add.Tensor(a, b))
+        ops = _Operands(n, device, streamed)
+        t_read = timer(ops.sum)
+        if streamed:  # measured alone: add less sum swung 0-100 us at 4 MB (the VM)
+            t_write = timer(ops.fresh)
+        else:
+            t_add = timer(ops.add)
+            t_write = max(t_add - t_read, 0.1 * t_add)
         read.append((8.0 * n, 8.0 * n / t_read))
-        write.append((4.0 * n, 4.0 * n / max(t_add - t_read, 0.1 * t_add)))
-        exp.append((float(n), n / timer(lambda a=a: aten.exp.default(a))))
-        del a, b, both
+        write.append((4.0 * n, 4.0 * n / t_write))
+        exp.append((float(n), n / timer(ops.exp if streamed else
+                                        lambda a=ops.first: aten.exp.default(a))))
+        del ops
     conv: list[tuple[float, float]] = []
     for c, side in CONV_SIZES:
         flops = _conv_flops(c, side)
@@ -411,12 +477,13 @@ def _calibrate_cpu(mode: _Mode, step: Callable[[str], None]) -> tuple[DeviceProf
 
     step(f"cpu: matmul and memory, {threads} threads")
     memory = _host_memory()
-    curves = _curves(timer, "cpu", mode.cpu_mm, mode.cpu_add, memory / 4, mode.max_op_s)
+    curves = _curves(timer, "cpu", mode.cpu_mm, mode.cpu_add, memory / 4, mode.max_op_s,
+                     streamed=True)
     step("cpu: matmul and memory, 1 thread")
     if threads > 1:  # a worker owning a few threads is costed between the two (Amdahl)
         with _torch_threads(1):
             single = _curves(timer, "cpu", tuple(n for n in mode.cpu_mm if n <= 1024),
-                             mode.cpu_add, memory / 4, mode.max_op_s)
+                             mode.cpu_add, memory / 4, mode.max_op_s, streamed=True)
         curves.update({f"{k}@1t": v for k, v in single.items()})
 
     step("cpu: matmul other dtypes")

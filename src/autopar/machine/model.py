@@ -77,14 +77,17 @@ __all__ = [
     "link_key",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""Version of the profile JSON: a file with another version is foreign and replaced (the host is
+measured again). 2 (2026-12-05): the host's ``read``, ``write`` and ``exp`` curves are measured
+as a program meets memory (:data:`autopar.machine.calibrate.STREAM_BYTES`); a profile of 1
+prices the host's memory-bound ops 1.3-4x too cheap."""
 CROSSING_S = 25e-6
 """Executor cost of one host<->GPU copy beyond the link's time: staging in pinned memory, the
 CUDA event and the host's wait. Between two threads it was 100-160 us a crossing on the 2xH200
 host (2026-11-30, benchmarks/NOTES.md); the host and its GPU partner now share one thread
 (:mod:`autopar.runtime.interleave`), for which this is the predicted figure. Profiles without
 the key take this value."""
-"""Version of the profile JSON layout; a file with another version is foreign and replaced."""
 
 _FORMAT = "autopar-profile"
 
