@@ -98,9 +98,23 @@ def probe(name: str, mode: str, size: str) -> dict:
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
     row["host_profile"] = out.getvalue().splitlines()[-32:]
     row["host_threads"] = torch.get_num_threads()
+    row["again"] = _again(model, runner)
     traced = Runner(Options.parse({"trace": True}))
     row["ops"] = _per_op(traced, runner(torch.compile(model, backend=make_backend(traced))))
     return row
+
+
+def _again(model, runner) -> dict:
+    """The same model compiled anew, after the first compiled object's calls 2-4 learned its
+    host ops' times (autopar.runtime.learn, saved beside the profile): its plan and time."""
+    compiled = autopar.compile(model, candidates=("autopar",))
+    call = runner(compiled)
+    call()
+    executors = dispatcher_of(compiled).runner.executors
+    return {"autopar_s": _median(call),
+            "predicted_s": sum(e.plan.placement.predicted_s for e in executors),
+            "ops_per_device": dict(Counter(e.plan.placement.device[n] for e in executors
+                                           for n in e.plan.graph.ops))}
 
 
 def _meta(node) -> str:
@@ -156,6 +170,9 @@ def main() -> None:
               f"{row['threads']}; GIL switch interval / 10: "
               f"{row['autopar_s_switch_tenth'] * 1e3:.2f} ms")
         print("\n".join(row["host_profile"]))
+        again = row["again"]
+        print(f"compiled again, after learning: {again['autopar_s'] * 1e3:.2f} ms (predicted "
+              f"{again['predicted_s'] * 1e3:.2f}), ops {again['ops_per_device']}")
         total = {}
         for r in row["ops"]:
             lane = total.setdefault(r["lane"], [0.0, 0.0])

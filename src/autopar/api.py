@@ -82,6 +82,7 @@ from .passes.fusion import fusion_devices, prefer_fused, regions_to_fuse
 from .report.trace import save_chrome_trace
 from .runtime import Executor, SequentialRunner
 from .runtime.cudagraphs import GraphedCall
+from .runtime.learn import Learner, learns
 from .schedule.place import POLICIES, place, places_by_cost
 from .schedule.plan import make_plan
 from .schedule.simulate import runs_as_eager
@@ -304,8 +305,8 @@ class Runner:
                 plan = prefer_fused(plan, graph, cost, options.devices, fusing)
             eager_like = not options.trace and runs_as_eager(plan, cost, options.devices) \
                 if self.eager_like_unfused else None  # else asked below, only if need be
-            executor = Executor(plan, trace=bool(options.trace),
-                                fuse=regions_to_fuse(plan, False if eager_like else options.fuse),
+            fuse = regions_to_fuse(plan, False if eager_like else options.fuse)
+            executor = Executor(plan, trace=bool(options.trace), fuse=fuse,
                                 cuda_graphs=capture_rule(options.cuda_graphs))
             as_eager = not (options.trace or executor.fused or executor.segments) and (
                 runs_as_eager(plan, cost, options.devices) if eager_like is None else eager_like)
@@ -328,6 +329,9 @@ class Runner:
                     pass
         log.debug("autopar: %s\n%s", graph.name, plan)
         self.executors.append(executor)
+        if not options.trace and not as_eager and executor.solo is None and learns(plan, cost):
+            executor.learning = Learner(executor, cost, executor._events_call, lambda: Executor(
+                plan, trace=True, fuse=fuse))
         if as_eager:
             log.info("autopar: %s runs as eager does: the plan is eager's placement with "
                      "nothing to overlap", graph.name)

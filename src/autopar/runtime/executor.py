@@ -675,6 +675,9 @@ class Executor:
                           else torch.device(self.solo).index or 0)
         self._whole = (_whole_graph_region(final[self.solo], graph.inputs, plan.outputs)
                        if self.solo is not None and merged is None else None)
+        #: the first calls of a plan that learns its host ops' times (a
+        #: :class:`~autopar.runtime.learn.Learner`, set by the caller; it sets None when done)
+        self.learning: Callable[[Sequence[Any]], Any] | None = None
         #: what the solo program's failure becomes instead of the error (``_FallsBack``)
         self.on_failure: Callable[[Sequence[Any], Exception], Any] | None = None
         if self.solo is not None:  # the whole call as one function: args -> outputs
@@ -709,6 +712,11 @@ class Executor:
                 return program.fn(args, ranged)
             with torch.cuda.device(self._solo_gpu):
                 return program.fn(args, ranged)
+        if self.learning is not None:  # the plan's first calls (autopar.runtime.learn)
+            return self.learning(args)
+        return self._events_call(args, _ranged)
+
+    def _events_call(self, args: Sequence[Any], _ranged: bool = False) -> list[Any]:
         compute = {g: torch.cuda.current_stream(torch.device(g)) for g in self.gpus}
         pool = self._events if self._events.lock.acquire(blocking=False) else None
         try:

@@ -1,0 +1,103 @@
+"""A plan that puts ops on the host beside another device learns their times from its first
+calls (autopar.runtime.learn): history fed, saved, used by later plans; results unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import autopar
+import autopar.runtime.learn as learn_mod
+from autopar.api import dispatcher_of
+from autopar.machine.detect import load_machine
+
+
+def _f(x, y):
+    a = torch.relu(x @ y) * 2
+    b = torch.tanh(x - 1).sum(0)
+    return a + b, (x * 3).mean()
+
+
+def _machine(tmp_path, source: str = "measured-quick"):
+    """This host's numbers (defaults here) with two CPU workers, called measured by ``source``
+    and with its files in ``tmp_path``."""
+    m = load_machine(None, cpu_workers=2)
+    return dataclasses.replace(m, profile=dataclasses.replace(m.profile, source=source),
+                               profile_path=tmp_path / "profile-test.json")
+
+
+def _compiled(machine, devices="cpu:0,cpu:1"):
+    return autopar.compile(_f, devices=devices, policy="round_robin", machine=machine,
+                           fuse=False, candidates=("autopar",))
+
+
+def _calls(compiled, n):
+    x, y = torch.randn(32, 32), torch.randn(32, 32)
+    for _ in range(n):
+        out, ref = compiled(x, y), _f(x, y)
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(out, ref))
+
+
+def test_a_plan_over_two_workers_learns_its_ops_times_in_calls_two_to_four(tmp_path):
+    compiled = _compiled(_machine(tmp_path))
+    _calls(compiled, 1)
+    runner = dispatcher_of(compiled).runner
+    (executor,) = runner.executors
+    assert {executor.plan.placement.device[n] for n in executor.plan.graph.ops} == \
+        {"cpu:0", "cpu:1"}
+    cost = runner.cost_model()
+    assert executor.learning is not None and not cost.history._samples  # the first call warms
+    _calls(compiled, learn_mod.LEARN_CALLS)
+    assert executor.learning is None  # detached: later calls pay nothing
+    keys = {cost.history_key(n, "cpu:0") for n in executor.plan.graph.ops}
+    learned = cost.history._samples
+    assert set(learned) == keys
+    for n in executor.plan.graph.ops:  # each op once per traced call (none repeats here)
+        assert len(learned[cost.history_key(n, "cpu:0")]) == learn_mod.LEARN_CALLS
+    assert all(t > 0 for xs in learned.values() for t in xs)
+    files = list(tmp_path.glob("history-*.json"))  # beside the profile, named by fingerprint
+    assert len(files) == 1 and all(k in files[0].read_text() for k in keys)
+    _calls(compiled, 2)
+    assert all(len(xs) == learn_mod.LEARN_CALLS for xs in learned.values())
+
+
+def test_a_later_plan_prices_learned_ops_by_their_measured_median(tmp_path):
+    compiled = _compiled(_machine(tmp_path))
+    _calls(compiled, 1 + learn_mod.LEARN_CALLS)
+    runner = dispatcher_of(compiled).runner
+    (executor,) = runner.executors
+    cost = runner.cost_model()
+    mm = next(n for n in executor.plan.graph.ops if "mm" in str(n.op))
+    priced = cost.op_cost(mm, "cpu:1")
+    assert priced.source == "history"
+    assert priced.host_s == cost.history.estimate(cost.history_key(mm, "cpu:0")) > 0
+
+
+@pytest.mark.parametrize("why", ["one device", "defaults profile", "traced"])
+def test_no_learning_where_the_host_prices_decide_nothing_or_are_stopgaps(tmp_path, why):
+    machine = _machine(tmp_path, "defaults" if why == "defaults profile" else "measured-quick")
+    if why == "traced":
+        compiled = autopar.compile(_f, devices="cpu:0,cpu:1", policy="round_robin",
+                                   machine=machine, fuse=False, trace=True)
+    else:
+        compiled = _compiled(machine, "cpu:0" if why == "one device" else "cpu:0,cpu:1")
+    x, y = torch.randn(32, 32), torch.randn(32, 32)
+    for _ in range(5):
+        out, ref = compiled(x, y), _f(x, y)
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(out, ref))
+    assert not list(tmp_path.glob("history-*.json"))
+
+
+def test_a_twin_that_cannot_be_built_ends_learning_and_the_call_runs(tmp_path, monkeypatch):
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("no twin")
+
+    compiled = _compiled(_machine(tmp_path))
+    _calls(compiled, 1)
+    (executor,) = dispatcher_of(compiled).runner.executors
+    monkeypatch.setattr(executor.learning, "_make_twin", broken.__get__(executor.learning))
+    _calls(compiled, 3)
+    assert executor.learning is None
+    assert not dispatcher_of(compiled).runner.cost_model().history._samples
