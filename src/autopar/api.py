@@ -82,11 +82,11 @@ from .passes.fusion import fusion_devices, prefer_fused, regions_to_fuse
 from .report.trace import save_chrome_trace
 from .runtime import Executor, SequentialRunner
 from .runtime.cudagraphs import GraphedCall
-from .runtime.learn import Learner, learns
+from .runtime.learn import Learner
 from .schedule.place import POLICIES, place, places_by_cost
 from .schedule.plan import make_plan
 from .schedule.simulate import runs_as_eager
-from .schedule.steps import Send
+from .schedule.steps import Plan, Send
 
 __all__ = ["SPLIT_MIN_S", "CompiledModule", "Dispatcher", "Options", "compile", "data_parallel",
            "dispatcher_of", "parse_devices"]
@@ -245,6 +245,18 @@ class Runner:
         # inductor way 114 us; benchmarks/NOTES.md, 2026-12-02)
         self.eager_like_unfused = self.inductor_candidate and options.guards != "arguments"
 
+    def learns(self, plan: Plan) -> bool:
+        """Whether ``plan``'s first calls are traced to learn its host ops' times
+        (:mod:`autopar.runtime.learn`): it puts ops on a CPU worker and on another device (a
+        GPU, or a second worker), where the host's prices decide what runs where; the machine's
+        profile was measured (a defaults profile is a stopgap, replaced at the next
+        calibration; a preset's history lives in memory and is learned into all the same); and
+        the calls are not traced already (``trace``)."""
+        machine = self.cost_model().machine
+        devices = set(plan.programs)
+        return not self.options.trace and not machine.profile.is_defaults and \
+            len(devices) > 1 and any(d.startswith("cpu") for d in devices)
+
     def planned_s(self) -> float:
         """The predicted seconds of one call of every graph the executor runs."""
         return sum(e.plan.placement.predicted_s for e in self.executors
@@ -329,7 +341,7 @@ class Runner:
                     pass
         log.debug("autopar: %s\n%s", graph.name, plan)
         self.executors.append(executor)
-        if not options.trace and not as_eager and executor.solo is None and learns(plan, cost):
+        if not as_eager and executor.solo is None and self.learns(plan):
             executor.learning = Learner(executor, cost, executor._events_call, lambda: Executor(
                 plan, trace=True, fuse=fuse))
         if as_eager:

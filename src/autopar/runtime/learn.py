@@ -1,30 +1,27 @@
-"""Learning the host's op times from a plan's first calls.
+"""Learning the host's op times from a plan's first calls: the mechanism. Which plans learn is
+the Runner's decision (:meth:`autopar.api.Runner.learns`).
 
-The cost model prices a host op from curves calibrated on a few kernels (``sum``, ``full``,
-``exp``, ``mm``: :mod:`autopar.machine.calibrate`); many of the ops real models put on the host
-run well below those rates. On an H100's host a bool ``where`` of 8x1x128x128 into float32
-took 235 us where its bytes priced it at 45, a ``le`` of 128x128 29 us against 5, and GPT-2's
-plan that put its mask ops on the host ran 5.34 ms against 2.56 for the same graph all on the
-GPU (benchmarks/NOTES.md, 2026-12-05 (g)). The model's history (:class:`~autopar.cost.model.
-History`) replaces an op's estimate by its measured median once it holds enough samples; this
-module feeds it.
+Why: the cost model prices a host op from curves calibrated on a few kernels (``sum``,
+``full``, ``exp``, ``mm``: :mod:`autopar.machine.calibrate`); many of the ops real models put
+on the host run well below those rates. On an H100's host a bool ``where`` of 8x1x128x128 into
+float32 took 235 us where its bytes priced it at 45, a ``le`` of 128x128 29 us against 5, and
+GPT-2's plan that put its mask ops on the host ran 5.34 ms against 2.56 for the same graph all
+on the GPU (benchmarks/NOTES.md, 2026-12-05 (g)). The model's history
+(:class:`~autopar.cost.model.History`) replaces an op's estimate by its measured median once it
+holds enough samples; a :class:`Learner` feeds it.
 
-Policy
-- Which plans learn (:func:`learns`): those that put ops on a CPU worker and on some other
-  device (a GPU, or a second worker), where the host's prices decide what runs where, on a
-  machine whose profile was measured (a defaults profile is a stopgap, replaced at the next
-  calibration; a preset's history lives in memory only, and is learned into all the same).
-- When: calls ``LEARN_FROM`` to ``LEARN_FROM + LEARN_CALLS - 1`` of the plan (the first call
-  warms caches and allocators) run a traced twin of its executor (the same plan and fused
-  regions; copies timed on their side streams, no CUDA-graph segments), which returns the same
-  values. Then the learner detaches: later calls pay nothing (the executor's check of
+Mechanism
+- Calls ``LEARN_FROM`` to ``LEARN_FROM + LEARN_CALLS - 1`` of the executor (the first call
+  warms caches and allocators) run a traced twin of it (the same plan and fused regions;
+  copies timed on their side streams, no CUDA-graph segments), which returns the same values.
+  Then the learner detaches itself: later calls pay nothing (the executor's check of
   ``learning`` is one attribute read, on its multi-device path only).
-- What: each host op's span (its wall time on the thread that ran it), as
+- Each host op's span (its wall time on the thread that ran it) goes to
   :meth:`~autopar.cost.model.CostModel.observe`; not fused regions (a span of many ops), not
-  GPU ops (in a launch-bound program a GPU op's span includes the wait for its own launch). The
-  history is saved beside the profile after the last traced call; a failure to save is logged,
-  never raised.
-- Plans made afterwards (other graphs and sizes of this process, every later process) price
+  GPU ops (in a launch-bound program a GPU op's span includes the wait for its own launch).
+  The history is saved beside the profile after the last traced call (in memory only for a
+  preset); a failure to save is logged, never raised.
+- Plans made afterwards (other graphs and sizes of the process, every later process) price
   those ops at what they cost. A plan already made is not made again: the measured choice
   (:mod:`autopar.choose`) decides whether it runs at all.
 - A twin that can't be built (its fused regions fail to compile) ends learning for that plan;
@@ -39,9 +36,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..ir.graph import op_name
-from ..schedule.steps import Plan
 
-__all__ = ["LEARN_CALLS", "LEARN_FROM", "Learner", "learns"]
+__all__ = ["LEARN_CALLS", "LEARN_FROM", "Learner"]
 
 log = logging.getLogger("autopar.runtime")
 
@@ -49,16 +45,6 @@ LEARN_FROM = 2
 LEARN_CALLS = 3
 """Traced calls per plan: three samples of each host op (the history trusts an op's median
 from ``History.min_samples``, 3, on; a plan's repeated ops, such as a layer's, give more)."""
-
-
-def learns(plan: Plan, cost: Any) -> bool:
-    """Whether ``plan``'s first calls are traced to learn its host ops' times (see the module
-    docstring): ops on a CPU worker and on another device, and a measured profile."""
-    machine = getattr(cost, "machine", None)
-    if machine is None or machine.profile.is_defaults or getattr(cost, "history", None) is None:
-        return False
-    devices = set(plan.programs)
-    return len(devices) > 1 and any(d.startswith("cpu") for d in devices)
 
 
 class Learner:
