@@ -63,6 +63,24 @@ def test_exit_codes():
     assert ok.exit_code == 0, ok.output
 
 
+def test_calibrate_show_reads_the_profile_and_writes_nothing(tmp_path, monkeypatch):
+    from autopar.machine.host import host_info, profile_path, save_profile
+    from autopar.machine.model import SCHEMA_VERSION, default_profile, fingerprint_of
+
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+    missing = _run("calibrate", "--show")
+    assert missing.exit_code == 1 and "none saved" in missing.output
+    assert "autopar calibrate" in missing.output and not list(tmp_path.iterdir())
+    path = profile_path(fingerprint_of(host_info()))
+    save_profile(default_profile(host_info(), []), path)
+    text = path.read_text()
+    assert _run("calibrate", "--show", "--json").exit_code == 0
+    path.write_text(text.replace(f'"version": {SCHEMA_VERSION}', '"version": 1'))
+    older = _run("calibrate", "--show")
+    assert older.exit_code == 1 and "schema version 1" in older.output
+    assert '"version": 1' in path.read_text()  # left as it was
+
+
 def _explain_graph(path: Path):
     return _run("explain", f"{EXAMPLES / 'two_chains.py'}:two_chains", "--machine", "h200x2",
                 "--inputs-on", "cuda:0", "--graph", str(path))

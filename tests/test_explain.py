@@ -42,6 +42,31 @@ def test_devices_restrict_placement_as_compile_does():
                         devices=["cuda:5"])
 
 
+def test_devices_are_named_as_compile_takes_them():
+    x = torch.rand(4000, 4000)
+    listed = autopar.explain(two_chains, x, x, machine="h200x8", inputs_on="cuda:0",
+                             devices=["cuda:0", "cuda:1", "cuda:2"])
+    spelled = autopar.explain(two_chains, x, x, machine="h200x8", inputs_on="cuda:0",
+                              devices="cuda:0, cuda:1,cuda:2")
+    assert [r.device for r in spelled.rows] == [r.device for r in listed.rows]
+    host = autopar.explain(two_chains, torch.rand(8, 8), torch.rand(8, 8), machine="h200x2",
+                           devices=["cpu"])
+    assert {row.device for row in host.rows} == {"cpu:0"}
+    with pytest.raises(ValueError, match=r"devices of machine h200x2 \(cpu:0, cpu:1, cuda:0"):
+        autopar.explain(two_chains, x, x, machine="h200x2", devices="cuda:5")
+
+
+def test_explaining_one_function_by_running_it_again_and_again_captures_each_time():
+    x = torch.randn(16, 16)
+
+    def f(t):
+        return (t @ t) * t.sum().item()
+
+    for machine in ("h200x2", "cpu-only") * 6:  # twelve captures of one code object
+        report = autopar.explain(f, x, machine=machine, run=True)
+        assert report.rows
+
+
 def test_two_chains_written_for_one_gpu_are_split_over_two():
     report = autopar.explain(two_chains, *big(), machine="h200x2", inputs_on="cuda:0")
     devices = {row.device for row in report.rows}

@@ -40,7 +40,7 @@ def _calls(compiled, n):
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(out, ref))
 
 
-def test_a_plan_over_two_workers_learns_its_ops_times_in_calls_two_to_four(tmp_path):
+def test_a_plan_over_two_workers_learns_its_ops_times_in_its_first_calls(tmp_path):
     compiled = _compiled(_machine(tmp_path))
     _calls(compiled, 1)
     runner = dispatcher_of(compiled).runner
@@ -65,8 +65,10 @@ def test_a_plan_over_two_workers_learns_its_ops_times_in_calls_two_to_four(tmp_p
 
 def test_a_later_plan_prices_learned_ops_by_their_measured_median(tmp_path):
     compiled = _compiled(_machine(tmp_path))
-    _calls(compiled, 1 + learn_mod.LEARN_CALLS)
+    _calls(compiled, 1)
     runner = dispatcher_of(compiled).runner
+    runner.cost_model().history.min_samples = 1  # trusted whatever this host's jitter
+    _calls(compiled, learn_mod.LEARN_CALLS)
     (executor,) = runner.executors
     cost = runner.cost_model()
     mm = next(n for n in executor.plan.graph.ops if "mm" in str(n.op))

@@ -309,6 +309,54 @@ def test_missing_profile_triggers_one_quick_calibration(monkeypatch):
         detect(calibrate="slow")
 
 
+def _counting_calibrate(monkeypatch) -> list[str]:
+    calls: list[str] = []
+
+    def fake_calibrate(mode, host=None, progress=None):
+        calls.append(mode)
+        return replace(_profile_of(host), source=f"measured-{mode}")
+
+    monkeypatch.setattr(calibrate_mod, "calibrate", fake_calibrate)
+    return calls
+
+
+def test_a_profile_of_an_older_schema_is_measured_again_and_said_so(monkeypatch, capsys,
+                                                                    recwarn):
+    calls = _counting_calibrate(monkeypatch)
+    _, fp = _saved_profile()
+    path = profile_path(fp)
+    path.write_text(path.read_text().replace(f'"version": {SCHEMA_VERSION}', '"version": 1'))
+    assert detect().profile.source == "measured-quick" and calls == ["quick"]
+    said = capsys.readouterr().err
+    assert "measured by an older autopar (profile schema 1" in said and "no profile" not in said
+    assert not [w for w in recwarn if "unusable" in str(w.message)]  # an upgrade, not damage
+    assert json.loads(path.read_text())["version"] == SCHEMA_VERSION
+    detect()
+    assert calls == ["quick"]
+
+
+def test_a_cache_that_cannot_keep_the_profile_measures_once_a_process(monkeypatch):
+    import autopar.machine.detect as detect_mod
+
+    calls = _counting_calibrate(monkeypatch)
+
+    def read_only(profile, path):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(detect_mod, "save_profile", read_only)
+    monkeypatch.setattr(detect_mod, "_UNSAVED", {})
+    with pytest.warns(RuntimeWarning, match="AUTOPAR_CACHE_DIR"):
+        assert detect().profile.source == "measured-quick"
+    assert detect().profile.source == "measured-quick" and calls == ["quick"]
+
+
+def test_calibrating_by_name_measures_despite_no_measure(monkeypatch):
+    calls = _counting_calibrate(monkeypatch)
+    monkeypatch.setenv("AUTOPAR_NO_MEASURE", "1")
+    assert detect().profile.is_defaults and calls == []
+    assert detect(calibrate="quick").profile.source == "measured-quick" and calls == ["quick"]
+
+
 def test_defaults_are_replaced_once_measuring_is_allowed(monkeypatch):
     detect(measure=False)
     calls = []

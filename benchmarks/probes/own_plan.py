@@ -105,7 +105,7 @@ def probe(name: str, mode: str, size: str) -> dict:
 
 
 def _again(model, runner) -> dict:
-    """The same model compiled anew, after the first compiled object's calls 2-4 learned its
+    """The same model compiled anew, after the first compiled object's calls 2-6 learned its
     host ops' times (autopar.runtime.learn, saved beside the profile): its plan and time."""
     compiled = autopar.compile(model, candidates=("autopar",))
     call = runner(compiled)

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ..ir.graph import Graph, Node, TensorMeta
 from ..ir.locks import tracing
 from ..ir.logs import line_in, quiet
-from .dynamo import capturing_scalars, make_backend
+from .dynamo import capturing_scalars, make_backend, with_own_code
 from .fx import Unsupported, from_fx
 from .state import find_state
 
@@ -206,6 +206,9 @@ def capture_by_running(fn: Callable, args: Sequence[Any],
     For code :func:`trace_fake` can't follow: values read back from tensors (``.item()``, tensor
     slice bounds) split it into several graphs, and ``backward()`` and an optimizer step are
     captured as graphs of their own. The arguments are used as given: it really computes.
+    Each capture compiles a copy of a function's code (:func:`~autopar.capture.dynamo.
+    with_own_code`), so that captures of one function don't add up to dynamo's recompile limit
+    (a module's forward is shared by its captures).
     """
     graphs: list[Graph] = []
 
@@ -214,7 +217,11 @@ def capture_by_running(fn: Callable, args: Sequence[Any],
         return runner(graph)
 
     name = getattr(fn, "__name__", type(fn).__name__)
-    compiled = torch.compile(fn, backend=make_backend(record, name=name), dynamic=False)
+    # a code object of its own: dynamo keeps entries per code object, and each capture's
+    # backend is new, so the ninth capture of one function hit its recompile limit and ran
+    # eagerly (no graph)
+    compiled = torch.compile(with_own_code(fn), backend=make_backend(record, name=name),
+                             dynamic=False)
     capturing_scalars(compiled)(*args)
     return graphs
 

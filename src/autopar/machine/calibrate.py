@@ -365,9 +365,9 @@ faster than in a program (the 2-core VM: ``add`` of 512 KB outputs 11.6 us again
 GPT-2's 4 MB ``mul``s 580 us in eager's run against 230 in a loop; a 512 KB ``where`` on an H100
 host 53-130 us in a plan that had priced it at 10): plans put memory-bound ops on the host that
 ran slower there than on the GPU (benchmarks/NOTES.md, 2026-12-05 (g))."""
-STREAM_PAIRS = 1024
+STREAM_PAIRS = 1024  # (the whole quick calibration peaks at ~0.8 GB resident on the VM, 12 s)
 HELD_OUTPUTS = 16
-HELD_BYTES = 256 << 20
+HELD_BYTES = 128 << 20
 
 
 class _Operands:
@@ -376,6 +376,14 @@ class _Operands:
     floats written into fresh memory (``full``, nothing read), and ``exp`` of the next operand,
     their outputs kept until ``HELD_OUTPUTS`` are alive, then all let go (a call's values freed
     at its end). Unstreamed: one pair."""
+
+    @staticmethod
+    def nbytes(n: int, streamed: bool) -> int:
+        """Bytes the operands and held outputs of size ``n`` take at most."""
+        if not streamed:
+            return 12 * n
+        pairs = max(2, min(STREAM_PAIRS, STREAM_BYTES // (8 * n)))
+        return 8 * n * pairs + 4 * n * max(1, min(HELD_OUTPUTS, HELD_BYTES // (4 * n)))
 
     def __init__(self, n: int, device: str, streamed: bool) -> None:
         pairs = max(2, min(STREAM_PAIRS, STREAM_BYTES // (8 * n))) if streamed else 1
@@ -437,7 +445,7 @@ def _curves(timer: Timer, device: str, mm_sizes: tuple[int, ...], add_sizes: tup
     write: list[tuple[float, float]] = []
     exp: list[tuple[float, float]] = []
     for n in add_sizes:
-        if 20 * n > max_bytes or too_slow(write, 4.0 * n):
+        if max(20 * n, _Operands.nbytes(n, streamed)) > max_bytes or too_slow(write, 4.0 * n):
             break
         ops = _Operands(n, device, streamed)
         t_read = timer(ops.sum)

@@ -3,6 +3,7 @@ when missing), and ``--machine`` resolved: this host or a preset."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -22,6 +23,7 @@ from .host import (
     save_profile,
 )
 from .model import (
+    SCHEMA_VERSION,
     Machine,
     Profile,
     ProfileError,
@@ -65,24 +67,35 @@ def detect(cpu_workers: int | None = None, calibrate: bool | str = False,
     if calibrate and mode is None:
         raise ValueError(f"calibrate={calibrate!r}: use False, True, \"quick\" or \"full\"")
 
+    if mode is not None and measure:
+        allowed = True  # asked for by name (`autopar calibrate`): AUTOPAR_NO_MEASURE aside
     profile: Profile | None = None
+    why = "no profile for this host yet"
     if mode is None or not allowed:
+        unsaved = _UNSAVED.get(path)
         try:
             profile = load_profile(path, fp)
             profile.check([f"cuda:{i}" for i in range(len(gpus))])
         except FileNotFoundError:
             pass
         except (ProfileError, OSError) as e:
-            warnings.warn(f"autopar: the profile {path} is unusable and will be replaced: {e}",
-                          RuntimeWarning, stacklevel=2)
+            older = _older_schema(path)
+            if older is not None:  # an upgrade, not damage
+                why = (f"the profile {path} was measured by an older autopar (profile schema "
+                       f"{older}; this one reads {SCHEMA_VERSION})")
+            elif unsaved is None:
+                warnings.warn(f"autopar: the profile {path} is unusable and will be replaced: "
+                              f"{e}", RuntimeWarning, stacklevel=3)
+        if unsaved is not None and (profile is None or profile.is_defaults):
+            profile = unsaved  # measured in this process; the cache could not keep it
     if profile is not None and profile.is_defaults and allowed:
         profile = None  # defaults were a stopgap: measure now that measuring is allowed
     if profile is None or (mode is not None and allowed):
         if allowed:
             mode = mode or "quick"
             if calibrate is False:
-                _say(f"no profile for this host yet: calibrating ({mode}, about 20 s; "
-                     "AUTOPAR_NO_MEASURE=1 skips this and uses conservative defaults)")
+                _say(f"{why}: calibrating ({mode}, about 20 s; AUTOPAR_NO_MEASURE=1 skips "
+                     "this and uses conservative defaults)")
             with calibration.console_progress() as progress:
                 profile = calibration.calibrate(mode, host=host, progress=progress)
             earlier = _good_profile(path, fp, len(gpus))
@@ -98,10 +111,30 @@ def detect(cpu_workers: int | None = None, calibrate: bool | str = False,
             profile = default_profile(host, gpus, peers)
         try:
             save_profile(profile, path)
+            _UNSAVED.pop(path, None)
         except OSError as e:
-            warnings.warn(f"autopar: could not save the profile to {path}: {e}", RuntimeWarning,
-                          stacklevel=2)
+            if not profile.is_defaults:
+                _UNSAVED[path] = profile
+            warnings.warn(f"autopar: could not save the profile to {path}: {e}; this process "
+                          "keeps it, the next one measures again: set AUTOPAR_CACHE_DIR to a "
+                          "folder it can write", RuntimeWarning, stacklevel=3)
     return _machine_for(profile, host, len(gpus), peers, cpu_workers, path)
+
+
+_UNSAVED: dict[Path, Profile] = {}
+"""Profiles measured in this process that the cache could not keep (a read-only folder): used
+again instead of measuring at every compile."""
+
+
+def _older_schema(path: Path) -> int | None:
+    """The schema version of an autopar profile file of another (older) version, else None."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    version = data.get("version") if isinstance(data, dict) and \
+        data.get("format") == "autopar-profile" else None
+    return version if isinstance(version, int) and version < SCHEMA_VERSION else None
 
 
 def _good_profile(path: Path, fingerprint: str, n_gpus: int) -> Profile | None:

@@ -40,7 +40,7 @@ from ..machine.host import no_cuda_error
 from ..machine.model import Machine
 from ..passes.fusion import fusion_devices, prefer_fused
 from ..runtime.sequential import SequentialRunner
-from ..schedule.place import Placement, place, places_by_cost
+from ..schedule.place import Placement, named_devices, place, places_by_cost
 from ..schedule.plan import make_plan
 from ..schedule.simulate import issue_s, runs_as_eager, simulate
 from ..schedule.steps import Plan
@@ -213,13 +213,15 @@ def critical_path(placement: Placement, cost: CostModel) -> list[Node]:
 
 
 def explain_graph(graph: Graph, machine: Machine | str | None = None,
-                  policy: str = "heft", devices: Sequence[str] | None = None) -> ExplainReport:
+                  policy: str = "heft", devices: str | Sequence[str] | None = None
+                  ) -> ExplainReport:
     """Place, plan and simulate ``graph`` under ``policy`` and under eager placement.
 
     ``devices``: the machine's devices ops may be placed on (None: all of them), as
     ``autopar.compile(devices=...)`` restricts them."""
     machine = load_machine(machine)
     cost = CostModel(machine)
+    devices = named_devices(devices) if devices is not None else None
     placement = place(graph, cost, policy=policy, devices=devices)
     plan = make_plan(placement, cost)
     if places_by_cost(policy):  # the plan autopar.compile keeps (see prefer_fused)
@@ -259,7 +261,7 @@ def explain_graph(graph: Graph, machine: Machine | str | None = None,
 
 def explain(fn: Callable, *args: Any, machine: Machine | str | None = None,
             policy: str = "heft", inputs_on: str | None = None,
-            run: bool = False, devices: Sequence[str] | None = None) -> ExplainReport:
+            run: bool = False, devices: str | Sequence[str] | None = None) -> ExplainReport:
     """Explain how autopar would run ``fn(*args)`` on ``machine``.
 
     Nothing is computed unless ``run=True`` and the function can't be traced with fake inputs

@@ -42,9 +42,11 @@ __all__ = ["LEARN_CALLS", "LEARN_FROM", "Learner"]
 log = logging.getLogger("autopar.runtime")
 
 LEARN_FROM = 2
-LEARN_CALLS = 3
-"""Traced calls per plan: three samples of each host op (the history trusts an op's median
-from ``History.min_samples``, 3, on; a plan's repeated ops, such as a layer's, give more)."""
+LEARN_CALLS = 5
+"""Traced calls per plan. The history trusts an op's median once ``History.min_samples`` (3)
+samples survive its outlier test (a modified z-score over 3.5, the spread floored at 5% of the
+median): of three samples, one 25% off the others was dropped and the op stayed unlearned (a
+loaded 2-core VM), so five."""
 
 
 class Learner:

@@ -1055,17 +1055,26 @@ def place(graph: Graph, cost: Any, policy: str = "heft", devices: Sequence[str] 
         raise ValueError(f"unknown placement policy {policy!r}; valid policies: "
                          f"{', '.join(_POLICIES)}")
     names = [d.name for d in cost.machine.devices]
-    chosen = list(names) if devices is None else list(devices)
+    chosen = list(names) if devices is None else named_devices(devices)
     unknown = [d for d in chosen if d not in names]
     if unknown or not chosen:
-        raise ValueError(f"devices {chosen} must be a non-empty subset of machine "
-                         f"{cost.machine.name!r}'s devices {names}")
+        raise ValueError(f"devices {chosen} must be a non-empty subset of the devices of "
+                         f"machine {cost.machine.name} ({', '.join(names)})")
     stray = sorted({d for d in (pins or {}).values() if d not in names and d != COMM})
     if stray:
         raise ValueError(f"pins name devices {stray} that machine {cost.machine.name!r} "
                          f"does not have (devices: {names})")
     with gc_paused():
         return _place(graph, cost, policy, chosen, memory_limits(cost, memory), pins)
+
+
+def named_devices(devices: str | Iterable[str]) -> list[str]:
+    """A device spec as ``autopar.compile`` takes it ("cuda:0", "cpu:0,cuda:1", a list; "cpu"
+    and "cuda" are the first of their kind), as a list of names; checked against a machine by
+    :func:`place`."""
+    items = devices.split(",") if isinstance(devices, str) else devices
+    return [{"cpu": "cpu:0", "cuda": "cuda:0"}.get(d.strip(), d.strip())
+            for d in items if d.strip()]
 
 
 def _host_of(devices: Iterable[str]) -> str | None:

@@ -8,6 +8,8 @@ import typer
 
 from autopar.machine.calibrate import profile_tables
 from autopar.machine.detect import detect
+from autopar.machine.host import host_info, load_profile, profile_path
+from autopar.machine.model import ProfileError, fingerprint_of
 from autopar.machine.presets import PRESETS, preset
 
 from . import preset_names
@@ -35,8 +37,15 @@ def calibrate(
             raise typer.BadParameter(f"unknown machine {machine!r}; presets: {sorted(PRESETS)}",
                                      param_hint="--machine")
         profile = preset(machine).profile  # a machine not at hand can only be shown
-    elif show:
-        profile = detect(measure=False).profile
+    elif show:  # read only: nothing measured, nothing written
+        fp = fingerprint_of(host_info())
+        try:
+            profile = load_profile(profile_path(fp), fp)
+        except (FileNotFoundError, ProfileError, OSError) as e:
+            why = "none saved" if isinstance(e, FileNotFoundError) else str(e)
+            typer.echo(f"autopar: no usable profile for this host ({why}); `autopar calibrate` "
+                       "measures one", err=True)
+            raise typer.Exit(1) from None
     else:
         profile = detect(calibrate="quick" if quick else "full", force=force).profile
     if as_json:
