@@ -406,6 +406,7 @@ def test_cli_shows_a_preset_as_json():
 
 
 def test_cli_show_prints_tables_without_measuring():
+    detect(measure=False)  # a defaults profile saved (--show itself writes nothing)
     result = _invoke(["--show"])
     assert result.exit_code == 0, result.output
     assert "defaults" in result.output and "launch" in result.output
