@@ -929,3 +929,26 @@ def test_gpt2_decoding_with_its_kv_cache_equals_eager():
             want = model(nxt, past_key_values=want.past_key_values, use_cache=True)
             assert got.past_key_values.get_seq_length() == 5 + step
         torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-5)
+
+
+def test_a_call_in_which_a_plan_traced_to_learn_is_not_counted(monkeypatch):
+    """A plan's first calls may run traced to learn its host ops' times
+    (autopar.runtime.learn): such a call syncs and times every copy, so a trial does not
+    count it; the way's turn goes on until it has its counted calls."""
+    import autopar.runtime.learn as learn_mod
+
+    monkeypatch.setattr(choose, "_clock", _fake_clock(eager=1.0, autopar=1.0))
+    trial = Trial({"eager": (), "autopar": ()})
+    autopar_calls = []
+
+    def way_of(w):
+        def call():
+            if w == "autopar":
+                autopar_calls.append(1)
+                if 2 <= len(autopar_calls) <= 3:  # its second and third calls traced
+                    learn_mod._traced[0] += 1
+        return call
+    for _ in range(2 * (1 + TURN_CALLS) + 2):
+        trial.run(way_of, (), {})
+    assert [c[0] for c in trial.calls] == ["eager"] * TURN_CALLS + ["autopar"] * TURN_CALLS
+    assert len(autopar_calls) == 1 + 2 + TURN_CALLS  # untimed, two traced, three counted

@@ -112,6 +112,7 @@ from torch.utils._pytree import tree_leaves
 from .ir.compare import outputs_differ
 from .ir.units import fmt_seconds
 from .machine.host import cpu_fusion_unavailable
+from .runtime.learn import traced_calls
 
 __all__ = ["BACKWARD_WAIT_CALLS", "LAUNCH_BOUND", "OWN_SIGNATURES", "RESULT_TOL",
            "RESULT_TOL_LOW", "TRIAL_CALLS", "TURN_CALLS", "WAYS", "Backward", "Family", "Trial",
@@ -341,16 +342,19 @@ class Trial:
             self._turn = self._last = way
             self._left = TURN_CALLS
             return self._call(way_of(way), way, args, kwargs)
-        self._left -= 1
-        if self._left <= 0:
-            self._turn = None
         marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
                   torch.cuda.current_stream(i)) for i in self.gpus[way]]
         for begin, _, stream in marks:
             begin.record(stream)
+        traced = traced_calls()
         start = _clock()
         out = self._call(way_of(way), way, args, kwargs)
         host = _clock() - start
+        if traced_calls() != traced:  # a plan traced this call to learn its ops' times
+            return out  # (autopar.runtime.learn): its time is not the way's; not counted
+        self._left -= 1
+        if self._left <= 0:
+            self._turn = None
         for _, end, stream in marks:
             end.record(stream)
         self.calls.append((way, host, [(b, e) for b, e, _ in marks],

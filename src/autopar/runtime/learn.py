@@ -15,7 +15,9 @@ Mechanism
   warms caches and allocators) run a traced twin of it (the same plan and fused regions;
   copies timed on their side streams, no CUDA-graph segments), which returns the same values.
   Then the learner detaches itself: later calls pay nothing (the executor's check of
-  ``learning`` is one attribute read, on its multi-device path only).
+  ``learning`` is one attribute read, on its multi-device path only). A trial does not count
+  a call in which a plan traced (:func:`traced_calls`): traced, a call syncs the GPUs and
+  times every copy on a side stream, so its time is not the plan's.
 - Each host op's span (its wall time on the thread that ran it) goes to
   :meth:`~autopar.cost.model.CostModel.observe`; not fused regions (a span of many ops), not
   GPU ops (in a launch-bound program a GPU op's span includes the wait for its own launch).
@@ -37,7 +39,7 @@ from typing import Any
 
 from ..ir.graph import op_name
 
-__all__ = ["LEARN_CALLS", "LEARN_FROM", "Learner"]
+__all__ = ["LEARN_CALLS", "LEARN_FROM", "Learner", "traced_calls"]
 
 log = logging.getLogger("autopar.runtime")
 
@@ -47,6 +49,16 @@ LEARN_CALLS = 5
 samples survive its outlier test (a modified z-score over 3.5, the spread floored at 5% of the
 median): of three samples, one 25% off the others was dropped and the op stayed unlearned (a
 loaded 2-core VM), so five."""
+
+
+_traced = [0]  # traced calls learners have made in this process
+
+
+def traced_calls() -> int:
+    """How many calls learners have traced in this process: a trial that sees it change during
+    a call leaves that call uncounted (:class:`autopar.choose.Trial`), since a traced call's
+    time is not the plan's."""
+    return _traced[0]
 
 
 class Learner:
@@ -79,6 +91,7 @@ class Learner:
                           self.executor.plan.graph.name, type(e).__name__, e)
                 self._detach()
                 return self._untraced(args)
+        _traced[0] += 1
         out = twin(args)
         self._observe(twin)
         if turn == LEARN_FROM + LEARN_CALLS - 1:
