@@ -13,6 +13,9 @@ import autopar.runtime.learn as learn_mod
 from autopar.api import dispatcher_of
 from autopar.machine.detect import load_machine
 
+# each test compiles _f anew: dynamo's entries for one code object stop at its recompile limit
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 
 def _f(x, y):
     a = torch.relu(x @ y) * 2
@@ -103,3 +106,88 @@ def test_a_twin_that_cannot_be_built_ends_learning_and_the_call_runs(tmp_path, m
     _calls(compiled, 3)
     assert executor.learning is None
     assert not dispatcher_of(compiled).runner.cost_model().history._samples
+
+
+def test_saves_of_one_history_file_merge_rather_than_overwrite(tmp_path):
+    from autopar.cost.model import History
+
+    path = tmp_path / "history-x.json"
+    a, b = History.load(path, "x"), History.load(path, "x")  # two compiled functions' models
+    a.add("cpu|aten.mm(f32[2,2], f32[2,2])", 1e-6)
+    a.save()
+    a.save()  # nothing new: nothing appended twice
+    b.add("cpu|aten.relu(f32[2,2])", 2e-6)
+    b.save()
+    on_disk = History.load(path, "x")
+    assert on_disk.samples("cpu|aten.mm(f32[2,2], f32[2,2])") == [1e-6]
+    assert on_disk.samples("cpu|aten.relu(f32[2,2])") == [2e-6]
+    assert b.samples("cpu|aten.mm(f32[2,2], f32[2,2])") == [1e-6]  # b holds the union now
+
+
+def test_two_compiled_functions_keep_each_others_learning(tmp_path):
+    machine = _machine(tmp_path)
+
+    def g(x, y):
+        return torch.sigmoid(x + y) * 5, (y - 2).abs().sum()
+
+    first = _compiled(machine)
+    second = autopar.compile(g, devices="cpu:0,cpu:1", policy="round_robin", machine=machine,
+                             fuse=False, candidates=("autopar",))
+    x, y = torch.randn(32, 32), torch.randn(32, 32)
+    first(x, y)
+    second(x, y)  # both read the (empty) file
+    for _ in range(learn_mod.LEARN_CALLS):
+        first(x, y)
+    for _ in range(learn_mod.LEARN_CALLS):
+        second(x, y)
+    (path,) = tmp_path.glob("history-*.json")
+    text = path.read_text()
+    assert "aten.mm" in text and "aten.sigmoid" in text
+
+
+def test_a_traced_call_still_running_when_the_last_begins_is_saved_too(tmp_path, monkeypatch):
+    import threading
+
+    from autopar.cost.model import History
+
+    compiled = _compiled(_machine(tmp_path))
+    x, y = torch.randn(32, 32), torch.randn(32, 32)
+    compiled(x, y)
+    (executor,) = dispatcher_of(compiled).runner.executors
+    learner = executor.learning
+    slow = threading.Event()
+    observe = learner._observe
+
+    def late(twin):  # the thread's traced call observes after the main thread's last one
+        if threading.current_thread() is not threading.main_thread():
+            slow.wait(10)
+        observe(twin)
+    monkeypatch.setattr(learner, "_observe", late)
+    other = threading.Thread(target=compiled, args=(x, y))
+    other.start()  # turn 2, held
+    while learner.calls < 2:
+        pass
+    for _ in range(learn_mod.LEARN_CALLS - 1):  # turns 3-6
+        compiled(x, y)
+    slow.set()
+    other.join()
+    (path,) = tmp_path.glob("history-*.json")
+    saved = History.load(path)
+    keys = saved.keys()
+    assert keys and {len(saved.samples(k)) for k in keys} == {learn_mod.LEARN_CALLS}
+
+
+def test_the_twin_is_let_go_with_its_last_traced_call(tmp_path):
+    import gc
+    import weakref
+
+    compiled = _compiled(_machine(tmp_path))
+    x, y = torch.randn(32, 32), torch.randn(32, 32)
+    compiled(x, y)
+    compiled(x, y)
+    (executor,) = dispatcher_of(compiled).runner.executors
+    twin = weakref.ref(executor.learning._twin)
+    for _ in range(learn_mod.LEARN_CALLS - 1):
+        compiled(x, y)
+    gc.collect()
+    assert twin() is None  # no further call needed to free it (a worker kept its last job)

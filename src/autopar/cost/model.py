@@ -45,12 +45,14 @@ Nothing here imports CUDA-only code: costs are pure functions of a node, a Machi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import operator
 import statistics
+import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,13 +123,21 @@ class History:
         self.path = path
         self._samples: dict[str, list[float]] = {}
         self._ops: set[str] = set()  # op names with samples: skips building keys for the rest
+        # samples added since the file was read or written: what a save appends to it
+        self._unsaved: dict[str, list[float]] = {}
+        self._lock = threading.Lock()
 
     def add(self, key: str, seconds: float) -> None:
         if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
             raise ValueError(f"measured time {seconds!r} for {key!r} must be a finite number of "
                              "seconds >= 0")
+        with self._lock:
+            self._add(key, float(seconds))
+            self._unsaved.setdefault(key, []).append(float(seconds))
+
+    def _add(self, key: str, seconds: float) -> None:
         samples = self._samples.setdefault(key, [])
-        samples.append(float(seconds))
+        samples.append(seconds)
         del samples[:-self.max_samples]  # keep the latest: the estimate follows drifts
         self._ops.add(_op_of_key(key))
 
@@ -179,14 +189,34 @@ class History:
                 raise ValueError(f"malformed history: samples of {key!r} are not a list")
             for x in xs:
                 h.add(str(key), x)
+        h._unsaved = {}  # read, not added
         return h
 
     def save(self, path: Path | str | None = None) -> Path:
+        """Write the history to ``path`` (default: its own file). Its own file is merged, not
+        overwritten: under a lock beside it, the samples added here since it was read or last
+        written are appended to what the file holds now, so that histories saved by other
+        compiled functions and processes since are kept; this history then holds the union."""
         target = Path(path) if path is not None else self.path
         if target is None:
             raise ValueError("History.save(): this history has no file (a preset machine's); "
                              "pass a path")
-        _write_json_atomic(target, self.to_json())
+        if target != self.path:
+            _write_json_atomic(target, self.to_json())
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with _file_lock(target.with_name(f".{target.name}.lock")), self._lock:
+            try:
+                disk = History.from_json(json.loads(target.read_text()), self.fingerprint)
+            except (OSError, ValueError, TypeError, UnicodeDecodeError):
+                disk = None  # missing or unusable: this history replaces it
+            if disk is not None:
+                for key, xs in self._unsaved.items():
+                    for x in xs:
+                        disk._add(key, x)
+                self._samples, self._ops = disk._samples, disk._ops
+            self._unsaved = {}
+            _write_json_atomic(target, self.to_json())
         return target
 
     @staticmethod
@@ -311,6 +341,23 @@ COLLECTIVE_LATENCY_S = 20e-6
 all-reduce over 8 NVLink GPUs takes tens of microseconds (its LL protocols). An assumption, not
 calibrated: no machine with two GPUs was lent to measure it (``autopar calibrate`` measures
 links, not collectives)."""
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` (created) between processes, where the OS has ``fcntl``;
+    elsewhere none (saves may then lose each other's samples, never corrupt the file)."""
+    try:
+        import fcntl  # POSIX only: absent on Windows
+    except ImportError:  # not a POSIX system
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 # -- the model -------------------------------------------------------------------------------

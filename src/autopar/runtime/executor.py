@@ -780,15 +780,18 @@ class Executor:
         return [env[v] if kind == "slot" else v for kind, v in self.output_slots]
 
     def _job(self, device: str, call: _Call, finished: threading.Event, state: CallerState):
+        run: Callable[[str, _Call], None] | None = self._run
+
         def job() -> None:
-            nonlocal call
+            nonlocal call, run
             try:
                 with state.applied():
-                    self._run(device, call)
+                    run(device, call)  # type: ignore[misc]
             finally:
                 # dropped before the caller is told: the worker's loop keeps this job until
-                # its next one, and with it the call's values (2026-12-05)
-                call = None
+                # its next one, and with it the call's values (2026-12-05) and the executor
+                # (a learner's traced twin, let go after its last call)
+                call = run = None
                 finished.set()
         return job
 

@@ -21,8 +21,10 @@ Mechanism
 - Each host op's span (its wall time on the thread that ran it) goes to
   :meth:`~autopar.cost.model.CostModel.observe`; not fused regions (a span of many ops), not
   GPU ops (in a launch-bound program a GPU op's span includes the wait for its own launch).
-  The history is saved beside the profile after the last traced call (in memory only for a
-  preset); a failure to save is logged, never raised.
+  The history is saved beside the profile once every traced call is over (threads may finish
+  them in any order), merged with what the file holds by then (other functions' and
+  processes' learning: :meth:`~autopar.cost.model.History.save`); in memory only for a
+  preset. A failure to save is logged, never raised. The twin is let go then.
 - Plans made afterwards (other graphs and sizes of the process, every later process) price
   those ops at what they cost. A plan already made is not made again: the measured choice
   (:mod:`autopar.choose`) decides whether it runs at all.
@@ -71,31 +73,40 @@ class Learner:
         self.cost = cost
         self._untraced = untraced
         self._make_twin = twin
-        self._twin: Any = None
+        self._twin: Any = None  # built at the first traced call; False: it could not be
         self._lock = threading.Lock()
         self.calls = 0
+        self._finished = 0  # traced calls over
         self.observed = 0  # host op times recorded so far
 
     def __call__(self, args: Sequence[Any]) -> Any:
         with self._lock:
             self.calls += 1
             turn = self.calls
-        if turn < LEARN_FROM or turn >= LEARN_FROM + LEARN_CALLS:
+            learning = LEARN_FROM <= turn < LEARN_FROM + LEARN_CALLS
+            if learning and self._twin is None:  # built once, whatever the threads calling
+                try:
+                    self._twin = self._make_twin()
+                except Exception as e:  # learning is optional; the call is not
+                    log.debug("autopar: no traced twin of %s (%s: %s); not learning its op "
+                              "times", self.executor.plan.graph.name, type(e).__name__, e)
+                    self._twin = False
+            twin = self._twin if learning else None
+            if turn >= LEARN_FROM + LEARN_CALLS - 1 or twin is False:
+                self.executor.learning = None  # later calls go straight to the executor
+        if not twin:
             return self._untraced(args)
-        twin = self._twin
-        if twin is None:
-            try:
-                twin = self._twin = self._make_twin()
-            except Exception as e:  # learning is optional; the call is not
-                log.debug("autopar: no traced twin of %s (%s: %s); not learning its op times",
-                          self.executor.plan.graph.name, type(e).__name__, e)
-                self._detach()
-                return self._untraced(args)
         _traced[0] += 1
-        out = twin(args)
-        self._observe(twin)
-        if turn == LEARN_FROM + LEARN_CALLS - 1:
-            self._detach()
+        try:
+            out = twin(args)
+            self._observe(twin)
+        finally:
+            with self._lock:
+                self._finished += 1
+                last = self._finished == LEARN_CALLS
+                if last:
+                    self._twin = None
+        if last:  # every traced call has observed (threads finish in any order): save once
             self._save()
         return out
 
@@ -112,10 +123,6 @@ class Learner:
                 continue
             self.cost.observe(node, span.lane, span.duration)
             self.observed += 1
-
-    def _detach(self) -> None:
-        self.executor.learning = None
-        self._twin = None
 
     def _save(self) -> None:
         history = self.cost.history
