@@ -248,13 +248,14 @@ class Runner:
     def learns(self, plan: Plan) -> bool:
         """Whether ``plan``'s first calls are traced to learn its host ops' times
         (:mod:`autopar.runtime.learn`): it puts ops on a CPU worker and on another device (a
-        GPU, or a second worker), where the host's prices decide what runs where; the machine's
-        profile was measured (a defaults profile is a stopgap, replaced at the next
-        calibration; a preset's history lives in memory and is learned into all the same); and
-        the calls are not traced already (``trace``)."""
+        GPU, or a second worker), where the host's prices decide what runs where; the machine
+        is this host with a measured profile (a defaults profile is a stopgap, replaced at the
+        next calibration; a preset's numbers are another machine's, which this host's times
+        would not improve); and the calls are not traced already (``trace``)."""
         machine = self.cost_model().machine
         devices = set(plan.programs)
-        return not self.options.trace and not machine.profile.is_defaults and \
+        return not self.options.trace and machine.profile_path is not None and \
+            machine.profile.source.startswith("measured") and \
             len(devices) > 1 and any(d.startswith("cpu") for d in devices)
 
     def planned_s(self) -> float:

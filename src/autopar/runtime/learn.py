@@ -23,8 +23,8 @@ Mechanism
   GPU ops (in a launch-bound program a GPU op's span includes the wait for its own launch).
   The history is saved beside the profile once every traced call is over (threads may finish
   them in any order), merged with what the file holds by then (other functions' and
-  processes' learning: :meth:`~autopar.cost.model.History.save`); in memory only for a
-  preset. A failure to save is logged, never raised. The twin is let go then.
+  processes' learning: :meth:`~autopar.cost.model.History.save`). A failure to save is
+  logged, never raised. The twin is let go then.
 - Plans made afterwards (other graphs and sizes of the process, every later process) price
   those ops at what they cost. A plan already made is not made again: the measured choice
   (:mod:`autopar.choose`) decides whether it runs at all.
