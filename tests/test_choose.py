@@ -33,8 +33,15 @@ def test_candidates_option_is_checked():
     assert autopar.Options.parse({"candidates": "autopar,eager"}).candidates == ("eager",
                                                                                   "autopar")
     assert autopar.Options.parse({"candidates": "auto"}).candidates == choose.WAYS
-    with pytest.raises(ValueError, match="candidates must be 'auto' or some of eager"):
+    with pytest.raises(ValueError, match=r"^candidates must be 'auto' or some of eager"):
         autopar.Options.parse({"candidates": ["eager", "tvm"]})
+
+
+def test_a_bad_candidates_environment_variable_is_named(monkeypatch):
+    monkeypatch.setenv("AUTOPAR_CANDIDATES", "bogus")
+    with pytest.raises(ValueError, match=r"^AUTOPAR_CANDIDATES must be 'auto' or some of"):
+        autopar.Options.parse({})
+    assert autopar.Options.parse({"candidates": "eager"}).candidates == ("eager",)
 
 
 def _timed(trial: Trial, seconds: list[float]) -> None:

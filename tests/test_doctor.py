@@ -399,6 +399,14 @@ def test_file_with_main_and_prints(tmp_path):
     assert only(report, "sync", "item").line == 5
 
 
+def test_a_users_function_that_raises_is_a_failed_run_not_a_misuse(tmp_path):
+    user = tmp_path / "user.py"
+    user.write_text("import torch\n\ndef f(x):\n    raise RuntimeError('boom')\n\n"
+                    "def example_inputs():\n    return (torch.rand(4, 4),)\n")
+    result = cli(str(user), "--func", "f")
+    assert result.exit_code == 1 and "boom" in result.stderr, result.output
+
+
 def test_file_errors_say_what_to_pass(tmp_path):
     empty = tmp_path / "empty.py"
     empty.write_text("def helper(x):\n    return x\n")

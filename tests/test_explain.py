@@ -271,13 +271,14 @@ def test_cli_says_the_users_mistakes_in_one_line_and_keeps_json_clean(tmp_path):
     user = tmp_path / "user.py"
     user.write_text(USERS_FILE)
     (tmp_path / "broken.py").write_text("def f(x)\n    return x\n")
-    cases = {
-        f"{user}:raises": "raises(...) raised RuntimeError: boom in user code (at user.py:5)",
-        f"{tmp_path / 'broken.py'}:f": "broken.py:1: SyntaxError",
-        f"{user}:kwonly": "keyword-only arguments without defaults (scale)"}
-    for target, said in cases.items():
+    cases = {  # the user's function failing is 1 (failed), a command misused 2 (bad usage)
+        f"{user}:raises": ("raises(...) raised RuntimeError: boom in user code (at user.py:5)",
+                           1),
+        f"{tmp_path / 'broken.py'}:f": ("broken.py:1: SyntaxError", 2),
+        f"{user}:kwonly": ("keyword-only arguments without defaults (scale)", 2)}
+    for target, (said, code) in cases.items():
         result = runner.invoke(app, [target, "--run"])
-        assert result.exit_code == 2 and said in result.output, result.output
+        assert result.exit_code == code and said in result.output, result.output
         assert "Traceback" not in result.output
     result = runner.invoke(app, [f"{user}:noisy", "--json"])
     assert result.exit_code == 0 and json.loads(result.stdout)["rows"]

@@ -185,18 +185,21 @@ class Options:
         return Options(devices=devices, policy=policy, machine=machine,
                        trace=os.fspath(trace) if isinstance(trace, os.PathLike) else trace,
                        fuse=fuse, cuda_graphs=cuda_graphs,
-                       candidates=_candidates(options.get(
-                           "candidates", os.environ.get("AUTOPAR_CANDIDATES", "auto"))),
+                       candidates=_candidates(*(
+                           ("candidates", options["candidates"]) if "candidates" in options
+                           else ("AUTOPAR_CANDIDATES", os.environ.get("AUTOPAR_CANDIDATES",
+                                                                      "auto")))),
                        guards=guards)
 
 
-def _candidates(value: Any) -> tuple[str, ...]:
+def _candidates(name: str, value: Any) -> tuple[str, ...]:
+    """``value`` of the option (or environment variable) ``name``, as the ways it names."""
     if value == "auto":
         return WAYS
     items = [v.strip() for v in value.split(",")] if isinstance(value, str) else list(value)
     unknown = [v for v in items if v not in WAYS]
     if unknown or not items:
-        raise ValueError(f"candidates must be 'auto' or some of {', '.join(WAYS)}, "
+        raise ValueError(f"{name} must be 'auto' or some of {', '.join(WAYS)}, "
                          f"not {value!r}")
     return tuple(w for w in WAYS if w in items)
 
@@ -449,14 +452,17 @@ def compile(fn: Callable, **options: Any) -> Callable:
     name = getattr(fn, "__name__", None) or type(fn).__name__
     module = fn if isinstance(fn, torch.nn.Module) else None
     direct = switch = None
+    # a function's own code object: dynamo keeps its entries per code object, and the ninth
+    # autopar.compile of one function (a notebook cell run again) ran it plainly, unsaid
+    traced = with_own_code(fn)
     if opts.guards == "arguments":  # a static graph per signature: each is learned alone
         direct = Direct(fn if module is None else fn.forward, module=module)
-        dynamo = torch.compile(fn, backend=make_backend(runner, name=name, learn=direct.record),
-                               dynamic=False)
+        dynamo = torch.compile(traced, backend=make_backend(runner, name=name,
+                                                            learn=direct.record), dynamic=False)
     else:  # one trace for autopar's way and Inductor's (capture.dynamo's WaySwitch)
         switch = WaySwitch(replay=GraphedCall) if runner.inductor_candidate and \
             not opts.trace else None
-        dynamo = torch.compile(fn, backend=make_backend(runner, name=name, switch=switch))
+        dynamo = torch.compile(traced, backend=make_backend(runner, name=name, switch=switch))
     compiled = capturing_scalars(dynamo, needed=lambda: not runner.graphs or runner.reads_scalars,
                                  failed=direct.scalars_failed if direct is not None else None)
     ours = compiled.forward if module is not None else compiled

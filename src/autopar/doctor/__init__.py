@@ -114,13 +114,14 @@ from .beliefs import (
     _is_gpu,
     _tensors,
 )
-from .findings import FIXES, DoctorError, DoctorReport, Finding
+from .findings import FIXES, DoctorError, DoctorReport, Finding, UserCodeError
 from .watch import (
     _Event,
     _Watch,
 )
 
-__all__ = ["FIXES", "DoctorError", "DoctorReport", "Finding", "doctor", "doctor_file"]
+__all__ = ["FIXES", "DoctorError", "DoctorReport", "Finding", "UserCodeError", "doctor",
+           "doctor_file"]
 
 
 # -- running ---------------------------------------------------------------------------------
@@ -305,7 +306,7 @@ def doctor_file(path: str | Path, func: str | None = None,
                     said = users_error(e, path, f"{name}(...)")
                     if said is None:
                         raise
-                    raise DoctorError(said) from None
+                    raise UserCodeError(said) from None
     except UserFileError as e:
         raise DoctorError(str(e)) from None
     return reports

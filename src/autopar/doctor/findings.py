@@ -21,6 +21,11 @@ class DoctorError(ValueError):
     machine lacks, a file without example inputs. The message says what to pass instead."""
 
 
+class UserCodeError(DoctorError):
+    """The user's function raised while watched; the message is its error, at its line (the
+    CLI's exit code 1: the run failed, it was not misused)."""
+
+
 # -- findings and the report -----------------------------------------------------------------
 @dataclass(frozen=True)
 class Finding:

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from autopar.doctor import DoctorError, doctor_file
+from autopar.doctor import DoctorError, UserCodeError, doctor_file
 
 from . import preset_names
 
@@ -40,9 +40,9 @@ def doctor(
     try:
         with contextlib.redirect_stdout(sys.stderr):  # the file's own prints stay off the report
             reports = doctor_file(file, func=func, machine=machine, inputs_on=inputs_on)
-    except DoctorError as e:
+    except DoctorError as e:  # the user's function raised: 1 (failed); else 2 (bad usage)
         typer.echo(f"autopar doctor: {e}", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(1 if isinstance(e, UserCodeError) else 2) from None
     if json:
         typer.echo(json_module.dumps([r.to_dict() for r in reports], indent=2))
     else:

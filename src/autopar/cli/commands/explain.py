@@ -78,7 +78,7 @@ def explain(
         if said is None:
             raise
         typer.echo(f"autopar explain: {said}", err=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(1) from None  # the run failed; the command was used as meant
     # the report first, then each file asked for: one that can't be written is said, the
     # others and the report are kept
     typer.echo(report.to_json() if json else report.to_text())
