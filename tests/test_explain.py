@@ -353,3 +353,16 @@ def test_python_numbers_among_the_arguments_are_constants_of_the_trace():
     report = autopar.explain(scaled, torch.rand(4, 4), 3, {"bias": True}, machine="h200x2")
     assert len(report.plan.graph.inputs) == 1
     assert report.predicted_s > 0
+
+
+def test_devices_that_leave_out_eagers_gpu_are_obeyed_by_the_default_policy():
+    """Code written for cuda:0, explained with ``devices=["cuda:1"]``: HEFT's plan runs every op
+    on cuda:1. Before, eager's placement, predicted faster once fused, was kept whatever
+    ``devices`` said (``autopar.compile`` made the same choice)."""
+    x = torch.rand(64, 64)
+
+    def f(t):
+        return (t @ t).relu() @ t
+
+    report = autopar.explain(f, x, machine="h200x2", inputs_on="cuda:0", devices=["cuda:1"])
+    assert {row.device for row in report.rows} == {"cuda:1"}

@@ -287,7 +287,7 @@ class FusedCost:
 def prefer_fused(plan: Plan, graph: Graph, cost: Any, devices: Sequence[str],
                  fusing: Sequence[str]) -> Plan:
     """``plan``, or eager's placement planned, whichever is predicted faster once the programs
-    of ``fusing`` (GPUs) are fused.
+    of ``fusing`` (GPUs) are fused; eager's only where its ops are all on ``devices``.
 
     By the simulated makespan, not counting the one thread that issues the host's and every
     GPU's work (:func:`~autopar.schedule.simulate.issue_s`, which ``explain`` shows): counted,
@@ -299,6 +299,8 @@ def prefer_fused(plan: Plan, graph: Graph, cost: Any, devices: Sequence[str],
     if not fusing:
         return plan
     eager = make_plan(place(graph, cost, policy="single", devices=tuple(devices)), cost)
+    if any(eager.placement.device[n] not in devices for n in graph.ops):
+        return plan  # eager's devices are not all among those allowed (devices="cuda:1")
 
     def predicted(p: Plan) -> float:
         return simulate(p, FusedCost(cost, fused_regions(p, fusing))).makespan
