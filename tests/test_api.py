@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import subprocess
 import sys
@@ -660,6 +661,40 @@ def test_a_function_compiled_again_and_again_is_captured_each_time():
         compiled = autopar.compile(f, devices="cpu:0,cpu:1", policy="round_robin",
                                    candidates=("autopar",))
         torch.testing.assert_close(compiled(a, b), f(a, b))
+        assert compiled.runner.graphs == 1
+
+
+def test_defaults_reassigned_after_compiling_are_followed():
+    def f(x, s=2.0, *, t=1.0):
+        return x * s + t
+
+    compiled = autopar.compile(f, devices="cpu:0,cpu:1", candidates=("autopar",))
+    x = torch.ones(2)
+    torch.testing.assert_close(compiled(x), f(x))
+    f.__defaults__ = (5.0,)
+    torch.testing.assert_close(compiled(x), f(x))
+    f.__kwdefaults__ = {"t": 10.0}
+    torch.testing.assert_close(compiled(x), torch.full((2,), 15.0))
+
+
+def test_partials_and_callable_objects_compiled_again_and_again_are_captured_each_time():
+    """dynamo calls partials and callable objects from one function of its own: every such
+    callable compiled shared that function's recompile limit, and the ninth ran plainly."""
+    def g(x, k):
+        return torch.cos(x) * k + 1
+
+    class Scaled:
+        def __init__(self, i):
+            self.i = i
+
+        def __call__(self, x):
+            return torch.sin(x) * 2 + self.i
+
+    x = torch.randn(4, 4)
+    for i in range(10):
+        fn = functools.partial(g, k=float(i)) if i % 2 else Scaled(i)
+        compiled = autopar.compile(fn, devices="cpu:0,cpu:1", candidates=("autopar",))
+        torch.testing.assert_close(compiled(x), fn(x))
         assert compiled.runner.graphs == 1
 
 

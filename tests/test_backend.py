@@ -172,6 +172,10 @@ def _scaled(x, *, k=2.0):
     return torch.sin(x) * k
 
 
+def _unscaled(x, k):
+    return torch.sin(x) * k
+
+
 class _Scaler:
     def __init__(self, k: float) -> None:
         self.k = k
@@ -186,25 +190,27 @@ class _Scaler:
 def test_a_function_with_its_own_code_keeps_its_own_dynamo_entries():
     """Two torch.compile of one function with other backends share the code object's cache
     entries; a copy made by with_own_code has entries of its own, computes the same, and is
-    the same function otherwise (globals, defaults, keyword defaults, name)."""
+    the same function otherwise (globals, name); a function with defaults is not copied."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    copy = with_own_code(_scaled)
-    assert copy.__code__ is not _scaled.__code__ and copy.__globals__ is _scaled.__globals__
-    assert copy.__kwdefaults__ == {"k": 2.0} and copy.__name__ == "_scaled"
+    assert with_own_code(_scaled) is _scaled  # keyword defaults: a copy's would go stale
+    copy = with_own_code(_unscaled)
+    assert copy.__code__ is not _unscaled.__code__ and copy.__globals__ is _unscaled.__globals__
+    assert copy.__name__ == "_unscaled"
     x = torch.randn(5)
-    torch.compile(_scaled, backend="eager")(x)
-    torch.compile(copy, backend="aot_eager")(x)
-    assert len(_debug_get_cache_entry_list(_scaled.__code__)) == 1
+    torch.compile(_unscaled, backend="eager")(x, 2.0)
+    torch.compile(copy, backend="aot_eager")(x, 2.0)
+    assert len(_debug_get_cache_entry_list(_unscaled.__code__)) == 1
     assert len(_debug_get_cache_entry_list(copy.__code__)) == 1
-    torch.compile(_scaled, backend="aot_eager")(x)  # ...where one code object gets both
-    assert len(_debug_get_cache_entry_list(_scaled.__code__)) == 2
-    assert torch.equal(copy(x, k=3.0), _scaled(x, k=3.0))
+    torch.compile(_unscaled, backend="aot_eager")(x, 2.0)  # ...one code object gets both
+    assert len(_debug_get_cache_entry_list(_unscaled.__code__)) == 2
+    assert torch.equal(copy(x, 3.0), _unscaled(x, 3.0))
     s = _Scaler(4.0)
     method = with_own_code(s.scale)
     assert method.__self__ is s and method.__func__.__code__ is not _Scaler.scale.__code__
     assert torch.equal(method(x), s.scale(x))
-    assert with_own_code(s) is s  # a callable object: as it is
+    called = with_own_code(s)  # a callable object: called from a function of its own
+    assert called.__wrapped__ is s and torch.equal(called(x), s(x))
 
 
 def test_the_ways_compiled_alone_leave_the_functions_own_entries_alone():

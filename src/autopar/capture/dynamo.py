@@ -78,17 +78,28 @@ def with_own_code(fn: Callable) -> Callable:
     its compiled entries on the code object, so two ``torch.compile`` of one function with
     other backends or modes (autopar's shared trace and a ``mode="reduce-overhead"`` way) look
     up one list of entries, check each other's guards on every call and share one recompile
-    limit. A plain function is copied (globals, closure, defaults and attributes are the
-    very objects); a bound method is its function so copied, bound to the same object.
-    Anything else (a module, a callable object) is returned as it is: the frames dynamo
-    traces in it are shared, as the functions it calls are in every case."""
+    limit. A plain function is copied (globals, closure and attributes are the very objects);
+    a bound method is its function so copied, bound to the same object. Another callable (a
+    ``functools.partial``, a callable object) is called from a function of its own, which
+    dynamo traces, inlining the callable: dynamo calls such callables from one function of
+    its own, whose limit every one of them shared (the ninth compiled ran eagerly). A
+    function with default values is returned as it is, and so is a module: a copy's defaults
+    would be those of the moment (a later ``f.__defaults__ = ...`` unseen), and torch 2.11's
+    dynamo does not guard the defaults of a function it inlines. The frames dynamo traces in
+    what is called are shared in every case."""
     if isinstance(fn, types.MethodType):
-        return types.MethodType(with_own_code(fn.__func__), fn.__self__)
-    if not isinstance(fn, types.FunctionType):
+        func = with_own_code(fn.__func__)
+        return fn if func is fn.__func__ else types.MethodType(func, fn.__self__)
+    if isinstance(fn, torch.nn.Module | type) or (
+            isinstance(fn, types.FunctionType) and (fn.__defaults__ or fn.__kwdefaults__)):
         return fn
-    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
-                              fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__ = fn.__kwdefaults__
+    code = fn
+    if not isinstance(fn, types.FunctionType):
+        def call(*args: Any, **kwargs: Any) -> Any:  # a frame for dynamo, ``fn`` inlined
+            return fn(*args, **kwargs)
+        code = call
+    copy = types.FunctionType(code.__code__.replace(), code.__globals__, code.__name__, None,
+                              code.__closure__)
     return functools.update_wrapper(copy, fn)
 
 
