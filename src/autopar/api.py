@@ -182,13 +182,12 @@ class Options:
         guards = options.get("guards", "all")
         if guards not in GUARDS:
             raise ValueError(f"guards must be {' or '.join(map(repr, GUARDS))}, not {guards!r}")
+        candidates = _candidates("candidates", options["candidates"]) \
+            if "candidates" in options else \
+            _candidates("AUTOPAR_CANDIDATES", os.environ.get("AUTOPAR_CANDIDATES", "auto"))
         return Options(devices=devices, policy=policy, machine=machine,
                        trace=os.fspath(trace) if isinstance(trace, os.PathLike) else trace,
-                       fuse=fuse, cuda_graphs=cuda_graphs,
-                       candidates=_candidates(*(
-                           ("candidates", options["candidates"]) if "candidates" in options
-                           else ("AUTOPAR_CANDIDATES", os.environ.get("AUTOPAR_CANDIDATES",
-                                                                      "auto")))),
+                       fuse=fuse, cuda_graphs=cuda_graphs, candidates=candidates,
                        guards=guards)
 
 
@@ -346,8 +345,8 @@ class Runner:
         log.debug("autopar: %s\n%s", graph.name, plan)
         self.executors.append(executor)
         if not as_eager and executor.solo is None and self.learns(plan):
-            executor.learning = Learner(executor, cost, executor._events_call, lambda: Executor(
-                plan, trace=True, fuse=fuse))
+            executor.learning = Learner(executor, cost, lambda: Executor(plan, trace=True,
+                                                                         fuse=fuse))
         if as_eager:
             log.info("autopar: %s runs as eager does: the plan is eager's placement with "
                      "nothing to overlap", graph.name)

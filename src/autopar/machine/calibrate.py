@@ -378,22 +378,27 @@ class _Operands:
     at its end). Unstreamed: one pair."""
 
     @staticmethod
+    def _counts(n: int, streamed: bool) -> tuple[int, int]:
+        """Operand pairs of size ``n`` in the ring, and outputs held at most."""
+        pairs = max(2, min(STREAM_PAIRS, STREAM_BYTES // (8 * n))) if streamed else 1
+        return pairs, max(1, min(HELD_OUTPUTS, HELD_BYTES // (4 * n)))
+
+    @staticmethod
     def nbytes(n: int, streamed: bool) -> int:
         """Bytes the operands and held outputs of size ``n`` take at most."""
         if not streamed:
             return 12 * n
-        pairs = max(2, min(STREAM_PAIRS, STREAM_BYTES // (8 * n)))
-        return 8 * n * pairs + 4 * n * max(1, min(HELD_OUTPUTS, HELD_BYTES // (4 * n)))
+        pairs, held = _Operands._counts(n, streamed)
+        return 8 * n * pairs + 4 * n * held
 
     def __init__(self, n: int, device: str, streamed: bool) -> None:
-        pairs = max(2, min(STREAM_PAIRS, STREAM_BYTES // (8 * n))) if streamed else 1
+        pairs, self._held_max = self._counts(n, streamed)
         buf = torch.rand(2 * n * pairs, device=device)
         both = [buf[2 * k * n:(2 * k + 2) * n] for k in range(pairs)]
         self.first = both[0][:n]
         self._n = n
         self._both = itertools.cycle(both)
         self._pairs = itertools.cycle([(b[:n], b[n:]) for b in both])
-        self._held_max = max(1, min(HELD_OUTPUTS, HELD_BYTES // (4 * n)))
         self._held: list[torch.Tensor] = []
 
     def sum(self) -> Any:

@@ -298,9 +298,10 @@ def prefer_fused(plan: Plan, graph: Graph, cost: Any, devices: Sequence[str],
     2026-12-05 (e)) the measured choice drops the plan."""
     if not fusing:
         return plan
-    eager = make_plan(place(graph, cost, policy="single", devices=tuple(devices)), cost)
-    if any(eager.placement.device[n] not in devices for n in graph.ops):
+    placed = place(graph, cost, policy="single", devices=tuple(devices))
+    if any(placed.device[n] not in devices for n in graph.ops):
         return plan  # eager's devices are not all among those allowed (devices="cuda:1")
+    eager = make_plan(placed, cost)
 
     def predicted(p: Plan) -> float:
         return simulate(p, FusedCost(cost, fused_regions(p, fusing))).makespan

@@ -64,14 +64,12 @@ def traced_calls() -> int:
 
 
 class Learner:
-    """The first calls of one executor's plan (see the module docstring). ``untraced(args)``:
-    the executor's own call; ``twin()``: builds the traced twin."""
+    """The first calls of one executor's plan (see the module docstring); ``twin()`` builds
+    the traced twin. Untraced calls are the executor's own (its events-ordered call)."""
 
-    def __init__(self, executor: Any, cost: Any, untraced: Callable[[Sequence[Any]], Any],
-                 twin: Callable[[], Any]) -> None:
+    def __init__(self, executor: Any, cost: Any, twin: Callable[[], Any]) -> None:
         self.executor = executor
         self.cost = cost
-        self._untraced = untraced
         self._make_twin = twin
         self._twin: Any = None  # built at the first traced call; False: it could not be
         self._lock = threading.Lock()
@@ -95,7 +93,7 @@ class Learner:
             if turn >= LEARN_FROM + LEARN_CALLS - 1 or twin is False:
                 self.executor.learning = None  # later calls go straight to the executor
         if not twin:
-            return self._untraced(args)
+            return self.executor._events_call(args)
         _traced[0] += 1
         try:
             out = twin(args)
