@@ -168,6 +168,81 @@ def test_cuda_graph_forms_only_for_graphs_that_neither_draw_random_numbers_nor_w
     assert made == ["t (Inductor's form)"] and switch.graphed == 1
 
 
+_needs_cxx = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                reason="Inductor's CPU code needs a C++ compiler")
+
+
+def _counted_inductor(monkeypatch, fail: bool = False) -> list[int]:
+    """Inductor's ``compile_fx`` counted where the backend calls it (or failing)."""
+    from torch._inductor import compile_fx as module
+
+    calls: list[int] = []
+    real = module.compile_fx
+
+    def counted(gm, example_inputs, *args, **kwargs):
+        calls.append(len(example_inputs))
+        if fail:
+            raise RuntimeError("no Inductor today")
+        return real(gm, example_inputs, *args, **kwargs)
+    monkeypatch.setattr(module, "compile_fx", counted)
+    return calls
+
+
+@_needs_cxx
+def test_inductors_form_is_lowered_at_its_first_call_once(monkeypatch):
+    """A form never run is never lowered: Inductor compiles a graph of the shared trace at the
+    first call of its form, not when dynamo hands the graph over, and once. Its results equal
+    eager's, an inference graph's (traced under no_grad, of a weight that requires grad)
+    needing no grad."""
+    from autopar.capture import dynamo
+
+    calls = _counted_inductor(monkeypatch)
+    switch = dynamo.WaySwitch()
+    backend = dynamo.make_backend(lambda graph, phase: SequentialRunner(graph), switch=switch)
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def fn(x):
+        return (x @ w).relu().sum(0)
+
+    compiled = torch.compile(fn, backend=backend)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        want = fn(x)
+        torch.testing.assert_close(compiled(x), want)  # autopar's form: nothing lowered
+        assert calls == []
+        switch.form = "inductor"
+        got = compiled(x)
+    assert len(calls) == 1 and not got.requires_grad
+    torch.testing.assert_close(got, want)
+    with torch.no_grad():
+        compiled(x)  # compiled once
+    assert len(calls) == 1 and switch.failed is None
+
+
+@_needs_cxx
+def test_where_inductor_fails_at_its_first_call_its_form_is_autopars(monkeypatch):
+    """Inductor failing on a graph when its form is first called: the call runs autopar's
+    form, correct, and the switch says why (the Dispatcher then leaves the inductor way out)."""
+    from autopar.capture import dynamo
+
+    calls = _counted_inductor(monkeypatch, fail=True)
+    switch = dynamo.WaySwitch()
+    backend = dynamo.make_backend(lambda graph, phase: SequentialRunner(graph), name="t",
+                                  switch=switch)
+
+    def fn(x):
+        return x.sin() * 2
+
+    compiled = torch.compile(fn, backend=backend)
+    x = torch.randn(6)
+    compiled(x)
+    switch.form = "inductor"
+    torch.testing.assert_close(compiled(x), fn(x))
+    torch.testing.assert_close(compiled(x), fn(x))
+    assert len(calls) == 1
+    assert switch.failed == "t: RuntimeError: no Inductor today"
+
+
 def _scaled(x, *, k=2.0):
     return torch.sin(x) * k
 

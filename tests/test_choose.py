@@ -752,6 +752,74 @@ def test_a_launch_bound_training_step_is_timed_against_cuda_graph_trees(monkeypa
     assert made[-1] == ("shared trace", "cudagraphs")
 
 
+@needs_cxx
+@pytest.mark.parametrize("case", ["launch-bound", "gpu-bound", "graphs fail"])
+def test_a_training_step_on_a_gpu_is_tried_without_inductor_first(monkeypatch, case):
+    """A training call on a GPU is timed first without Inductor: where eager's calls were
+    launch-bound, the next trial is CUDA graphs (cudagraph trees, a torch.compile of their
+    own), and Inductor's form of the shared trace is never built, so never lowered; where
+    they were not, Inductor's form; where the CUDA graphs fail, Inductor's form, and the CUDA
+    graphs are not tried again after it (the GPU stood in for by fake events: this host has
+    none). Every step's loss, and the parameters after, equal eager's."""
+    clock, cost = [0.0], {"now": 2.0}  # eager's calls take 2 s
+    stream = _Stream()
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda i: stream)
+    monkeypatch.setattr(_FakeEvent, "done", True)
+    monkeypatch.setattr(choose, "_clock", lambda: clock[0])
+    gpus = (frozenset({0}), frozenset({0}))
+    monkeypatch.setattr(autopar.api.Dispatcher, "_trial_gpus", lambda self, a, k: gpus)
+    bound = {"launch-bound": ("eager",), "gpu-bound": (),
+             "graphs fail": ("eager", "inductor")}[case]
+    monkeypatch.setattr(autopar.api, "launch_bound", lambda trial, way: way in bound)
+    torch.manual_seed(0)
+    model, ref, opt, ref_opt = adamw_pair(torch.nn.Linear(8, 4))
+    inner = adamw_step(model, opt)
+
+    def step(x):
+        if not torch.compiler.is_compiling():
+            clock[0] += cost["now"]
+        return inner(x)
+
+    g = autopar.compile(step, candidates="eager,inductor,cudagraphs")
+    made = []
+
+    def stand_in(maker: str, seconds: float):
+        def make(name):
+            made.append((maker, name))
+
+            def way(*args):
+                if name == "cudagraphs" and case == "graphs fail":
+                    raise torch._dynamo.exc.Unsupported("no CUDA graphs here")
+                cost["now"] = seconds
+                try:
+                    return step(*args)
+                finally:
+                    cost["now"] = 2.0
+            return way
+        return make
+
+    g._make_way, g._make_alone = stand_in("shared trace", 1.0), stand_in("its own", 0.5)
+    ref_step = adamw_step(ref, ref_opt)
+    for _ in range(1 + 6 * (TRIAL_CALLS + TURN_CALLS)):
+        x = torch.randn(16, 8)
+        torch.testing.assert_close(g(x), ref_step(x), rtol=1e-4, atol=1e-5)
+    if case == "launch-bound":
+        assert g.kept_way((x,)) == "cudagraphs"
+        assert made == [("its own", "cudagraphs")]  # Inductor's form never built
+        assert g.explain() == ("step, shapes (16, 8): runs cudagraphs: eager (eager 2 s); "
+                               "then cudagraphs (eager 2 s, cudagraphs 500 ms)")
+    elif case == "gpu-bound":
+        assert g.kept_way((x,)) == "inductor"
+        assert made == [("shared trace", "inductor")]
+    else:
+        assert g.kept_way((x,)) == "inductor"
+        assert made == [("its own", "cudagraphs"), ("shared trace", "inductor")]
+        assert "cudagraphs left out (Unsupported: no CUDA graphs here)" in g.explain()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
 def test_a_trial_times_each_way_as_a_kept_call_enters_it(monkeypatch):
     """Tiny calls are decided by fractions of a microsecond, so a trial times each way by the
     path a kept call takes: under ``guards="arguments"`` autopar's way at its Direct's head

@@ -780,6 +780,10 @@ class Dispatcher:
         self.families: dict[Family, dict[Any, None]] = {}
         self._by_family: set[Any] = set()  # signatures kept as their family's verdict
         self._checked: set[tuple[Any, str]] = set()  # (signature, way) whose results were checked
+        #: signature -> the stage of a training call's trials on a GPU ("first": eager's and
+        #: autopar's; "graphs": CUDA graphs'; "no graphs": Inductor's after CUDA graphs
+        #: failed) and the GPUs its compiled ways touch (:meth:`_next_way`)
+        self._later: dict[Any, tuple[str, frozenset[int]]] = {}
         #: what the function's capturing call changed besides its tensors (Python state, a
         #: random generator's), once seen: then no call is repeated to check its results
         self.impure: str | None = None
@@ -977,12 +981,18 @@ class Dispatcher:
             split = self._split_candidate(key, args, kwargs, runner.executors[first:])
         if split is not None:
             ways = (*ways, "split")
-        if len(ways) <= 1:
+        eager_gpus, ours = self._trial_gpus(args, kwargs) if len(ways) > 1 else ((), ())
+        if eager_gpus and "inductor" in ways and "cudagraphs" in runner.options.candidates \
+                and not self._inference():
+            # a training call on a GPU: Inductor's form, or its CUDA graphs, after eager's
+            # calls say which (_next_way): a form never tried is never lowered
+            ways = tuple(w for w in ways if w != "inductor")
+            self._later[key] = ("first", eager_gpus)
+        if len(ways) <= 1 and key not in self._later:
             trials_log.debug("autopar: %s: %s runs %s: nothing else to try", self.name,
                              _describe(key), ways[0] if ways else "autopar")
             self._keep(key, ways[0] if ways else "autopar")
         else:
-            eager_gpus, ours = self._trial_gpus(args, kwargs)
             gpus = {w: ours if w == "autopar" else eager_gpus for w in ways}
             if split is not None:
                 gpus["split"] = split
@@ -1147,6 +1157,12 @@ class Dispatcher:
             trials_log.warning("autopar: %s: the %s way failed where eager does not, and is "
                                "left out: %s", self.name, way, trial.dropped[way])
             out = self.fn(*args, **kwargs)
+        failed = self.switch.failed if self.switch is not None else None
+        if failed is not None and "inductor" in trial.ways and "inductor" not in trial.dropped:
+            # Inductor's form is compiled at its first call (capture.dynamo's _Deferred)
+            trial.drop("inductor", f"Inductor failed on a graph ({failed})")
+            trials_log.warning("autopar: %s: the inductor way is left out: %s", self.name,
+                               trial.dropped["inductor"])
         if check and way not in trial.dropped and self._repeatable():
             # a first call that can be repeated: eager's?
             self._checked.add((key, way))
@@ -1239,15 +1255,10 @@ class Dispatcher:
                             self._describe(key), trial.summary())
             self.verdicts.setdefault(key, []).append(f"{won} ({trial.summary()})")
             self.last_trial = trial
-            if not isinstance(key, Family) and self._graphs_may_pay(trial):
-                host, gpu = (fmt_seconds(statistics.median(t["inductor"]))
-                             for t in (trial.host, trial.gpu))
-                trials_log.info("autopar: %s: Inductor's calls are launch-bound (host %s, GPU "
-                                "%s a call): timing them as CUDA graphs against %s", self.name,
-                                host, gpu, won)
-                self.trials[key] = Trial({won: trial.gpus[won],
-                                          "cudagraphs": trial.gpus["inductor"]},
-                                         name=self.name)
+            nxt = None if isinstance(key, Family) else self._next_way(key, trial, won)
+            if nxt is not None:
+                way, gpus = nxt
+                self.trials[key] = Trial({won: trial.gpus[won], way: gpus}, name=self.name)
                 return out
             if _profiler._is_profiler_enabled:  # the verdict, as a mark in the profiler's trace
                 with _range(f"autopar:verdict {self.name} {won}"):
@@ -1328,6 +1339,40 @@ class Dispatcher:
             tensors += [*owner.parameters(), *owner.buffers()]
         return [(pystate.version_of(t), t.shape, t.stride(), t.storage_offset())
                 for t in tensors]
+
+    def _next_way(self, key: Any, trial: Trial, won: str) -> tuple[str, frozenset[int]] | None:
+        """The way a decided trial's winner ``won`` is timed against next, and the GPUs it
+        touches, or None: the trial is the last (see :mod:`autopar.choose`).
+
+        A training call on a GPU is tried first without Inductor (``_later``). Where eager's
+        calls were launch-bound, Inductor's code as CUDA graphs comes next (cudagraph trees:
+        one lowering, where Inductor's form and then its graphs would be two); where they
+        were not, or the CUDA graphs failed, Inductor's form. After a trial of Inductor's
+        form whose calls were launch-bound, its CUDA graphs (:meth:`_graphs_may_pay`)."""
+        later = self._later.pop(key, None)
+        if later is not None:
+            stage, gpus = later
+            if stage == "first" and launch_bound(trial, "eager"):
+                way, why = "cudagraphs", "eager's calls are launch-bound"
+            elif stage == "first":
+                way, why = "inductor", "eager's calls are not launch-bound"
+            elif stage == "graphs" and "cudagraphs" in trial.dropped:
+                way, why = "inductor", "its CUDA graphs failed"
+            else:  # CUDA graphs timed; or Inductor's form after they failed: not again
+                return None
+            if stage != "first" or way != "inductor":  # (else as any trial of Inductor's form)
+                self._later[key] = ("graphs" if way == "cudagraphs" else "no graphs", gpus)
+            trials_log.info("autopar: %s: %s: timing Inductor's %s against %s", self.name, why,
+                            "code as CUDA graphs" if way == "cudagraphs" else "form", won)
+            return way, gpus
+        if self._graphs_may_pay(trial):
+            host, gpu = (fmt_seconds(statistics.median(t["inductor"]))
+                         for t in (trial.host, trial.gpu))
+            trials_log.info("autopar: %s: Inductor's calls are launch-bound (host %s, GPU "
+                            "%s a call): timing them as CUDA graphs against %s", self.name,
+                            host, gpu, won)
+            return "cudagraphs", trial.gpus["inductor"]
+        return None
 
     def _graphs_may_pay(self, trial: Trial) -> bool:
         """Whether a decided trial calls for a second one, of its winner against CUDA graphs

@@ -40,6 +40,16 @@ Policy (one place decides "is autopar's plan better than what the user would oth
   one H200: eager 1.34 ms, Inductor 1.57, reduce-overhead 1.14; AdamW steps of BERT, GPT-2
   and HF's ResNet, small configs, batch 8: reduce-overhead 2.12, 2.58 and 2.04 ms against
   the better of eager and Inductor's 6.15, 5.64 and 5.11, 2026-12-02).
+  A training call on a GPU is staged the other way round, as its CUDA graphs are a lowering
+  of their own (cudagraph trees, ``torch.compile(mode="reduce-overhead")``) that Inductor's
+  form would only add to (GPT-2's AdamW step on one H100: autopar's first calls 1.83×
+  ``torch.compile``'s, 2026-12-05): its first trial leaves ``inductor`` out; where eager's
+  calls were launch-bound, the winner is timed against ``cudagraphs`` (Inductor's form of
+  the shared trace, compiled at its first call, is then never lowered), and where they were
+  not, or the CUDA graphs failed, against ``inductor`` (then ``cudagraphs`` as above, unless
+  it failed) (:meth:`autopar.api.Dispatcher._next_way`). Eager's launch-bound calls stand
+  for Inductor's: Inductor's code launches fewer kernels than eager's, and its CUDA graphs
+  none.
   ``split`` joins the first trial of an inference call where two or more devices of
   the batch's kind are named and the model predicts the split faster than not splitting
   (:meth:`autopar.api.Dispatcher._split_candidate`): kept only if measured faster.

@@ -15,10 +15,11 @@ Policy
   does with the same graph), and the callable dynamo gets runs the form the switch names.
   The measured choice's ``inductor`` way is then the same dynamo code with the switch on, not
   a second ``torch.compile`` tracing the function again (on one H200, Llama's first calls:
-  dynamo's tracing was 4.6 of 5.5 s, twice over). Inductor's form is compiled after
-  autopar's (Inductor's passes may rewrite the graph module in place). Where Inductor fails
-  on a graph, that graph runs autopar's form under either setting, and the switch says why
-  (``WaySwitch.failed``): the inductor way is then not Inductor's and is left out. A third
+  dynamo's tracing was 4.6 of 5.5 s, twice over). Inductor's form is compiled at its first
+  call (:class:`_Deferred`; a graph of symbolic sizes at once), after autopar's (Inductor's
+  passes may rewrite the graph module in place). Where Inductor fails on a graph, that graph
+  runs autopar's form under either setting, and the switch says why (``WaySwitch.failed``):
+  the inductor way is then not Inductor's and is left out. A third
   form, Inductor's function replayed as a CUDA graph, is built at its first use where a graph
   qualifies (:func:`_cuda_graph_form`) by what the switch is given (the runtime's capture).
 """
@@ -37,10 +38,11 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.fx
-from torch._guards import TracingContext
+from torch._guards import CompileContext, TracingContext
 
 from ..ir.graph import Graph
 from ..ir.locks import enter
+from ..ir.locks import tracing as tracing_lock
 from ..ir.logs import cover_torch_loggers, first_line, quiet_code
 from .fx import Unsupported, from_fx, source_of
 from .shapes import PerShape, is_symbolic
@@ -151,7 +153,7 @@ def _one_gpu(example_inputs: Sequence[Any]) -> str | None:
     return str(next(iter(devices)))
 
 
-def _cuda_graph_form(example_inputs: Sequence[Any], theirs: Callable, label: str,
+def _cuda_graph_form(example_inputs: Sequence[Any], theirs: _Deferred, label: str,
                      switch: WaySwitch, seen: dict[str, Any]) -> Callable[[], Callable] | None:
     """The builder of a graph's CUDA-graph form (``switch.replay`` of Inductor's function), or
     None where it has none: only aot_autograd's inference graphs (grad off while tracing, or
@@ -167,8 +169,11 @@ def _cuda_graph_form(example_inputs: Sequence[Any], theirs: Callable, label: str
         return None
 
     def build() -> Callable:
+        fn = theirs.compiled()
+        if theirs.failed:  # no Inductor's form to replay
+            return fn
         switch.graphed += 1
-        return switch.replay(theirs, device, label)  # type: ignore[misc]
+        return switch.replay(fn, device, label)  # type: ignore[misc]
     return build
 
 
@@ -256,20 +261,88 @@ def make_backend(build: GraphRunner, name: str = "autopar",
     def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         seen.update(writes=True, random=True, phase=None)  # for a graph no compiler of ours sees
         mine = ours(gm, example_inputs)
-        from torch._inductor.compile_fx import compile_fx  # lazy: slow to import
-
-        try:
-            theirs = compile_fx(gm, example_inputs)
-        except Exception as e:  # that graph runs autopar's form either way
-            if switch.failed is None:
-                switch.failed = f"{name}: {type(e).__name__}: {first_line(e)}"
-                log.info("autopar: Inductor failed on a graph of %s, which runs autopar's "
-                         "form in the inductor way too: %s", name, switch.failed)
-            return mine
+        theirs = _Deferred(gm, example_inputs, mine, name, switch)
+        if is_symbolic(example_inputs):  # Inductor may guard on sizes: while dynamo takes guards
+            theirs.compiled()
+            if theirs.failed:
+                return mine
         graphed = _cuda_graph_form(example_inputs, theirs, f"{name} (Inductor's form)",
                                    switch, seen)
         return _switched(mine, theirs, switch, graphed)
     return backend
+
+
+class _Deferred:
+    """Inductor's form of one graph (``compile_fx``, what ``torch.compile``'s default does with
+    it), compiled at its first call: a form never run is never lowered (a training step whose
+    trial goes from eager's calls straight to CUDA graphs, ``autopar.choose``; GPT-2's AdamW
+    step on one H100: Inductor's lowering of the shared trace was ~26 of autopar's 89 s of
+    first calls, 2026-12-05). As aot_autograd compiles a backward at its first use, the
+    compile runs in the tracing and compile contexts dynamo compiled the graph in, under the
+    grad mode and autocast state dynamo traced it with, holding dynamo's compile lock. A graph
+    of symbolic sizes is compiled at once (:meth:`compiled`), while dynamo takes guards:
+    Inductor may add guards on sizes. Where Inductor fails, the graph runs ``mine`` (autopar's
+    form) in every form and ``switch.failed`` says why (the inductor way is then left out)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                 mine: Callable, name: str, switch: WaySwitch) -> None:
+        self._gm: torch.fx.GraphModule | None = gm
+        self._inputs: Sequence[Any] | None = example_inputs
+        self._mine, self._name, self._switch = mine, name, switch
+        self._contexts = (TracingContext.try_get(), CompileContext.try_get())
+        self._state = _global_state()
+        self._fn: Callable | None = None
+        self.failed = False  #: Inductor failed on the graph (its form is ``mine``)
+
+    def compiled(self) -> Callable:
+        """Inductor's function, compiled now if not yet (``mine`` where Inductor failed)."""
+        if self._fn is None:
+            with tracing_lock():
+                if self._fn is None:
+                    self._fn = self._compile()
+        return self._fn
+
+    def __call__(self, *args: Any) -> Any:
+        fn = self._fn
+        return (fn if fn is not None else self.compiled())(*args)
+
+    def _compile(self) -> Callable:
+        from torch._inductor.compile_fx import compile_fx  # lazy: slow to import
+
+        gm, inputs, (ctx, compile_ctx) = self._gm, self._inputs, self._contexts
+        self._gm = self._inputs = None  # held no longer than needed
+        prior = _global_state()
+        try:
+            _set_global_state(self._state)
+            with torch._guards.tracing(ctx), torch._guards.compile_context(compile_ctx):
+                return compile_fx(gm, inputs)
+        except Exception as e:  # that graph runs autopar's form either way
+            self.failed = True
+            if self._switch.failed is None:
+                self._switch.failed = f"{self._name}: {type(e).__name__}: {first_line(e)}"
+                log.info("autopar: Inductor failed on a graph of %s, which runs autopar's "
+                         "form in the inductor way too: %s", self._name, self._switch.failed)
+            return self._mine
+        finally:
+            _set_global_state(prior)
+
+
+def _global_state() -> list[tuple[Callable[[Any], Any], Any]]:
+    """The global state dynamo traces a graph under and compiles it under (its
+    ``OutputGraph.save_global_state``): grad mode and autocast's, as (setter, value) pairs."""
+    gpu = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    gpu_type = gpu.type if gpu is not None else "cuda"
+    return [(torch.set_grad_enabled, torch.is_grad_enabled()),
+            *((functools.partial(torch.set_autocast_enabled, d), torch.is_autocast_enabled(d))
+              for d in (gpu_type, "cpu")),
+            *((functools.partial(torch.set_autocast_dtype, d), torch.get_autocast_dtype(d))
+              for d in (gpu_type, "cpu")),
+            (torch.set_autocast_cache_enabled, torch.is_autocast_cache_enabled())]
+
+
+def _set_global_state(state: list[tuple[Callable[[Any], Any], Any]]) -> None:
+    for setter, value in state:
+        setter(value)
 
 
 def _told(program: Callable, learn: Callable[[Callable, tuple, Any], None]) -> Callable:
