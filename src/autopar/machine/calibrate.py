@@ -429,7 +429,8 @@ def _curves(timer: Timer, device: str, mm_sizes: tuple[int, ...], add_sizes: tup
     ``read`` from ``sum`` over 2n floats (8n bytes read); ``write``, what producing 4n fresh bytes
     costs: ``add`` of two n-float arrays less the time of reading its 8n bytes, or, ``streamed``
     (the host: operands and outputs as a program has them, ``STREAM_BYTES``), ``full`` of n
-    floats into memory kept alive a while (on the 2-core VM, streamed ``sum`` and ``full`` add
+    floats into memory kept alive a while (streamed, each op less its time on one float: its
+    own dispatch and bookkeeping, not memory; on the 2-core VM, streamed ``sum`` and ``full`` add
     up to ``add`` within 25%; add less sum swung from 0 to 100 us at 4 MB). Sizes
     whose op the curve so far predicts to take over ``max_op_s`` are skipped.
     """
@@ -449,20 +450,32 @@ def _curves(timer: Timer, device: str, mm_sizes: tuple[int, ...], add_sizes: tup
     read: list[tuple[float, float]] = []
     write: list[tuple[float, float]] = []
     exp: list[tuple[float, float]] = []
+    # what a streamed op on one float costs past ``timer``'s own floor (``add``'s dispatch):
+    # its own dispatch and the holding of its output, not memory (``full``: 1.45 us of every
+    # write up to 4 KB on an H100's host, which priced a 5x10x5 matmul at 3.5 us against 1.9;
+    # ``sum`` 0.5 us)
+    one = _Operands(1, device, streamed) if streamed else None
+    floors = {"sum": timer(one.sum), "fresh": timer(one.fresh), "exp": timer(one.exp)} \
+        if one is not None else {}
+    del one
+
+    def less_floor(name: str, t: float) -> float:
+        return max(t - floors.get(name, 0.0), 0.1 * t)
+
     for n in add_sizes:
         if max(20 * n, _Operands.nbytes(n, streamed)) > max_bytes or too_slow(write, 4.0 * n):
             break
         ops = _Operands(n, device, streamed)
-        t_read = timer(ops.sum)
+        t_read = less_floor("sum", timer(ops.sum))
         if streamed:  # measured alone: add less sum swung 0-100 us at 4 MB (the VM)
-            t_write = timer(ops.fresh)
+            t_write = less_floor("fresh", timer(ops.fresh))
         else:
             t_add = timer(ops.add)
             t_write = max(t_add - t_read, 0.1 * t_add)
         read.append((8.0 * n, 8.0 * n / t_read))
         write.append((4.0 * n, 4.0 * n / t_write))
-        exp.append((float(n), n / timer(ops.exp if streamed else
-                                        lambda a=ops.first: aten.exp.default(a))))
+        exp.append((float(n), n / (less_floor("exp", timer(ops.exp)) if streamed else
+                                   timer(lambda a=ops.first: aten.exp.default(a)))))
         del ops
     conv: list[tuple[float, float]] = []
     for c, side in CONV_SIZES:

@@ -42,17 +42,23 @@ _HOST_MM = _rates([(500, 0.4e-6), (4e6, 16e-6), (_mm(256), 44.5e-6), (_mm(512), 
                    (_mm(1024), 1165.5e-6), (_mm(2048), 8246.5e-6), (_mm(4096), 62.7e-3)])
 _HOST_MM_1T = _rates([(1024, 0.2e-6), (6.55e4, 0.46e-6), (5.24e5, 4.35e-6), (4.19e6, 22.8e-6),
                       (3.36e7, 207e-6), (2.68e8, 1.68e-3), (2.15e9, 13.1e-3)])
-# bytes read (sum) and written (add's output, fresh memory: past 32 MB every call page-faults)
-_HOST_READ = _rates([(3.28e4, 0.22e-6), (1.31e5, 6.5e-6), (2.1e6, 12.8e-6), (8.39e6, 15.8e-6),
-                     (3.36e7, 27.3e-6), (1.34e8, 476e-6), (5.37e8, 2.51e-3)])
-_HOST_READ_1T = _rates([(8.19e3, 0.22e-6), (1.31e5, 1.78e-6), (5.24e5, 6.18e-6),
-                        (2.1e6, 58.7e-6), (8.39e6, 330e-6), (3.36e7, 1.33e-3), (1.34e8, 9.81e-3),
-                        (5.37e8, 46.5e-3)])
-_HOST_WRITE = _rates([(4.1e3, 0.02e-6), (1.64e4, 0.3e-6), (2.62e5, 1.03e-6), (4.19e6, 1.38e-6),
-                      (1.68e7, 20.1e-6), (6.71e7, 4.7e-3), (2.68e8, 18.7e-3)])
-_HOST_WRITE_1T = _rates([(1.64e4, 0.024e-6), (6.55e4, 0.3e-6), (2.62e5, 2.71e-6),
-                         (1.05e6, 76.7e-6), (4.19e6, 197e-6), (1.68e7, 731e-6),
-                         (6.71e7, 34.8e-3), (2.68e8, 134e-3)])
+# bytes read and written, streamed (operands taken in turn from 256 MB, outputs held: as a
+# program meets memory; `autopar calibrate --full` of a 16-core host of an H100 machine,
+# torch 2.11, 2026-12-05: benchmarks/results/profile-h100-2026-12-05-h.json; less each op's
+# own cost on a few bytes, `full` 1.45 us and `sum` 0.5, as calibration now takes them). The
+# curves before were timed on one hot array, its output freed at once (4 MB written in 1.4 us)
+_HOST_READ = _rates([(512, 5.3e-08), (8.19e3, 3.4e-07), (3.28e4, 1.5e-06), (1.31e5, 1.22e-05),
+                     (5.24e5, 1.95e-05), (2.1e6, 2.21e-05), (8.39e6, 5.57e-05),
+                     (3.36e7, 0.000238), (1.34e8, 0.000946), (5.37e8, 0.00524)])
+_HOST_READ_1T = _rates([(512, 6.1e-08), (8.19e3, 3.1e-07), (3.28e4, 2e-06), (1.31e5, 9.95e-06),
+                        (5.24e5, 3.66e-05), (2.1e6, 0.00015), (8.39e6, 0.000614),
+                        (3.36e7, 0.00244), (1.34e8, 0.0106), (5.37e8, 0.0402)])
+_HOST_WRITE = _rates([(256, 1.46e-07), (4.1e3, 2e-07), (1.64e4, 5.7e-07), (6.55e4, 1.73e-06),
+                      (2.62e5, 9.35e-06), (1.05e6, 1.09e-05), (4.19e6, 0.000327),
+                      (1.68e7, 0.000987), (6.71e7, 0.00587), (2.68e8, 0.0192)])
+_HOST_WRITE_1T = _rates([(256, 1.5e-07), (4.1e3, 1.56e-07), (1.64e4, 4.8e-07), (6.55e4, 1.73e-06),
+                         (2.62e5, 1.26e-05), (1.05e6, 4.98e-05), (4.19e6, 0.00164),
+                         (1.68e7, 0.0069), (6.71e7, 0.03), (2.68e8, 0.113)])
 
 # H200 kernel times: fp32 matmul (2048^3 in 343 us; MEASURED.md's 348 us includes launch and
 # sync), bytes read and written
