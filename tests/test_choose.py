@@ -700,17 +700,14 @@ def test_the_eager_way_of_a_training_step_runs_the_optimizer_as_built(monkeypatc
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 
 
-@needs_cxx
-def test_a_launch_bound_training_step_is_timed_against_cuda_graph_trees(monkeypatch):
-    """After a training step's trial in which Inductor's calls were launch-bound, a second
-    trial times the winner against the cudagraphs way, which for a training call is a
-    ``torch.compile(mode="reduce-overhead")`` of its own (``_make_alone``; here a stand-in
-    taking 0.5 s a call, as the host has no CUDA graphs), not the shared trace's replay
-    (``_make_way``), which replays inference graphs only. Kept where faster; every step's
-    loss, and the parameters after, equal eager's."""
-    clock, cost = [0.0], {"now": 2.0}  # eager's calls take 2 s
+def _stood_in_step(monkeypatch, failing: str | None = None):
+    """An AdamW step compiled with candidates eager, inductor and cudagraphs whose eager calls
+    take 2 s of the trial's clock, its compiled ways stood in for (the host has no CUDA
+    graphs): the shared trace's (``_make_way``) 1 s a call, a torch.compile of its own
+    (``_make_alone``) 0.5 s; the way named ``failing`` raises as dynamo would. Returns the
+    compiled step, the eager pair to compare with and the ways made, in order."""
+    clock, cost = [0.0], {"now": 2.0}
     monkeypatch.setattr(choose, "_clock", lambda: clock[0])
-    monkeypatch.setattr(autopar.api, "launch_bound", lambda trial, way: way == "inductor")
     torch.manual_seed(0)
     model, ref, opt, ref_opt = adamw_pair(torch.nn.Linear(8, 4))
     inner = adamw_step(model, opt)
@@ -728,6 +725,8 @@ def test_a_launch_bound_training_step_is_timed_against_cuda_graph_trees(monkeypa
             made.append((maker, name))
 
             def way(*args):
+                if name == failing:
+                    raise torch._dynamo.exc.Unsupported(f"no {name} here")
                 cost["now"] = seconds
                 try:
                     return step(*args)
@@ -737,16 +736,35 @@ def test_a_launch_bound_training_step_is_timed_against_cuda_graph_trees(monkeypa
         return make
 
     g._make_way, g._make_alone = stand_in("shared trace", 1.0), stand_in("its own", 0.5)
-    ref_step = adamw_step(ref, ref_opt)
+    return g, (model, ref, adamw_step(ref, ref_opt)), made
+
+
+def _steps_equal_eager(g, pair) -> torch.Tensor:
+    """Enough steps for three trials, each loss equal to eager's; then the parameters."""
+    model, ref, ref_step = pair
     for _ in range(1 + 6 * (TRIAL_CALLS + TURN_CALLS)):
         x = torch.randn(16, 8)
         torch.testing.assert_close(g(x), ref_step(x), rtol=1e-4, atol=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    return x
+
+
+@needs_cxx
+def test_a_launch_bound_training_step_is_timed_against_cuda_graph_trees(monkeypatch):
+    """After a training step's trial in which Inductor's calls were launch-bound, a second
+    trial times the winner against the cudagraphs way, which for a training call is a
+    ``torch.compile(mode="reduce-overhead")`` of its own (``_make_alone``; here a stand-in
+    taking 0.5 s a call, as the host has no CUDA graphs), not the shared trace's replay
+    (``_make_way``), which replays inference graphs only. Kept where faster; every step's
+    loss, and the parameters after, equal eager's."""
+    monkeypatch.setattr(autopar.api, "launch_bound", lambda trial, way: way == "inductor")
+    g, pair, made = _stood_in_step(monkeypatch)
+    x = _steps_equal_eager(g, pair)
     assert g.kept_way((x,)) == "cudagraphs"
     assert made == [("shared trace", "inductor"), ("its own", "cudagraphs")]
     assert g.explain() == ("step, shapes (16, 8): runs cudagraphs: inductor (eager 2 s, "
                            "inductor 1 s); then cudagraphs (inductor 1 s, cudagraphs 500 ms)")
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
     with torch.no_grad():  # an inference call's CUDA graphs are the shared trace's replay
         g._way("cudagraphs")
     assert made[-1] == ("shared trace", "cudagraphs")
@@ -761,49 +779,18 @@ def test_a_training_step_on_a_gpu_is_tried_without_inductor_first(monkeypatch, c
     they were not, Inductor's form; where the CUDA graphs fail, Inductor's form, and the CUDA
     graphs are not tried again after it (the GPU stood in for by fake events: this host has
     none). Every step's loss, and the parameters after, equal eager's."""
-    clock, cost = [0.0], {"now": 2.0}  # eager's calls take 2 s
     stream = _Stream()
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda i: stream)
     monkeypatch.setattr(_FakeEvent, "done", True)
-    monkeypatch.setattr(choose, "_clock", lambda: clock[0])
     gpus = (frozenset({0}), frozenset({0}))
     monkeypatch.setattr(autopar.api.Dispatcher, "_trial_gpus", lambda self, a, k: gpus)
     bound = {"launch-bound": ("eager",), "gpu-bound": (),
              "graphs fail": ("eager", "inductor")}[case]
     monkeypatch.setattr(autopar.api, "launch_bound", lambda trial, way: way in bound)
-    torch.manual_seed(0)
-    model, ref, opt, ref_opt = adamw_pair(torch.nn.Linear(8, 4))
-    inner = adamw_step(model, opt)
-
-    def step(x):
-        if not torch.compiler.is_compiling():
-            clock[0] += cost["now"]
-        return inner(x)
-
-    g = autopar.compile(step, candidates="eager,inductor,cudagraphs")
-    made = []
-
-    def stand_in(maker: str, seconds: float):
-        def make(name):
-            made.append((maker, name))
-
-            def way(*args):
-                if name == "cudagraphs" and case == "graphs fail":
-                    raise torch._dynamo.exc.Unsupported("no CUDA graphs here")
-                cost["now"] = seconds
-                try:
-                    return step(*args)
-                finally:
-                    cost["now"] = 2.0
-            return way
-        return make
-
-    g._make_way, g._make_alone = stand_in("shared trace", 1.0), stand_in("its own", 0.5)
-    ref_step = adamw_step(ref, ref_opt)
-    for _ in range(1 + 6 * (TRIAL_CALLS + TURN_CALLS)):
-        x = torch.randn(16, 8)
-        torch.testing.assert_close(g(x), ref_step(x), rtol=1e-4, atol=1e-5)
+    g, pair, made = _stood_in_step(monkeypatch,
+                                   failing="cudagraphs" if case == "graphs fail" else None)
+    x = _steps_equal_eager(g, pair)
     if case == "launch-bound":
         assert g.kept_way((x,)) == "cudagraphs"
         assert made == [("its own", "cudagraphs")]  # Inductor's form never built
@@ -815,9 +802,7 @@ def test_a_training_step_on_a_gpu_is_tried_without_inductor_first(monkeypatch, c
     else:
         assert g.kept_way((x,)) == "inductor"
         assert made == [("its own", "cudagraphs"), ("shared trace", "inductor")]
-        assert "cudagraphs left out (Unsupported: no CUDA graphs here)" in g.explain()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+        assert "cudagraphs left out (Unsupported: no cudagraphs here)" in g.explain()
 
 
 def test_a_trial_times_each_way_as_a_kept_call_enters_it(monkeypatch):
