@@ -350,6 +350,40 @@ def test_a_cache_that_cannot_keep_the_profile_measures_once_a_process(monkeypatc
     assert detect().profile.source == "measured-quick" and calls == ["quick"]
 
 
+def test_processes_started_at_once_measure_the_host_once(monkeypatch, capsys):
+    """While another process measures the host (its lock beside the profile held: a thread
+    stands in for it, flock locks open files), a process that finds no profile waits, says
+    so, and loads the profile the other saved instead of measuring a busy host; one asking
+    to calibrate by name measures after it."""
+    import threading
+    import time
+
+    from autopar.ir.locks import file_lock
+
+    calls = _counting_calibrate(monkeypatch)
+    host = host_info()
+    path = profile_path(fingerprint_of(host))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    held, done = threading.Event(), threading.Event()
+
+    def other_process():
+        with file_lock(path.with_name(f".{path.name}.lock")):
+            held.set()
+            time.sleep(0.3)
+            save_profile(replace(_profile_of(host), source="measured-by-the-other"), path)
+        done.set()
+
+    thread = threading.Thread(target=other_process)
+    thread.start()
+    held.wait()
+    m = detect()
+    assert done.is_set() and m.profile.source == "measured-by-the-other" and calls == []
+    assert "another process is measuring this host: waiting" in capsys.readouterr().err
+    thread.join()
+    assert detect(calibrate="quick").profile.source == "measured-quick"
+    assert calls == ["quick"]
+
+
 def test_calibrating_by_name_measures_despite_no_measure(monkeypatch):
     calls = _counting_calibrate(monkeypatch)
     monkeypatch.setenv("AUTOPAR_NO_MEASURE", "1")

@@ -45,14 +45,13 @@ Nothing here imports CUDA-only code: costs are pure functions of a node, a Machi
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import operator
 import statistics
 import threading
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +60,7 @@ import torch
 
 from autopar.ir.collective import COMM, inline, is_collective, take
 from autopar.ir.graph import Node, TensorMeta, op_name
+from autopar.ir.locks import file_lock
 from autopar.ir.ops import SCALAR_FUNCTIONS, has_kernel, is_fused_update
 from autopar.ir.routing import home_device, pool
 from autopar.machine.model import (
@@ -205,7 +205,7 @@ class History:
             _write_json_atomic(target, self.to_json())
             return target
         target.parent.mkdir(parents=True, exist_ok=True)
-        with _file_lock(target.with_name(f".{target.name}.lock")), self._lock:
+        with file_lock(target.with_name(f".{target.name}.lock")), self._lock:
             try:
                 disk = History.from_json(json.loads(target.read_text()), self.fingerprint)
             except (OSError, ValueError, TypeError, UnicodeDecodeError):
@@ -341,23 +341,6 @@ COLLECTIVE_LATENCY_S = 20e-6
 all-reduce over 8 NVLink GPUs takes tens of microseconds (its LL protocols). An assumption, not
 calibrated: no machine with two GPUs was lent to measure it (``autopar calibrate`` measures
 links, not collectives)."""
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """An exclusive lock on ``path`` (created) between processes, where the OS has ``fcntl``;
-    elsewhere none (saves may then lose each other's samples, never corrupt the file)."""
-    try:
-        import fcntl  # POSIX only: absent on Windows
-    except ImportError:  # not a POSIX system
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 # -- the model -------------------------------------------------------------------------------

@@ -23,6 +23,10 @@ Policy
   for fake ones while it traces: a call of that module in another thread then read
   FunctionalTensors, and two overlapping swaps each put back the other's fakes for good,
   2026-12-05). A thread's own calls never wait for its own section, nor it for them.
+- Between processes, :func:`file_lock`: a file beside what is written (the cost model's
+  history; the host's profile while it is measured, so that processes started at once, as
+  ``torchrun`` starts them, measure the host one at a time and the later ones load the
+  first one's profile instead of measuring a host the others keep busy).
 """
 
 from __future__ import annotations
@@ -30,11 +34,12 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch.fx._symbolic_trace as _fx
 
-__all__ = ["Gate", "enter", "tracing"]
+__all__ = ["Gate", "enter", "file_lock", "tracing"]
 
 _own = threading.RLock()
 
@@ -118,3 +123,31 @@ class Gate:
                 if not self._depth:
                     self._owner = None
                 self._cond.notify_all()
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, waiting: Callable[[], None] | None = None) -> Iterator[bool]:
+    """An exclusive lock on ``path`` (created) between processes, where the OS has ``fcntl``
+    and the file can be made; elsewhere none. Yields whether it is held. ``waiting`` is called
+    once, before waiting, where another process holds it."""
+    try:
+        import fcntl  # POSIX only: absent on Windows
+    except ImportError:  # not a POSIX system
+        yield False
+        return
+    try:
+        f = open(path, "a")  # noqa: SIM115 - closed below, after the lock is let go
+    except OSError:  # a folder that can't be written: nothing there to protect
+        yield False
+        return
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting is not None:
+                waiting()
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..ir.locks import file_lock
 from . import calibrate as calibration
 from .host import (
     _gpus,
@@ -55,7 +56,9 @@ def detect(cpu_workers: int | None = None, calibrate: bool | str = False,
     replaced by a quick calibration, or by conservative defaults when ``measure`` is False (or
     ``AUTOPAR_NO_MEASURE=1``). ``cpu_workers``: logical CPU workers (default 2 on hosts with at
     least 2 cores). A profile measured on a busy host (:attr:`Profile.busy`) does not replace a
-    good one: the earlier one is kept and a line says why, unless ``force``.
+    good one: the earlier one is kept and a line says why, unless ``force``. Processes measure
+    the host one at a time (a lock file beside the profile); one that found no profile and
+    waited for another's measurement loads that one's profile.
     """
     host = host_info()
     gpus = _gpus()
@@ -91,7 +94,18 @@ def detect(cpu_workers: int | None = None, calibrate: bool | str = False,
     if profile is not None and profile.is_defaults and allowed:
         profile = None  # defaults were a stopgap: measure now that measuring is allowed
     if profile is None or (mode is not None and allowed):
-        if allowed:
+        if not allowed:
+            profile = default_profile(host, gpus, peers)
+            _save(profile, path)
+            return _machine_for(profile, host, len(gpus), peers, cpu_workers, path)
+        # one process at a time measures the host (torchrun starts its ranks at once: each
+        # would measure a host the others keep busy); one that waited loads the profile
+        with file_lock(path.with_name(f".{path.name}.lock"), waiting=lambda: _say(
+                f"another process is measuring this host: waiting for its profile ({path})")):
+            if calibrate is False:
+                earlier = _good_profile(path, fp, len(gpus))
+                if earlier is not None:  # measured while this one waited
+                    return _machine_for(earlier, host, len(gpus), peers, cpu_workers, path)
             mode = mode or "quick"
             if calibrate is False:
                 _say(f"{why}: calibrating ({mode}, about 20 s; AUTOPAR_NO_MEASURE=1 skips "
@@ -107,18 +121,22 @@ def detect(cpu_workers: int | None = None, calibrate: bool | str = False,
             if profile.busy:
                 _say(f"the host was busy while measuring ({profile.busy}): the numbers may be "
                      "slow; calibrate again on a quiet host")
-        else:
-            profile = default_profile(host, gpus, peers)
-        try:
-            save_profile(profile, path)
-            _UNSAVED.pop(path, None)
-        except OSError as e:
-            if not profile.is_defaults:
-                _UNSAVED[path] = profile
-            warnings.warn(f"autopar: could not save the profile to {path}: {e}; this process "
-                          "keeps it, the next one measures again: set AUTOPAR_CACHE_DIR to a "
-                          "folder it can write", RuntimeWarning, stacklevel=3)
+            _save(profile, path)
     return _machine_for(profile, host, len(gpus), peers, cpu_workers, path)
+
+
+def _save(profile: Profile, path: Path) -> None:
+    """Save ``profile``, or, where the cache can't keep it, keep a measured one for this
+    process (see ``_UNSAVED``) and say so."""
+    try:
+        save_profile(profile, path)
+        _UNSAVED.pop(path, None)
+    except OSError as e:
+        if not profile.is_defaults:
+            _UNSAVED[path] = profile
+        warnings.warn(f"autopar: could not save the profile to {path}: {e}; this process "
+                      "keeps it, the next one measures again: set AUTOPAR_CACHE_DIR to a "
+                      "folder it can write", RuntimeWarning, stacklevel=4)
 
 
 _UNSAVED: dict[Path, Profile] = {}
