@@ -37,7 +37,7 @@ def test_devices_restrict_placement_as_compile_does():
                             devices=["cuda:0"])
     assert {row.device for row in alone.rows} == {"cuda:0"}
     assert alone.predicted_s > 2.5 * report.predicted_s
-    with pytest.raises(ValueError, match="subset"):
+    with pytest.raises(ValueError, match="'cuda:5' does not exist: machine h200x2 has cuda:0"):
         autopar.explain(two_chains, x, x, machine="h200x2", inputs_on="cuda:0",
                         devices=["cuda:5"])
 
@@ -52,8 +52,12 @@ def test_devices_are_named_as_compile_takes_them():
     host = autopar.explain(two_chains, torch.rand(8, 8), torch.rand(8, 8), machine="h200x2",
                            devices=["cpu"])
     assert {row.device for row in host.rows} == {"cpu:0"}
-    with pytest.raises(ValueError, match=r"devices of machine h200x2 \(cpu:0, cpu:1, cuda:0"):
+    with pytest.raises(ValueError, match=r"machine h200x2 has cuda:0, cuda:1$"):
         autopar.explain(two_chains, x, x, machine="h200x2", devices="cuda:5")
+    with pytest.raises(ValueError, match=r"devices \['cpu:0', 'cpu:1', 'cpu:2'\] must be a "
+                                         r"non-empty subset of the devices of machine h200x2 "
+                                         r"\(cpu:0, cpu:1, cuda:0, cuda:1\)"):
+        autopar.explain(two_chains, x, x, machine="h200x2", devices="cpu:0,cpu:1,cpu:2")
 
 
 def test_explaining_one_function_by_running_it_again_and_again_captures_each_time():

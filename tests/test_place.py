@@ -389,7 +389,8 @@ def test_devices_restrict_where_ops_go_but_inputs_stay():
     p = place(g, chains_cost(), devices=["cpu:0"])
     assert set(devices_of(p).values()) == {"cpu:0"}
     assert p.device[by_name(g)["x"]] == "cuda:0"
-    with pytest.raises(ValueError, match=r"devices \['cuda:7'\] must be a non-empty subset"):
+    with pytest.raises(ValueError, match=r"device 'cuda:7' does not exist: machine \S+ has "
+                                         r"cuda:0, cuda:1$"):
         place(g, chains_cost(), devices=["cuda:7"])
 
 

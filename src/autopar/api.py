@@ -34,7 +34,6 @@ import functools
 import logging
 import operator
 import os
-import re
 import statistics
 import threading
 import weakref
@@ -77,6 +76,7 @@ from .ir.ops import PLAIN_VALUES
 from .ir.routing import cuda_indices
 from .ir.units import fmt_seconds
 from .machine.detect import check_machine, load_machine
+from .machine.model import parse_devices
 from .passes.cudagraphs import capture_rule
 from .passes.fusion import fusion_devices, prefer_fused, regions_to_fuse
 from .report.trace import save_chrome_trace
@@ -95,53 +95,6 @@ log = logging.getLogger("autopar.placement")
 trials_log = logging.getLogger("autopar.trials")
 
 GUARDS = ("all", "arguments")
-_DEVICE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
-MAX_CPU_WORKERS = 64
-
-
-def parse_devices(devices: str | Sequence[str] | None) -> tuple[str, ...]:
-    """Normalize a device spec to a tuple of autopar device names, checking they exist.
-
-    Accepts "auto", a comma-separated string ("cuda:0,cuda:1", "cpu:0, cpu:1") or a list.
-    "cpu" means cpu:0 and "cuda" means cuda:0.
-    """
-    if devices is None or devices == "auto":
-        return ("cpu:0", *(f"cuda:{i}" for i in range(torch.cuda.device_count())))
-    if isinstance(devices, str):
-        items = [d.strip() for d in devices.split(",") if d.strip()]
-    elif isinstance(devices, Sequence):
-        items = [str(d).strip() for d in devices]
-    else:
-        raise TypeError(
-            f"devices must be 'auto', a comma-separated string or a list of device names, "
-            f"not {type(devices).__name__}")
-    if not items:
-        raise ValueError("devices is empty: name at least one device, e.g. devices='cpu:0'")
-    out: list[str] = []
-    n_gpus = torch.cuda.device_count()
-    for item in items:
-        m = _DEVICE.match(item)
-        if m is None:
-            raise ValueError(
-                f"malformed device {item!r}: write 'cpu:N' (a logical CPU worker) or 'cuda:N', "
-                "e.g. devices=['cpu:0', 'cuda:0']")
-        kind, index = m.group(1), int(m.group(2) or 0)
-        if kind == "cuda" and index >= n_gpus:
-            have = ", ".join(f"cuda:{i}" for i in range(n_gpus)) or "no CUDA devices"
-            raise ValueError(f"device {item!r} does not exist: this machine has {have}")
-        if kind == "cpu" and index >= MAX_CPU_WORKERS:
-            raise ValueError(f"device {item!r}: at most {MAX_CPU_WORKERS} logical CPU workers")
-        name = f"{kind}:{index}"
-        if name in out:
-            raise ValueError(f"device {name!r} is named twice in devices={devices!r}")
-        out.append(name)
-    cpus = sorted(int(d[4:]) for d in out if d.startswith("cpu"))
-    if cpus != list(range(len(cpus))):
-        want = ",".join(f"cpu:{i}" for i in range(max(cpus) + 1))
-        raise ValueError(
-            f"devices={devices!r} skips a CPU worker: logical CPU workers are numbered from "
-            f"cpu:0 up without gaps (write {want!r})")
-    return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -76,6 +77,7 @@ __all__ = [
     "default_profile",
     "fingerprint_of",
     "link_key",
+    "parse_devices",
 ]
 
 SCHEMA_VERSION = 3
@@ -555,6 +557,59 @@ class Machine:
         gpus = ", ".join(f"{d.name} {self.profile.device(d.name).model}" for d in self.gpus)
         return (f"{self.name}: {self.cpu_workers} CPU workers x {self.cpu_threads} threads"
                 + (f", {gpus}" if gpus else "") + f" [{self.profile.source}]")
+
+
+MAX_CPU_WORKERS = 64
+"""Logical CPU workers a device spec may name at most."""
+_DEVICE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
+
+
+def parse_devices(devices: str | Sequence[str] | None, gpus: int | None = None,
+                  machine: str = "this machine") -> tuple[str, ...]:
+    """Normalize a device spec to a tuple of autopar device names, checking they exist.
+
+    Accepts "auto", a comma-separated string ("cuda:0,cuda:1", "cpu:0, cpu:1") or a list.
+    "cpu" means cpu:0 and "cuda" means cuda:0. ``gpus``: the GPUs a ``cuda:N`` must be among
+    (None: this host's; a preset's number where one is planned for), ``machine`` its name in
+    errors. "auto" is cpu:0 and every GPU.
+    """
+    n_gpus = torch.cuda.device_count() if gpus is None else gpus
+    if devices is None or devices == "auto":
+        return ("cpu:0", *(f"cuda:{i}" for i in range(n_gpus)))
+    if isinstance(devices, str):
+        items = [d.strip() for d in devices.split(",") if d.strip()]
+    elif isinstance(devices, Sequence):
+        items = [str(d).strip() for d in devices]
+    else:
+        raise TypeError(
+            f"devices must be 'auto', a comma-separated string or a list of device names, "
+            f"not {type(devices).__name__}")
+    if not items:
+        raise ValueError("devices is empty: name at least one device, e.g. devices='cpu:0'")
+    out: list[str] = []
+    for item in items:
+        m = _DEVICE.match(item)
+        if m is None:
+            raise ValueError(
+                f"malformed device {item!r}: write 'cpu:N' (a logical CPU worker) or 'cuda:N', "
+                "e.g. devices=['cpu:0', 'cuda:0']")
+        kind, index = m.group(1), int(m.group(2) or 0)
+        if kind == "cuda" and index >= n_gpus:
+            have = ", ".join(f"cuda:{i}" for i in range(n_gpus)) or "no CUDA devices"
+            raise ValueError(f"device {item!r} does not exist: {machine} has {have}")
+        if kind == "cpu" and index >= MAX_CPU_WORKERS:
+            raise ValueError(f"device {item!r}: at most {MAX_CPU_WORKERS} logical CPU workers")
+        name = f"{kind}:{index}"
+        if name in out:
+            raise ValueError(f"device {name!r} is named twice in devices={devices!r}")
+        out.append(name)
+    cpus = sorted(int(d[4:]) for d in out if d.startswith("cpu"))
+    if cpus != list(range(len(cpus))):
+        want = ",".join(f"cpu:{i}" for i in range(max(cpus) + 1))
+        raise ValueError(
+            f"devices={devices!r} skips a CPU worker: logical CPU workers are numbered from "
+            f"cpu:0 up without gaps (write {want!r})")
+    return tuple(out)
 
 
 def _devices(cpu_workers: int, n_gpus: int) -> tuple[Device, ...]:

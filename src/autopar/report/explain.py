@@ -37,10 +37,10 @@ from ..ir.routing import GraphIndex, free_move_on
 from ..ir.units import fmt_seconds
 from ..machine.detect import load_machine
 from ..machine.host import no_cuda_error
-from ..machine.model import Machine
+from ..machine.model import Machine, parse_devices
 from ..passes.fusion import fusion_devices, prefer_fused
 from ..runtime.sequential import SequentialRunner
-from ..schedule.place import Placement, named_devices, place, places_by_cost
+from ..schedule.place import Placement, place, places_by_cost
 from ..schedule.plan import make_plan
 from ..schedule.simulate import issue_s, runs_as_eager, simulate
 from ..schedule.steps import Plan
@@ -221,7 +221,8 @@ def explain_graph(graph: Graph, machine: Machine | str | None = None,
     ``autopar.compile(devices=...)`` restricts them."""
     machine = load_machine(machine)
     cost = CostModel(machine)
-    devices = named_devices(devices) if devices is not None else None
+    devices = list(parse_devices(devices, len(machine.gpus), f"machine {machine.name}")) \
+        if devices is not None else None
     placement = place(graph, cost, policy=policy, devices=devices)
     plan = make_plan(placement, cost)
     if places_by_cost(policy):  # the plan autopar.compile keeps (see prefer_fused)

@@ -130,6 +130,7 @@ from ..ir.routing import (
     storage_of,
 )
 from ..ir.units import fmt_bytes, fmt_seconds
+from ..machine.model import parse_devices
 
 __all__ = ["POLICIES", "Placement", "Slot", "lower_bound", "memory_limits",
            "merged_order", "place", "places_by_cost", "retime"]
@@ -1055,7 +1056,8 @@ def place(graph: Graph, cost: Any, policy: str = "heft", devices: Sequence[str] 
         raise ValueError(f"unknown placement policy {policy!r}; valid policies: "
                          f"{', '.join(_POLICIES)}")
     names = [d.name for d in cost.machine.devices]
-    chosen = list(names) if devices is None else named_devices(devices)
+    chosen = list(names) if devices is None else \
+        list(parse_devices(devices, len(cost.machine.gpus), f"machine {cost.machine.name}"))
     unknown = [d for d in chosen if d not in names]
     if unknown or not chosen:
         raise ValueError(f"devices {chosen} must be a non-empty subset of the devices of "
@@ -1066,15 +1068,6 @@ def place(graph: Graph, cost: Any, policy: str = "heft", devices: Sequence[str] 
                          f"does not have (devices: {names})")
     with gc_paused():
         return _place(graph, cost, policy, chosen, memory_limits(cost, memory), pins)
-
-
-def named_devices(devices: str | Iterable[str]) -> list[str]:
-    """A device spec as ``autopar.compile`` takes it ("cuda:0", "cpu:0,cuda:1", a list; "cpu"
-    and "cuda" are the first of their kind), as a list of names; checked against a machine by
-    :func:`place`."""
-    items = devices.split(",") if isinstance(devices, str) else devices
-    return [{"cpu": "cpu:0", "cuda": "cuda:0"}.get(d.strip(), d.strip())
-            for d in items if d.strip()]
 
 
 def _host_of(devices: Iterable[str]) -> str | None:
