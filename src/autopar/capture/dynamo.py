@@ -311,6 +311,7 @@ class _Deferred:
 
         gm, inputs, (ctx, compile_ctx) = self._gm, self._inputs, self._contexts
         self._gm = self._inputs = None  # held no longer than needed
+        self._contexts = (None, None)
         prior = _global_state()
         try:
             _set_global_state(self._state)
