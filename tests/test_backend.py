@@ -3,12 +3,15 @@ that every graph, wrapped or not, gives eager's values, mutations and aliasing."
 
 from __future__ import annotations
 
+import gc
 import shutil
+import weakref
 from collections.abc import Callable
 
 import pytest
 import torch
 
+import autopar
 from autopar.capture.dynamo import make_backend, with_own_code
 from autopar.runtime import SequentialRunner
 
@@ -241,6 +244,95 @@ def test_where_inductor_fails_at_its_first_call_its_form_is_autopars(monkeypatch
     torch.testing.assert_close(compiled(x), fn(x))
     assert len(calls) == 1
     assert switch.failed == "t: RuntimeError: no Inductor today"
+
+
+@_needs_cxx
+def test_an_inductor_form_never_run_holds_none_of_the_users_tensors():
+    """Dynamo hands the backend real tensors (parameters, the batch, an optimizer graph's
+    gradients); a form compiled at its first call holds them as dynamo's fakes, so a model
+    compiled and called once (Inductor's form never run) is freed with its weights and the
+    call's input, and a step's first gradients go when ``zero_grad`` lets them go."""
+    def compiled_once():
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(),
+                                    torch.nn.Linear(16, 4))
+        x = torch.randn(3, 16)
+        g = autopar.compile(model, candidates="eager,inductor")
+        with torch.no_grad():
+            g(x)  # the capturing call: autopar's form
+        assert autopar.api.dispatcher_of(g).switch.pending  # Inductor's form not compiled
+        return weakref.ref(model[0].weight), weakref.ref(x)
+
+    weight, x = compiled_once()
+    gc.collect()
+    assert weight() is None and x() is None
+
+    model = torch.nn.Linear(32, 32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(x):
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+
+    g = autopar.compile(step, candidates="eager,inductor")
+    x = torch.randn(4, 32)
+    g(x)
+    first = weakref.ref(model.weight.grad)
+    g(x)
+    gc.collect()
+    assert first() is None
+
+
+@_needs_cxx
+def test_where_inductor_alone_is_a_candidate_it_is_compiled_before_it_is_kept(monkeypatch):
+    """With the inductor way the only candidate it is kept untimed, so its forms are compiled
+    then: Inductor failing there keeps autopar's way, and says so (kept as "inductor" it would
+    have run autopar's form under Inductor's name)."""
+    _counted_inductor(monkeypatch, fail=True)
+
+    def f(x):
+        return torch.tanh(x) * 0.5 + x
+
+    g = autopar.compile(f, candidates="inductor")
+    x = torch.randn(64)
+    for _ in range(3):
+        torch.testing.assert_close(g(x), f(x))
+    assert g.kept_way((x,)) == "autopar"
+    assert "Inductor failed on a graph: f: RuntimeError: no Inductor today" in g.explain()
+
+
+@_needs_cxx
+def test_inductor_failing_on_one_signature_leaves_it_out_of_that_ones_trial_alone(monkeypatch):
+    """Inductor fails on a float64 graph only: the float64 signature's trial leaves the
+    inductor way out, the float32 one's, open at the time, still times it."""
+    from torch._inductor import compile_fx as module
+
+    real = module.compile_fx
+
+    def picky(gm, example_inputs, *args, **kwargs):
+        if any(getattr(t, "dtype", None) == torch.float64 for t in example_inputs):
+            raise RuntimeError("no float64 today")
+        return real(gm, example_inputs, *args, **kwargs)
+    monkeypatch.setattr(module, "compile_fx", picky)
+
+    def chain(x):
+        for _ in range(4):
+            x = torch.tanh(x) * 0.5 + x
+        return x
+
+    a = torch.randn(1, 256)
+    b = a.double()
+    g = autopar.compile(chain, candidates="eager,inductor")
+    d = autopar.api.dispatcher_of(g)
+    for x in [a] * 3 + [b] * 60 + [a] * 200:
+        torch.testing.assert_close(g(x), chain(x))
+        if g.kept_way((a,)) is not None and g.kept_way((b,)) is not None:
+            break
+    verdicts = {next(k for k in key if isinstance(k, torch.dtype)): v[0]
+                for key, v in d.verdicts.items()}
+    assert "inductor left out (Inductor failed on a graph (chain: RuntimeError: no float64" \
+        in verdicts[torch.float64]
+    assert "left out" not in verdicts[torch.float32] and "inductor " in verdicts[torch.float32]
 
 
 def _scaled(x, *, k=2.0):

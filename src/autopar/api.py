@@ -941,6 +941,13 @@ class Dispatcher:
             # calls say which (_next_way): a form never tried is never lowered
             ways = tuple(w for w in ways if w != "inductor")
             self._later[key] = ("first", eager_gpus)
+        if ways == ("inductor",) and self.switch is not None:
+            failures = self.switch.failures
+            self.switch.compile_pending()  # kept untimed: whether Inductor fails, known now
+            if self.switch.failures > failures:
+                trials_log.warning("autopar: %s: the inductor way is left out: Inductor failed "
+                                   "on a graph (%s)", self.name, self.switch.last_failure)
+                ways = ()
         if len(ways) <= 1 and key not in self._later:
             trials_log.debug("autopar: %s: %s runs %s: nothing else to try", self.name,
                              _describe(key), ways[0] if ways else "autopar")
@@ -1098,6 +1105,7 @@ class Dispatcher:
         way = trial.next_way()
         check = way not in (None, "eager") and (key, way) not in self._checked
         before = self._versions(args, kwargs) if check else None
+        failures = self.switch.failures if self.switch is not None else 0
         try:
             if way == "eager":  # the tensors a kept call's check compares (see _as_kept)
                 self._trial_refs = (None if kwargs else _held(args)) or ([], [])
@@ -1110,12 +1118,13 @@ class Dispatcher:
             trials_log.warning("autopar: %s: the %s way failed where eager does not, and is "
                                "left out: %s", self.name, way, trial.dropped[way])
             out = self.fn(*args, **kwargs)
-        failed = self.switch.failed if self.switch is not None else None
-        if failed is not None and "inductor" in trial.ways and "inductor" not in trial.dropped:
-            # Inductor's form is compiled at its first call (capture.dynamo's _Deferred)
-            trial.drop("inductor", f"Inductor failed on a graph ({failed})")
-            trials_log.warning("autopar: %s: the inductor way is left out: %s", self.name,
-                               trial.dropped["inductor"])
+        if self.switch is not None and self.switch.failures > failures and \
+                way in ("inductor", "cudagraphs") and way not in trial.dropped:
+            # Inductor failed on a graph this call ran (its form is compiled at its first
+            # call: capture.dynamo's _Deferred), which ran autopar's form instead
+            trial.drop(way, f"Inductor failed on a graph ({self.switch.last_failure})")
+            trials_log.warning("autopar: %s: the %s way is left out: %s", self.name, way,
+                               trial.dropped[way])
         if check and way not in trial.dropped and self._repeatable():
             # a first call that can be repeated: eager's?
             self._checked.add((key, way))

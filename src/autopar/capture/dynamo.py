@@ -33,12 +33,14 @@ import os
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
 import torch.fx
 from torch._guards import CompileContext, TracingContext
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..ir.graph import Graph
 from ..ir.locks import enter
@@ -116,15 +118,32 @@ class WaySwitch:
     "inductor" (``torch.compile``'s default) and "cudagraphs" (Inductor's replayed as CUDA
     graphs, what ``mode="reduce-overhead"`` does).
     ``failed``: the first graph Inductor could not compile, and why (None while every graph
-    has Inductor's form). ``graphed``: graphs given a CUDA-graph form so far. ``replay``:
-    what makes that form of Inductor's function (``replay(fn, device, label)``, the runtime's
-    ``GraphedCall``; None: no CUDA-graph form)."""
+    has Inductor's form); ``failures``: how many could not, ``last_failure`` why the latest
+    (a call that made one more was not of Inductor's form). ``graphed``: graphs given a
+    CUDA-graph form so far. ``replay``: what makes that form of Inductor's function
+    (``replay(fn, device, label)``, the runtime's ``GraphedCall``; None: no CUDA-graph form).
+    ``pending``: Inductor's forms not compiled yet (weakly: a graph dynamo drops is not kept)."""
 
     def __init__(self, replay: Callable[[Callable, str, str], Callable] | None = None) -> None:
         self.form = "autopar"
         self.failed: str | None = None
+        self.failures = 0
+        self.last_failure: str | None = None
         self.graphed = 0
         self.replay = replay
+        self.pending: weakref.WeakSet[_Deferred] = weakref.WeakSet()
+
+    def compile_pending(self) -> None:
+        """Compile every Inductor form not compiled yet (where the inductor way is kept with
+        no trial, so that a failure is known before, not after, it is kept)."""
+        for deferred in list(self.pending):
+            deferred.compiled()
+
+    def _failed(self, why: str) -> None:
+        self.failures += 1
+        self.last_failure = why
+        if self.failed is None:
+            self.failed = why
 
 
 def _switched(ours: Callable, theirs: Callable, switch: WaySwitch,
@@ -262,7 +281,7 @@ def make_backend(build: GraphRunner, name: str = "autopar",
         seen.update(writes=True, random=True, phase=None)  # for a graph no compiler of ours sees
         mine = ours(gm, example_inputs)
         theirs = _Deferred(gm, example_inputs, mine, name, switch)
-        if is_symbolic(example_inputs):  # Inductor may guard on sizes: while dynamo takes guards
+        if not theirs.deferred:
             theirs.compiled()
             if theirs.failed:
                 return mine
@@ -279,20 +298,32 @@ class _Deferred:
     step on one H100: Inductor's lowering of the shared trace was ~26 of autopar's 89 s of
     first calls, 2026-12-05). As aot_autograd compiles a backward at its first use, the
     compile runs in the tracing and compile contexts dynamo compiled the graph in, under the
-    grad mode and autocast state dynamo traced it with, holding dynamo's compile lock. A graph
-    of symbolic sizes is compiled at once (:meth:`compiled`), while dynamo takes guards:
-    Inductor may add guards on sizes. Where Inductor fails, the graph runs ``mine`` (autopar's
-    form) in every form and ``switch.failed`` says why (the inductor way is then left out)."""
+    grad mode and autocast state dynamo traced it with, holding dynamo's compile lock. It holds
+    the example inputs as the fake tensors dynamo traced (its fake mode's memo), never the
+    user's tensors: dynamo hands real ones (parameters, the batch, an optimizer graph's
+    gradients and state), and a form never run kept a deleted model's weights and a step's
+    first gradients alive for good. A graph of symbolic sizes is compiled at once
+    (``deferred`` False: the caller calls :meth:`compiled`), while dynamo takes guards:
+    Inductor may add guards on sizes; so is one without a fake mode to hold its inputs as.
+    Where Inductor fails, the graph runs ``mine`` (autopar's form) in every form and the
+    switch says why (the inductor way is then left out)."""
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                  mine: Callable, name: str, switch: WaySwitch) -> None:
+        ctx = TracingContext.try_get()
+        fakes = None if is_symbolic(example_inputs) else \
+            _as_traced(example_inputs, getattr(ctx, "fake_mode", None))
+        #: compiled at its first call (else at once, by the caller)
+        self.deferred = fakes is not None
         self._gm: torch.fx.GraphModule | None = gm
-        self._inputs: Sequence[Any] | None = example_inputs
+        self._inputs: Sequence[Any] | None = fakes if fakes is not None else example_inputs
         self._mine, self._name, self._switch = mine, name, switch
-        self._contexts = (TracingContext.try_get(), CompileContext.try_get())
+        self._contexts = (ctx, CompileContext.try_get())
         self._state = _global_state()
         self._fn: Callable | None = None
         self.failed = False  #: Inductor failed on the graph (its form is ``mine``)
+        if self.deferred:
+            switch.pending.add(self)
 
     def compiled(self) -> Callable:
         """Inductor's function, compiled now if not yet (``mine`` where Inductor failed)."""
@@ -319,13 +350,30 @@ class _Deferred:
                 return compile_fx(gm, inputs)
         except Exception as e:  # that graph runs autopar's form either way
             self.failed = True
-            if self._switch.failed is None:
-                self._switch.failed = f"{self._name}: {type(e).__name__}: {first_line(e)}"
-                log.info("autopar: Inductor failed on a graph of %s, which runs autopar's "
-                         "form in the inductor way too: %s", self._name, self._switch.failed)
+            why = f"{self._name}: {type(e).__name__}: {first_line(e)}"
+            self._switch._failed(why)
+            log.info("autopar: Inductor failed on a graph of %s, which runs autopar's form in "
+                     "the inductor way too: %s", self._name, why)
             return self._mine
         finally:
             _set_global_state(prior)
+            self._switch.pending.discard(self)
+
+
+def _as_traced(inputs: Sequence[Any], fake_mode: Any) -> list[Any] | None:
+    """``inputs`` with each real tensor replaced by the fake dynamo traced it as (its fake
+    mode's memo; a tensor not in it is made anew, static), or None: no fake mode, or a fake
+    of symbolic sizes."""
+    if fake_mode is None:
+        return None
+    out: list[Any] = []
+    for x in inputs:
+        if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor):
+            x = fake_mode.from_tensor(x, static_shapes=True)
+            if is_symbolic([x]):
+                return None
+        out.append(x)
+    return out
 
 
 def _global_state() -> list[tuple[Callable[[Any], Any], Any]]:
