@@ -700,12 +700,12 @@ def test_the_eager_way_of_a_training_step_runs_the_optimizer_as_built(monkeypatc
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 
 
-def _stood_in_step(monkeypatch, failing: str | None = None):
+def _stood_in_step(monkeypatch, failing: str | None = None, alone_s: float = 0.5):
     """An AdamW step compiled with candidates eager, inductor and cudagraphs whose eager calls
     take 2 s of the trial's clock, its compiled ways stood in for (the host has no CUDA
     graphs): the shared trace's (``_make_way``) 1 s a call, a torch.compile of its own
-    (``_make_alone``) 0.5 s; the way named ``failing`` raises as dynamo would. Returns the
-    compiled step, the eager pair to compare with and the ways made, in order."""
+    (``_make_alone``) ``alone_s``; the way named ``failing`` raises as dynamo would. Returns
+    the compiled step, the eager pair to compare with and the ways made, in order."""
     clock, cost = [0.0], {"now": 2.0}
     monkeypatch.setattr(choose, "_clock", lambda: clock[0])
     torch.manual_seed(0)
@@ -735,7 +735,7 @@ def _stood_in_step(monkeypatch, failing: str | None = None):
             return way
         return make
 
-    g._make_way, g._make_alone = stand_in("shared trace", 1.0), stand_in("its own", 0.5)
+    g._make_way, g._make_alone = stand_in("shared trace", 1.0), stand_in("its own", alone_s)
     return g, (model, ref, adamw_step(ref, ref_opt)), made
 
 
@@ -771,25 +771,25 @@ def test_a_launch_bound_training_step_is_timed_against_cuda_graph_trees(monkeypa
 
 
 @needs_cxx
-@pytest.mark.parametrize("case", ["launch-bound", "gpu-bound", "graphs fail"])
+@pytest.mark.parametrize("case", ["launch-bound", "gpu-bound", "graphs fail", "graphs lose"])
 def test_a_training_step_on_a_gpu_is_tried_without_inductor_first(monkeypatch, case):
     """A training call on a GPU is timed first without Inductor: where eager's calls were
     launch-bound, the next trial is CUDA graphs (cudagraph trees, a torch.compile of their
     own), and Inductor's form of the shared trace is never built, so never lowered; where
-    they were not, Inductor's form; where the CUDA graphs fail, Inductor's form, and the CUDA
-    graphs are not tried again after it (the GPU stood in for by fake events: this host has
-    none). Every step's loss, and the parameters after, equal eager's."""
+    they were not, Inductor's form; where the CUDA graphs fail or lose, Inductor's form, and
+    the CUDA graphs are not tried again after it (the GPU stood in for by fake events: this
+    host has none). Every step's loss, and the parameters after, equal eager's."""
     stream = _Stream()
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda i: stream)
     monkeypatch.setattr(_FakeEvent, "done", True)
     gpus = (frozenset({0}), frozenset({0}))
     monkeypatch.setattr(autopar.api.Dispatcher, "_trial_gpus", lambda self, a, k: gpus)
-    bound = {"launch-bound": ("eager",), "gpu-bound": (),
-             "graphs fail": ("eager", "inductor")}[case]
+    bound = {"launch-bound": ("eager",), "gpu-bound": ()}.get(case, ("eager", "inductor"))
     monkeypatch.setattr(autopar.api, "launch_bound", lambda trial, way: way in bound)
     g, pair, made = _stood_in_step(monkeypatch,
-                                   failing="cudagraphs" if case == "graphs fail" else None)
+                                   failing="cudagraphs" if case == "graphs fail" else None,
+                                   alone_s=3.0 if case == "graphs lose" else 0.5)
     x = _steps_equal_eager(g, pair)
     if case == "launch-bound":
         assert g.kept_way((x,)) == "cudagraphs"
@@ -802,7 +802,10 @@ def test_a_training_step_on_a_gpu_is_tried_without_inductor_first(monkeypatch, c
     else:
         assert g.kept_way((x,)) == "inductor"
         assert made == [("its own", "cudagraphs"), ("shared trace", "inductor")]
-        assert "cudagraphs left out (Unsupported: no cudagraphs here)" in g.explain()
+        if case == "graphs fail":
+            assert "cudagraphs left out (Unsupported: no cudagraphs here)" in g.explain()
+        else:
+            assert "then eager (eager 2 s, cudagraphs 3 s); then inductor" in g.explain()
 
 
 def test_a_trial_times_each_way_as_a_kept_call_enters_it(monkeypatch):

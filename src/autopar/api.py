@@ -1309,8 +1309,9 @@ class Dispatcher:
         A training call on a GPU is tried first without Inductor (``_later``). Where eager's
         calls were launch-bound, Inductor's code as CUDA graphs comes next (cudagraph trees:
         one lowering, where Inductor's form and then its graphs would be two); where they
-        were not, or the CUDA graphs failed, Inductor's form. After a trial of Inductor's
-        form whose calls were launch-bound, its CUDA graphs (:meth:`_graphs_may_pay`)."""
+        were not, or the CUDA graphs failed or lost, Inductor's form. After a trial of
+        Inductor's form whose calls were launch-bound, its CUDA graphs
+        (:meth:`_graphs_may_pay`), unless they were tried already."""
         later = self._later.pop(key, None)
         if later is not None:
             stage, gpus = later
@@ -1320,6 +1321,8 @@ class Dispatcher:
                 way, why = "inductor", "eager's calls are not launch-bound"
             elif stage == "graphs" and "cudagraphs" in trial.dropped:
                 way, why = "inductor", "its CUDA graphs failed"
+            elif stage == "graphs" and won != "cudagraphs":  # re-recorded, copies: try plain
+                way, why = "inductor", "its CUDA graphs were slower than " + won
             else:  # CUDA graphs timed; or Inductor's form after they failed: not again
                 return None
             if stage != "first" or way != "inductor":  # (else as any trial of Inductor's form)

@@ -46,10 +46,10 @@ Policy (one place decides "is autopar's plan better than what the user would oth
   ``torch.compile``'s, 2026-12-05): its first trial leaves ``inductor`` out; where eager's
   calls were launch-bound, the winner is timed against ``cudagraphs`` (Inductor's form of
   the shared trace, compiled at its first call, is then never lowered), and where they were
-  not, or the CUDA graphs failed, against ``inductor`` (then ``cudagraphs`` as above, unless
-  it failed) (:meth:`autopar.api.Dispatcher._next_way`). Eager's launch-bound calls stand
-  for Inductor's: Inductor's code launches fewer kernels than eager's, and its CUDA graphs
-  none.
+  not, or the CUDA graphs failed or lost, against ``inductor`` (then ``cudagraphs`` as above
+  where not tried yet) (:meth:`autopar.api.Dispatcher._next_way`). Eager's launch-bound
+  calls stand for Inductor's: its CUDA graphs run Inductor's kernels without their launches,
+  so where they win, Inductor's plain form would not have won either.
   ``split`` joins the first trial of an inference call where two or more devices of
   the batch's kind are named and the model predicts the split faster than not splitting
   (:meth:`autopar.api.Dispatcher._split_candidate`): kept only if measured faster.
