@@ -894,3 +894,31 @@ def test_a_users_error_after_a_graph_break_names_the_users_line():
         compiled(torch.randn(7))
     notes = "\n".join(getattr(got.value, "__notes__", []))
     assert "test_api.py" in notes and "return x.reshape(3, -1)" in notes
+
+
+def test_a_traced_compile_runs_autopars_way_and_gives_its_timelines(tmp_path):
+    """``trace=True``: every call runs autopar's plan (the timelines are of it), the compiled
+    object explains itself like any other, and ``timelines()`` gives the latest call's
+    measured timeline of each graph, whose spans are the plan's ops; a path also writes the
+    latest call's Chrome trace there. Untraced, there are none."""
+    import json
+
+    def f(x, y):
+        return (x @ y).relu(), (y @ x).sigmoid()
+
+    x, y = torch.randn(16, 16), torch.randn(16, 16)
+    path = tmp_path / "t.json"
+    g = autopar.compile(f, devices="cpu:0,cpu:1", policy="round_robin", trace=str(path))
+    for _ in range(3):
+        for got, want in zip(g(x, y), f(x, y)):
+            torch.testing.assert_close(got, want)
+    assert g.kept_way((x, y)) == "autopar"
+    assert "runs autopar" in g.explain()
+    (timeline,) = g.timelines()
+    ops = {span.name for span in timeline.spans}
+    assert any("mm" in op for op in ops) and {span.lane.split("/")[0] for span in
+                                              timeline.spans} >= {"cpu:0", "cpu:1"}
+    assert json.loads(path.read_text())["traceEvents"]
+    plain = autopar.compile(f, devices="cpu:0,cpu:1", policy="round_robin")
+    plain(x, y)
+    assert plain.timelines() == []

@@ -87,6 +87,7 @@ from .schedule.place import POLICIES, place, places_by_cost
 from .schedule.plan import make_plan
 from .schedule.simulate import runs_as_eager
 from .schedule.steps import Plan, Send
+from .schedule.timeline import Timeline
 
 __all__ = ["SPLIT_MIN_S", "CompiledModule", "Dispatcher", "Options", "compile", "data_parallel",
            "dispatcher_of", "parse_devices"]
@@ -138,6 +139,8 @@ class Options:
         candidates = _candidates("candidates", options["candidates"]) \
             if "candidates" in options else \
             _candidates("AUTOPAR_CANDIDATES", os.environ.get("AUTOPAR_CANDIDATES", "auto"))
+        if trace:  # timelines are of autopar's plans: every call is autopar's
+            candidates = ("autopar",)
         return Options(devices=devices, policy=policy, machine=machine,
                        trace=os.fspath(trace) if isinstance(trace, os.PathLike) else trace,
                        fuse=fuse, cuda_graphs=cuda_graphs, candidates=candidates,
@@ -428,14 +431,12 @@ def compile(fn: Callable, **options: Any) -> Callable:
         if "split" in opts.candidates and any(
             _of_kind(opts.devices, kind) > 1 for kind in ("cpu", "cuda")) else None
     if module is not None:
-        compiled.forward = ours if opts.trace else Dispatcher(  # type: ignore[method-assign]
+        compiled.forward = Dispatcher(  # type: ignore[method-assign]
             eager, ours, runner, make_way=make_way, switch=switch,
             key_extra=lambda: module.training, split=split, make_alone=alone)
         compiled.__class__ = CompiledModule
         compiled.autopar_options = dict(options)
         return compiled
-    if opts.trace:  # timelines are of autopar's plans: every call is autopar's
-        return ours
     return Dispatcher(fn, ours, runner, make_way=make_way, switch=switch, split=split,
                       make_alone=alone)
 
@@ -1242,6 +1243,15 @@ class Dispatcher:
                                 "own trial ended", self.name, self._describe(member), way)
                 self._by_family.add(member)
                 self._keep(member, way)
+
+    def timelines(self) -> list[Timeline]:
+        """The latest measured timeline of each graph of autopar's way, in capture order: what
+        ``trace=True`` records (empty without ``trace``). Each is one call's ops and copies on
+        each device's lanes, with their start and end
+        (:func:`autopar.report.trace.save_chrome_trace` writes one for Perfetto,
+        :func:`~autopar.report.trace.save_gantt` draws one)."""
+        return [ex.last_timeline for ex in self.runner.executors
+                if ex.last_timeline is not None]
 
     def explain(self) -> str:
         """What runs each argument signature seen: the way kept and each trial's medians (a
