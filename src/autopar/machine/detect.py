@@ -101,7 +101,7 @@ def detect(cpu_workers: int | None = None, calibrate: bool | str = False,
         # one process at a time measures the host (torchrun starts its ranks at once: each
         # would measure a host the others keep busy); one that waited loads the profile
         with file_lock(path.with_name(f".{path.name}.lock"), waiting=lambda: _say(
-                f"another process is measuring this host: waiting for its profile ({path})")):
+                f"another process is measuring this host: waiting until it is done ({path})")):
             if calibrate is False:
                 earlier = _good_profile(path, fp, len(gpus))
                 if earlier is not None:  # measured while this one waited
