@@ -367,7 +367,7 @@ def test_processes_started_at_once_measure_the_host_once(monkeypatch, capsys):
     held, done = threading.Event(), threading.Event()
 
     def other_process():
-        with file_lock(path.with_name(f".{path.name}.lock")):
+        with file_lock(path):
             held.set()
             time.sleep(0.3)
             save_profile(replace(_profile_of(host), source="measured-by-the-other"), path)

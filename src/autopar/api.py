@@ -736,7 +736,7 @@ class Dispatcher:
         self._checked: set[tuple[Any, str]] = set()  # (signature, way) whose results were checked
         #: signature -> the stage of a training call's trials on a GPU ("first": eager's and
         #: autopar's; "graphs": CUDA graphs'; "no graphs": Inductor's after CUDA graphs
-        #: failed) and the GPUs its compiled ways touch (:meth:`_next_way`)
+        #: failed or lost) and the GPUs its compiled ways touch (:meth:`_next_way`)
         self._later: dict[Any, tuple[str, frozenset[int]]] = {}
         #: what the function's capturing call changed besides its tensors (Python state, a
         #: random generator's), once seen: then no call is repeated to check its results
@@ -1325,18 +1325,21 @@ class Dispatcher:
         later = self._later.pop(key, None)
         if later is not None:
             stage, gpus = later
+            # (the way, why, and the stage after its trial: None goes on as after any trial
+            # of Inductor's form)
             if stage == "first" and launch_bound(trial, "eager"):
-                way, why = "cudagraphs", "eager's calls are launch-bound"
+                way, why, then = "cudagraphs", "eager's calls are launch-bound", "graphs"
             elif stage == "first":
-                way, why = "inductor", "eager's calls are not launch-bound"
+                way, why, then = "inductor", "eager's calls are not launch-bound", None
             elif stage == "graphs" and "cudagraphs" in trial.dropped:
-                way, why = "inductor", "its CUDA graphs failed"
+                way, why, then = "inductor", "its CUDA graphs failed", "no graphs"
             elif stage == "graphs" and won != "cudagraphs":  # re-recorded, copies: try plain
-                way, why = "inductor", "its CUDA graphs were slower than " + won
-            else:  # CUDA graphs timed; or Inductor's form after they failed: not again
+                way, why, then = ("inductor", f"its CUDA graphs were slower than {won}",
+                                  "no graphs")
+            else:  # CUDA graphs timed and kept; or Inductor's form after them: not again
                 return None
-            if stage != "first" or way != "inductor":  # (else as any trial of Inductor's form)
-                self._later[key] = ("graphs" if way == "cudagraphs" else "no graphs", gpus)
+            if then is not None:
+                self._later[key] = (then, gpus)
             trials_log.info("autopar: %s: %s: timing Inductor's %s against %s", self.name, why,
                             "code as CUDA graphs" if way == "cudagraphs" else "form", won)
             return way, gpus

@@ -205,7 +205,7 @@ class History:
             _write_json_atomic(target, self.to_json())
             return target
         target.parent.mkdir(parents=True, exist_ok=True)
-        with file_lock(target.with_name(f".{target.name}.lock")), self._lock:
+        with file_lock(target), self._lock:
             try:
                 disk = History.from_json(json.loads(target.read_text()), self.fingerprint)
             except (OSError, ValueError, TypeError, UnicodeDecodeError):

@@ -126,19 +126,20 @@ class Gate:
 
 
 @contextlib.contextmanager
-def file_lock(path: Path, waiting: Callable[[], None] | None = None) -> Iterator[bool]:
-    """An exclusive lock on ``path`` (created) between processes, where the OS has ``fcntl``
-    and the file can be made; elsewhere none. Yields whether it is held. ``waiting`` is called
-    once, before waiting, where another process holds it."""
+def file_lock(path: Path, waiting: Callable[[], None] | None = None) -> Iterator[None]:
+    """An exclusive lock between processes on what is written to ``path``: a lock file beside
+    it (``.NAME.lock``, created), where the OS has ``fcntl`` and the file can be made;
+    elsewhere none. ``waiting`` is called once, before waiting, where another process holds
+    it."""
     try:
         import fcntl  # POSIX only: absent on Windows
     except ImportError:  # not a POSIX system
-        yield False
+        yield
         return
     try:
-        f = open(path, "a")  # noqa: SIM115 - closed below, after the lock is let go
+        f = open(path.with_name(f".{path.name}.lock"), "a")  # noqa: SIM115 - closed below
     except OSError:  # a folder that can't be written: nothing there to protect
-        yield False
+        yield
         return
     with f:
         try:
@@ -148,6 +149,6 @@ def file_lock(path: Path, waiting: Callable[[], None] | None = None) -> Iterator
                 waiting()
             fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            yield True
+            yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)

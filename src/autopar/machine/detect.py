@@ -100,14 +100,13 @@ def detect(cpu_workers: int | None = None, calibrate: bool | str = False,
             return _machine_for(profile, host, len(gpus), peers, cpu_workers, path)
         # one process at a time measures the host (torchrun starts its ranks at once: each
         # would measure a host the others keep busy); one that waited loads the profile
-        with file_lock(path.with_name(f".{path.name}.lock"), waiting=lambda: _say(
+        with file_lock(path, waiting=lambda: _say(
                 f"another process is measuring this host: waiting until it is done ({path})")):
+            mode = mode or "quick"
             if calibrate is False:
                 earlier = _good_profile(path, fp, len(gpus))
                 if earlier is not None:  # measured while this one waited
                     return _machine_for(earlier, host, len(gpus), peers, cpu_workers, path)
-            mode = mode or "quick"
-            if calibrate is False:
                 _say(f"{why}: calibrating ({mode}, about 20 s; AUTOPAR_NO_MEASURE=1 skips "
                      "this and uses conservative defaults)")
             with calibration.console_progress() as progress:
