@@ -396,3 +396,54 @@ def test_the_ways_compiled_alone_leave_the_functions_own_entries_alone():
     way = _inductor_alone(f, "inductor")
     assert torch.equal(way(x), f(x))
     assert _debug_get_cache_entry_list(f.__code__) == []
+
+
+def _inductor_failing_on_backward(monkeypatch) -> list[bool]:
+    """Inductor's ``compile_fx`` failing on every backward graph (its forwards lowered), as
+    the backend and ``torch.compile``'s Inductor call it; each graph given is listed (whether
+    a backward)."""
+    from torch._inductor import compile_fx as module
+
+    real, seen = module.compile_fx, []
+
+    def inner(gm, example_inputs, **kwargs):
+        seen.append(kwargs.get("is_backward", False))
+        if kwargs.get("is_backward", False):
+            raise RuntimeError("no backward today")
+        return module.compile_fx_inner(gm, example_inputs, **kwargs)
+
+    def failing(gm, example_inputs, *args, **kwargs):
+        return real(gm, example_inputs, *args, **{**kwargs, "inner_compile": inner})
+    monkeypatch.setattr(module, "compile_fx", failing)
+    return seen
+
+
+@_needs_cxx
+@pytest.mark.parametrize("guards", ["all", "arguments"])
+def test_where_inductor_fails_on_a_backward_the_users_backward_never_sees_it(monkeypatch, guards):
+    """Inductor lowers a backward at its first use, in the user's ``.backward()``, after the
+    forward ran: there its failure would be an exception eager never raises. Each backward is
+    lowered with its forward (in the shared trace's Inductor form, and in the inductor way of
+    its own under ``guards="arguments"``), so the failure is met in the trial's call, which
+    leaves the way out: every call's loss and gradients are eager's."""
+    seen = _inductor_failing_on_backward(monkeypatch)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    twin = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    twin.load_state_dict(model.state_dict())
+    g = autopar.compile(model, candidates="eager,inductor", guards=guards)
+    x = torch.randn(4, 8)
+    d = autopar.api.dispatcher_of(g)
+    for _ in range(300):
+        loss = g(x).square().mean()
+        loss.backward()
+        want = twin(x).square().mean()
+        want.backward()
+        torch.testing.assert_close(loss, want)
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad)
+        if d.kept_way((x,)) is not None:
+            break
+    assert True in seen  # a backward was given to Inductor, and failed
+    assert d.kept_way((x,)) in ("eager", "autopar")
+    assert "inductor left out" in d.explain() and "no backward today" in d.explain()

@@ -166,9 +166,13 @@ def cover_torch_loggers() -> None:
 
 def first_line(e: BaseException) -> str:
     """The first line of an exception's message ("" for none): what one-line log messages
-    quote of an error."""
-    text = str(e).strip()
-    return text.splitlines()[0] if text else ""
+    quote of an error. A first line ending in a colon is joined to the next one, which says
+    what it announces (dynamo's ``BackendCompilerFailed``: "backend='inductor' raised:", then
+    the backend's own error)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if not lines:
+        return ""
+    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 def line_in(e: BaseException, filename: str) -> int | None:
