@@ -5,6 +5,7 @@ the loss, parameters, buffers (batch-norm statistics) and optimizer state are ea
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -197,9 +198,11 @@ def test_a_causal_lms_cache_comes_back_split_and_serves_the_next_token():
         assert got.past_key_values is not outs[2].past_key_values
         torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
         more = torch.cat([mask, torch.ones_like(nxt)], 1)
-        after = model(input_ids=nxt, attention_mask=more, past_key_values=got.past_key_values)
-        ref_after = model(input_ids=nxt, attention_mask=more,
-                          past_key_values=want.past_key_values)
+        # the cache's argument: `cache` since transformers 5.x (`past_key_values` deprecated)
+        arg = "cache" if "cache" in inspect.signature(model.forward).parameters \
+            else "past_key_values"
+        after = model(input_ids=nxt, attention_mask=more, **{arg: got.past_key_values})
+        ref_after = model(input_ids=nxt, attention_mask=more, **{arg: want.past_key_values})
         torch.testing.assert_close(after.logits, ref_after.logits, rtol=1e-5, atol=1e-5)
         # the next token grew that cache, not the ones other calls handed back
         assert outs[2].past_key_values.get_seq_length() == ids.shape[1]
