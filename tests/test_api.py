@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import logging
 import subprocess
 import sys
+import typing
 
 import pytest
 import torch
@@ -82,6 +85,18 @@ def test_parse_devices_auto_has_host_and_every_gpu():
 def test_parse_devices_rejects_with_a_reason(spec, message):
     with pytest.raises(ValueError, match=message):
         parse_devices(spec)
+
+
+def test_the_typed_options_are_the_options_checked():
+    """``compile``'s and ``data_parallel``'s keywords are typed by ``CompileOptions``
+    (``help()``, editors): the very options ``Options`` checks, each with a type that holds
+    its default."""
+    hints = typing.get_type_hints(autopar.CompileOptions)
+    assert set(hints) == {f.name for f in dataclasses.fields(Options)}
+    for sig in (inspect.signature(autopar.compile), inspect.signature(autopar.data_parallel)):
+        assert "Unpack[CompileOptions]" in str(sig.parameters["options"].annotation)
+    assert Options.policy in typing.get_args(hints["policy"])
+    assert Options.guards in typing.get_args(hints["guards"])
 
 
 def test_compile_rejects_bad_arguments_clearly():

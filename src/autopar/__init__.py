@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .api import Options, compile, data_parallel, parse_devices
+from .api import CompileOptions, Options, compile, data_parallel, parse_devices
 from .backend import autopar_backend
 from .doctor import DoctorReport, Finding, doctor
 from .ir.graph import Graph, Node, TensorMeta
@@ -16,8 +16,9 @@ from .ir.logs import configure_from_env as _configure_logs
 from .ir.logs import set_logs
 from .report.explain import ExplainReport, explain
 
-__all__ = ["DoctorReport", "ExplainReport", "Finding", "Graph", "Node", "Options", "TensorMeta",
-           "compile", "data_parallel", "doctor", "explain", "parse_devices", "set_logs"]
+__all__ = ["CompileOptions", "DoctorReport", "ExplainReport", "Finding", "Graph", "Node",
+           "Options", "TensorMeta", "compile", "data_parallel", "doctor", "explain",
+           "parse_devices", "set_logs"]
 __version__ = "0.1.0"
 
 

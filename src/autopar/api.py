@@ -39,7 +39,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal, TypedDict, Unpack
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -77,7 +77,7 @@ from .ir.ops import PLAIN_VALUES
 from .ir.routing import cuda_indices
 from .ir.units import fmt_seconds
 from .machine.detect import check_machine, load_machine
-from .machine.model import parse_devices
+from .machine.model import Machine, parse_devices
 from .passes.cudagraphs import capture_rule
 from .passes.fusion import fusion_devices, prefer_fused, regions_to_fuse
 from .report.trace import save_chrome_trace
@@ -90,13 +90,28 @@ from .schedule.simulate import runs_as_eager
 from .schedule.steps import Plan, Send
 from .schedule.timeline import Timeline
 
-__all__ = ["SPLIT_MIN_S", "CompiledModule", "Dispatcher", "Options", "compile", "data_parallel",
-           "dispatcher_of", "parse_devices"]
+__all__ = ["SPLIT_MIN_S", "CompileOptions", "CompiledModule", "Dispatcher", "Options", "compile",
+           "data_parallel", "dispatcher_of", "parse_devices"]
 
 log = logging.getLogger("autopar.placement")
 trials_log = logging.getLogger("autopar.trials")
 
 GUARDS = ("all", "arguments")
+
+
+class CompileOptions(TypedDict, total=False):
+    """The keyword options of :func:`compile` and :func:`data_parallel` (and the ``options=``
+    of ``torch.compile(fn, backend="autopar")``), each optional; :class:`Options` checks them
+    and holds their defaults."""
+
+    devices: str | Sequence[str]  #: "auto", "cpu:0,cpu:1", ["cuda:0", "cuda:1"]
+    policy: Literal["heft", "single", "round_robin"]
+    machine: Machine | str | None  #: None or "auto": this host; a preset's name; a Machine
+    trace: bool | str | os.PathLike  #: True: timelines; a path: a Chrome trace too
+    fuse: bool | Literal["auto"]
+    cuda_graphs: bool | Literal["auto"]
+    candidates: str | Sequence[str]  #: "auto" or ways: eager, inductor, autopar, ...
+    guards: Literal["all", "arguments"]
 
 
 @dataclass(frozen=True)
@@ -368,7 +383,7 @@ def _tracing(executor: Any, path: str) -> Callable:
     return run
 
 
-def compile(fn: Callable, **options: Any) -> Callable:
+def compile(fn: Callable, **options: Unpack[CompileOptions]) -> Callable:
     """Compile ``fn`` (a function or ``nn.Module``) to run with autopar.
 
     Options: ``devices`` ("auto", "cpu:0,cpu:1", ["cuda:0", "cuda:1"]), ``policy`` ("heft",
@@ -482,7 +497,8 @@ def _of_kind(devices: Sequence[str], kind: str | None) -> int:
 
 
 def data_parallel(fn: Callable, *, batch_argnums: Sequence[int] | None = None,
-                  shards: int | None = None, **options: Any) -> DataParallelStep:
+                  shards: int | None = None,
+                  **options: Unpack[CompileOptions]) -> DataParallelStep:
     """Run ``fn`` (a whole training or inference step) with its batch split over devices.
 
     ``batch_argnums``: positions of the arguments to split along dim 0 (default: see
