@@ -617,9 +617,15 @@ def main() -> None:
     def child(model: str, mode: str, cmd: list[str]) -> dict[str, Any]:
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        except subprocess.TimeoutExpired:
-            return {"model": model, "mode": mode, "error": f"timed out after {a.timeout:.0f} s"}
+                               env={**os.environ, "PYTHONUNBUFFERED": "1",  # trials said,
+                                    "AUTOPAR_LOGS": os.environ.get("AUTOPAR_LOGS", "trials")})
+        except subprocess.TimeoutExpired as e:  # what the row was doing: its log's last lines
+            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else \
+                e.stderr or ""
+            lines = [x for x in err.splitlines() if x.strip()]
+            tail = ([x for x in lines if x.startswith("[autopar")] or lines)[-3:]
+            return {"model": model, "mode": mode, "error": f"timed out after {a.timeout:.0f} s",
+                    "log_tail": tail}
         line = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
         return json.loads(line) if line.startswith("{") else {
             "model": model, "mode": mode,
@@ -636,6 +642,8 @@ def main() -> None:
               + (row.get("skipped") or row.get("error") or " ".join(
                   f"{k}={_fmt(c.get('median_s')) if c.get('pass') else 'FAIL'}"
                   for k, c in row["variants"].items())), flush=True)
+        for line in row.get("log_tail", []):
+            print(f"    {line[:300]}", flush=True)
         if a.json:  # after every row: a run cut short keeps what it measured
             _write(a.json, rows)
     print(table(rows, variants))
