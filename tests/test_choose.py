@@ -161,6 +161,28 @@ def test_a_call_whose_outputs_are_never_differentiated_counts_its_forward(monkey
     assert calls == 2 * CALLS + choose.BACKWARD_WAIT_CALLS
 
 
+def test_a_backward_that_raises_does_not_hold_the_trial_open(monkeypatch):
+    """A counted call's backward that begins and raises (a user's hook rejecting a batch)
+    never reaches the engine's final callback: it is waited for until
+    ``BACKWARD_WAIT_CALLS`` more calls have begun, then that call counts its forward alone,
+    and the trial ends as the others' backwards say (it had waited for good, every later call
+    untimed on the way called last)."""
+    _, way_of, trial = _training_trial(monkeypatch)
+    calls = 0
+    while trial.verdict() is None and calls < 200:
+        x = torch.randn(3, requires_grad=True)
+        out = trial.run(way_of, (x,), {})
+        calls += 1
+        if calls == 3:  # a counted call of eager's first turn
+            x.register_hook(lambda g: (_ for _ in ()).throw(ValueError("bad batch")))
+            with pytest.raises(ValueError, match="bad batch"):
+                out.sum().backward()
+            continue
+        out.sum().backward()
+    assert trial.verdict() == "inductor"
+    assert sorted(trial.times["eager"]) == [1.0] + [6.0] * (COUNTED - 1)
+
+
 class _FakeEvent:
     """A CUDA event on a fake stream whose clock the test moves."""
 

@@ -48,7 +48,6 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from .capture import pystate
 from .capture.direct import Direct, layout_check, positional_entry
 from .capture.dynamo import (
-    InductorWhole,
     WaySwitch,
     any_autocast_enabled,
     capturing_scalars,
@@ -539,13 +538,12 @@ def _inductor_alone(fn: Callable, name: str) -> Callable:
     """The ``inductor`` and ``cudagraphs`` ways where no trace is shared
     (``guards="arguments"``): ``torch.compile(fn)`` and ``torch.compile(fn,
     mode="reduce-overhead")`` of their own (of a copy of a function's code:
-    :func:`~autopar.capture.dynamo.with_own_code`; each backward lowered with its forward:
-    :class:`~autopar.capture.dynamo.InductorWhole`), the latter's outputs cloned out of its
+    :func:`~autopar.capture.dynamo.with_own_code`), the latter's outputs cloned out of its
     graphs' memory (a later replay overwrites them; eager's caller may still hold them)."""
     if name not in ("inductor", "cudagraphs"):
         raise ValueError(f"the {name} way needs a shared trace (autopar.compile's)")
-    compiled = torch.compile(with_own_code(fn), backend=InductorWhole(
-        "reduce-overhead" if name == "cudagraphs" else None))
+    compiled = torch.compile(with_own_code(fn),
+                             mode="reduce-overhead" if name == "cudagraphs" else None)
     way = quiet(compiled.forward if isinstance(fn, torch.nn.Module) else compiled)
     if name == "inductor":
         return way

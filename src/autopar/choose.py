@@ -87,8 +87,9 @@ Policy (one place decides "is autopar's plan better than what the user would oth
   eager against ``torch.compile``: BERT's forward 7.28 against 2.15 ms, its training step
   16.88 against 13.68; Llama's 4.00 against 1.92, 8.94 against 5.07; benchmarks/NOTES.md,
   2026-12-04), so forwards rank ways by the wrong margins. A call whose backward has not
-  begun by the time two more calls of the function have begun (an output never
-  differentiated) counts its forward alone.
+  ended by the time two more calls of the function have begun (an output never
+  differentiated, or a backward that raised: a user's hook, a bad batch) counts its forward
+  alone.
 - A way that fails where eager would not (an internal or compile error before the function
   ran) is dropped for that signature, with the reason logged once, and the call runs eagerly.
 - A way whose results are not eager's is dropped too: on a way's first call, where calling the
@@ -182,9 +183,10 @@ _range = torch.autograd.profiler.record_function
 
 
 BACKWARD_WAIT_CALLS = 2
-"""Calls of the function begun after a counted call whose backward has not begun, after which
+"""Calls of the function begun after a counted call whose backward has not ended, after which
 that call counts its forward alone (two: ``loss = f(a) + f(b)`` differentiates a call after
-the next one began)."""
+the next one began). A backward that began and raised never ends (the engine drops its final
+callbacks): without this bound the trial would wait for it for good."""
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
@@ -202,7 +204,7 @@ class Backward:
         self.start: float | None = None  #: the host clock when its gradients arrived
         self.host: float | None = None  #: host seconds to the end of the pass, once over
         self.marks: list[tuple[Any, Any]] = []  #: (begin, end) CUDA events per GPU
-        self.later = 0  #: calls of the function begun since, while it had not begun
+        self.later = 0  #: calls of the function begun since, while it had not ended
 
     @classmethod
     def of(cls, out: Any, gpus: Sequence[int]) -> Backward | None:
@@ -233,9 +235,9 @@ class Backward:
             end.record(torch.cuda.current_stream(i))
 
     def waited(self) -> bool:
-        """Whether it is over, or will never begin (``BACKWARD_WAIT_CALLS`` calls later)."""
-        return self.host is not None or (self.start is None and
-                                          self.later >= BACKWARD_WAIT_CALLS)
+        """Whether it is over, or will never end: not begun, or begun and raised
+        (``BACKWARD_WAIT_CALLS`` calls later)."""
+        return self.host is not None or self.later >= BACKWARD_WAIT_CALLS
 
     def seconds(self) -> tuple[float, float]:
         """Its host seconds and the longest GPU seconds (0, 0 where it never began)."""
@@ -343,7 +345,7 @@ class Trial:
             kwargs: Mapping[str, Any]) -> Any:
         """Call the way whose turn it is (``way_of(name)`` gives its callable)."""
         for *_, back in self.calls:
-            if back is not None and back.start is None:
+            if back is not None and back.host is None:
                 back.later += 1
         way = self.next_way()
         if way is None:  # waiting for the timed calls' GPU work

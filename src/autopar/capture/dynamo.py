@@ -17,8 +17,7 @@ Policy
   a second ``torch.compile`` tracing the function again (on one H200, Llama's first calls:
   dynamo's tracing was 4.6 of 5.5 s, twice over). Inductor's form is compiled at its first
   call (:class:`_Deferred`; a graph of symbolic sizes at once), after autopar's (Inductor's
-  passes may rewrite the graph module in place), its backward with it
-  (:func:`backward_with_forward`). Where Inductor fails on a graph, that graph
+  passes may rewrite the graph module in place). Where Inductor fails on a graph, that graph
   runs autopar's form under either setting, and the switch says why (``WaySwitch.failed``):
   the inductor way is then not Inductor's and is left out. A third
   form, Inductor's function replayed as a CUDA graph, is built at its first use where a graph
@@ -50,8 +49,8 @@ from ..ir.logs import cover_torch_loggers, first_line, quiet_code
 from .fx import Unsupported, from_fx, source_of
 from .shapes import PerShape, is_symbolic
 
-__all__ = ["GraphRunner", "InductorWhole", "LightWrapper", "WaySwitch", "capturing_scalars",
-           "data_dependent", "make_backend", "with_own_code"]
+__all__ = ["GraphRunner", "LightWrapper", "WaySwitch", "capturing_scalars", "data_dependent",
+           "make_backend", "with_own_code"]
 
 log = logging.getLogger("autopar.capture")
 
@@ -106,39 +105,6 @@ def with_own_code(fn: Callable) -> Callable:
     copy = types.FunctionType(code.__code__.replace(), code.__globals__, code.__name__, None,
                               code.__closure__)
     return functools.update_wrapper(copy, fn)
-
-
-def backward_with_forward() -> contextlib.AbstractContextManager:
-    """aot_autograd lowering each backward graph with its forward, in the compile of both.
-
-    Policy: a form Inductor lowers (the shared trace's, :class:`_Deferred`; a way's own
-    ``torch.compile``, :class:`InductorWhole`) is lowered whole. aot_autograd lowers a
-    backward at its first use, in the user's ``.backward()``, after the forward ran: there
-    Inductor's failure is an exception eager never raises, and nothing can run in its place.
-    Lowered with its forward, the failure is met where the forward is compiled, which falls
-    back (the graph runs autopar's form; a way's call runs eagerly and the way is left out).
-    The price: a graph called with grad whose backward never runs has its backward lowered
-    too. The patch is process-wide, so it is entered only where dynamo's compile lock is
-    held (no two compiles interleave their setting and restoring of it)."""
-    return torch._functorch.config.patch(force_non_lazy_backward_lowering=True)
-
-
-class InductorWhole:
-    """``torch.compile``'s Inductor backend for ``mode`` (what ``backend="inductor"``
-    builds), each backward lowered with its forward (:func:`backward_with_forward`)."""
-
-    compiler_name = "inductor"
-
-    def __init__(self, mode: str | None = None) -> None:
-        self._inductor = torch._TorchCompileInductorWrapper(mode, None, None)
-        self.__name__ = "inductor"  # as dynamo's messages name a backend
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        with backward_with_forward():  # dynamo calls a backend holding its compile lock
-            return self._inductor(gm, example_inputs)
-
-    def reset(self) -> None:  # what torch._dynamo.reset asks of a backend (cudagraph trees')
-        self._inductor.reset()
 
 
 def _eager(gm: torch.fx.GraphModule) -> Callable[[list], Any]:
@@ -380,8 +346,7 @@ class _Deferred:
         prior = _global_state()
         try:
             _set_global_state(self._state)
-            with torch._guards.tracing(ctx), torch._guards.compile_context(compile_ctx), \
-                    backward_with_forward():
+            with torch._guards.tracing(ctx), torch._guards.compile_context(compile_ctx):
                 return compile_fx(gm, inputs)
         except Exception as e:  # that graph runs autopar's form either way
             self.failed = True
