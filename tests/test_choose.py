@@ -183,6 +183,53 @@ def test_a_backward_that_raises_does_not_hold_the_trial_open(monkeypatch):
     assert sorted(trial.times["eager"]) == [1.0] + [6.0] * (COUNTED - 1)
 
 
+@pytest.mark.parametrize("forwards", [2, 3])
+def test_a_steps_forwards_run_one_way(monkeypatch, forwards):
+    """Gradient accumulation: ``forwards`` calls, then one backward of their summed outputs.
+    Once a step was seen to span several calls, a switch of ways waits for the step's
+    backward, so every later step's calls ran one way; the trial still ends, each counted
+    call timed with its backward (forward 1 s or 2, backward 5 or 1)."""
+    _, way_of, trial = _training_trial(monkeypatch)
+    steps = []
+    while trial.verdict() is None and len(steps) < 200:
+        outs, ran = [], []
+        for _ in range(forwards):
+            outs.append(trial.run(way_of, (torch.randn(3),), {}))
+            ran.append(trial.ran)
+        sum(o.sum() for o in outs).backward()
+        steps.append(ran)
+    assert trial.verdict() == "inductor"
+    assert all(len(set(ran)) == 1 for ran in steps[1:]), steps
+
+
+@needs_cxx
+def test_accumulated_steps_of_a_batch_norm_model_equal_eager():
+    """Two compiled forwards of a model with batch norm in training, one backward: a step
+    whose first forward ran eagerly and second compiled failed in the backward (eager's node
+    saved the running statistics the compiled form's update then wrote). Over the trial and
+    after, every step's gradients and buffers equal eager's."""
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8),
+                                   torch.nn.ReLU(), torch.nn.Flatten(),
+                                   torch.nn.Linear(8 * 6 * 6, 1)).train()
+    model, twin = net(), net()
+    g = autopar.compile(model, candidates="eager,inductor")
+    d = autopar.api.dispatcher_of(g)
+    for _ in range(200):
+        xs = [torch.randn(4, 3, 8, 8) for _ in range(2)]
+        for m, f in ((twin, twin), (model, g)):
+            m.zero_grad(set_to_none=True)
+            sum(f(x).square().mean() for x in xs).backward()
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+        for b, c in zip(model.buffers(), twin.buffers(), strict=True):
+            torch.testing.assert_close(b, c, rtol=1e-4, atol=1e-5)
+        if d.kept_way((xs[0],)) is not None:
+            break
+    assert d.kept_way((xs[0],)) is not None
+
+
 class _FakeEvent:
     """A CUDA event on a fake stream whose clock the test moves."""
 

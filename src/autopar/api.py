@@ -1128,13 +1128,14 @@ class Dispatcher:
                 self._trial_refs = (None if kwargs else _held(args)) or ([], [])
             out = trial.run(self._as_kept, args, kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:  # failed compiling: nothing ran
-            way = trial.next_way()
+            way = trial.ran
             if way in (None, "eager"):
                 raise
             trial.drop(way, f"{type(e).__name__}: {first_line(e)}")
             trials_log.warning("autopar: %s: the %s way failed where eager does not, and is "
                                "left out: %s", self.name, way, trial.dropped[way])
             out = self.fn(*args, **kwargs)
+        way = trial.ran  # the way called: a switch may wait out a step's forwards
         if self.switch is not None and self.switch.failures > failures and \
                 way in ("inductor", "cudagraphs") and way not in trial.dropped:
             # Inductor failed on a graph this call ran (its form is compiled at its first

@@ -89,7 +89,10 @@ Policy (one place decides "is autopar's plan better than what the user would oth
   2026-12-04), so forwards rank ways by the wrong margins. A call whose backward has not
   ended by the time two more calls of the function have begun (an output never
   differentiated, or a backward that raised: a user's hook, a bad batch) counts its forward
-  alone.
+  alone. Where a step was seen to span several calls (gradient accumulation: forwards, then
+  one backward), a switch of ways waits for the step's backward, so a step's forwards run
+  one way (an eager forward then a compiled one of a model with batch norm failed in the
+  backward: eager's node had saved the running statistics the compiled update then wrote).
 - A way that fails where eager would not (an internal or compile error before the function
   ran) is dropped for that signature, with the reason logged once, and the call runs eagerly.
 - A way whose results are not eager's is dropped too: on a way's first call, where calling the
@@ -188,6 +191,10 @@ that call counts its forward alone (two: ``loss = f(a) + f(b)`` differentiates a
 the next one began). A backward that began and raised never ends (the engine drops its final
 callbacks): without this bound the trial would wait for it for good."""
 
+_PENDING_CALLS = 64
+"""Calls after which a backward not over is no longer followed (``later`` stays past
+``BACKWARD_WAIT_CALLS``): a forward whose outputs are never differentiated."""
+
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
@@ -197,7 +204,7 @@ class Backward:
     gradients of the call's outputs arrive (a pre-hook on their autograd nodes, the first to
     run) to the end of that backward pass (the engine's final callback)."""
 
-    __slots__ = ("gpus", "host", "later", "marks", "start")
+    __slots__ = ("after", "gpus", "host", "later", "marks", "start")
 
     def __init__(self, gpus: Sequence[int]) -> None:
         self.gpus = tuple(gpus)
@@ -205,6 +212,7 @@ class Backward:
         self.host: float | None = None  #: host seconds to the end of the pass, once over
         self.marks: list[tuple[Any, Any]] = []  #: (begin, end) CUDA events per GPU
         self.later = 0  #: calls of the function begun since, while it had not ended
+        self.after = 0  #: ...of them, those begun before it began
 
     @classmethod
     def of(cls, out: Any, gpus: Sequence[int]) -> Backward | None:
@@ -223,6 +231,7 @@ class Backward:
         if self.start is not None:
             return  # another output's node, in the same pass
         self.start = _clock()
+        self.after = self.later  # calls begun since its own: its step's later forwards
         self.marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                       for _ in self.gpus]
         for (begin, _), i in zip(self.marks, self.gpus):
@@ -326,6 +335,13 @@ class Trial:
         self._turn: str | None = None  # the way whose turn's first call was made
         self._left = 0  # ...and the counted calls left in that turn
         self._last: str | None = None  # the way called last
+        self.ran: str | None = None  #: the way the latest call of ``run`` called
+        # the latest call's backward (untimed calls' too), those not over (counted calls' and
+        # untimed ones'), and the most calls a step was seen to span (forwards made before
+        # their backward: gradient accumulation)
+        self._step: Backward | None = None
+        self._pending: list[Backward] = []
+        self._span = 1
 
     def next_way(self) -> str | None:
         """The way whose turn it is (the turn begun, else the fewest counted calls of those
@@ -343,35 +359,71 @@ class Trial:
 
     def run(self, way_of: Callable[[str], Callable], args: Sequence[Any],
             kwargs: Mapping[str, Any]) -> Any:
-        """Call the way whose turn it is (``way_of(name)`` gives its callable)."""
-        for *_, back in self.calls:
-            if back is not None and back.host is None:
+        """Call the way whose turn it is (``way_of(name)`` gives its callable); ``ran`` says
+        which was called. A switch waits while the call before may be one of several forwards
+        of one step whose backward is to come (:meth:`_mid_step`): a step's calls run one way
+        (an eager forward then a compiled one, their backward after, fails where eager saved
+        a batch-norm buffer the compiled form's update then writes)."""
+        pending = []
+        for back in self._pending:
+            if back.host is None:
                 back.later += 1
+            if back.start is not None:  # begun: how many forwards its step made
+                self._span = max(self._span, back.after + 1)
+            if back.host is None and back.later < _PENDING_CALLS:
+                pending.append(back)
+        self._pending = pending
         way = self.next_way()
-        if way is None:  # waiting for the timed calls' GPU work
-            return self._call(way_of(self._last or self.ways[0]), self._last, args, kwargs)
+        if way is None or (way != self._last and self._mid_step()):
+            # waiting for the timed calls' GPU work, or a step's forwards: the way called last
+            return self._untimed(way_of, self._last or self.ways[0], args, kwargs)
         if way != self._last:  # a switch: this call warms the way up, untimed
             self._turn = self._last = way
             self._left = TURN_CALLS
-            return self._call(way_of(way), way, args, kwargs)
+            return self._untimed(way_of, way, args, kwargs)
         marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
                   torch.cuda.current_stream(i)) for i in self.gpus[way]]
         for begin, _, stream in marks:
             begin.record(stream)
         traced = traced_calls()
         start = _clock()
+        self.ran = way
         out = self._call(way_of(way), way, args, kwargs)
         host = _clock() - start
         if traced_calls() != traced:  # a plan traced this call to learn its ops' times
-            return out  # (autopar.runtime.learn): its time is not the way's; not counted
+            self._stepped(Backward.of(out, ()))  # (autopar.runtime.learn): its time is
+            return out  # not the way's; not counted
         self._left -= 1
         if self._left <= 0:
             self._turn = None
         for _, end, stream in marks:
             end.record(stream)
         self.calls.append((way, host, [(b, e) for b, e, _ in marks],
-                           Backward.of(out, self.gpus[way])))
+                           self._stepped(Backward.of(out, self.gpus[way]))))
         return out
+
+    def _stepped(self, back: Backward | None) -> Backward | None:
+        """``back`` as the latest call's backward, followed until it is over."""
+        self._step = back
+        if back is not None:
+            self._pending.append(back)
+        return back
+
+    def _untimed(self, way_of: Callable[[str], Callable], way: str, args: Sequence[Any],
+                 kwargs: Mapping[str, Any]) -> Any:
+        self.ran = way
+        out = self._call(way_of(way), way, args, kwargs)
+        self._stepped(Backward.of(out, ()))  # whether a step's backward is still to come
+        return out
+
+    def _mid_step(self) -> bool:
+        """Whether the latest call may be one of a step's forwards before the last: steps
+        were seen to span several calls, and its backward has neither begun nor been waited
+        for as long as a step's calls. (Where steps were not seen yet, say a first
+        accumulation longer than a trial's turn, a switch may still fall mid-step.)"""
+        step = self._step
+        return self._span > 1 and step is not None and step.start is None and \
+            step.later < self._span
 
     def _call(self, fn: Callable, way: str, args: Sequence[Any],
               kwargs: Mapping[str, Any]) -> Any:
