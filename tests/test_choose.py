@@ -158,7 +158,10 @@ def test_a_call_whose_outputs_are_never_differentiated_counts_its_forward(monkey
         trial.run(way_of, (torch.randn(3),), {})
         calls += 1
     assert trial.verdict() == "eager" and trial.times["eager"] == [1.0] * COUNTED
-    assert calls == 2 * CALLS + choose.BACKWARD_WAIT_CALLS
+    # the first switch waits for a first backward, as a long first step would, until
+    # _FIRST_STEP_CALLS calls have begun: the first turn's later calls run eager, untimed
+    assert calls == 2 * CALLS + choose.BACKWARD_WAIT_CALLS + \
+        choose._FIRST_STEP_CALLS - (TURN_CALLS + 1)
 
 
 def test_a_backward_that_raises_does_not_hold_the_trial_open(monkeypatch):
@@ -200,6 +203,35 @@ def test_a_steps_forwards_run_one_way(monkeypatch, forwards):
         steps.append(ran)
     assert trial.verdict() == "inductor"
     assert all(len(set(ran)) == 1 for ran in steps[1:]), steps
+
+
+def test_calls_never_differentiated_after_accumulated_steps_end_the_trial(monkeypatch):
+    """Steps of two forwards each, then calls whose outputs are never differentiated (an
+    eval loop under grad): those are one long step that ends once a step's calls have
+    begun, so the trial still switches ways and decides (it had waited for good)."""
+    _, way_of, trial = _training_trial(monkeypatch)
+    for _ in range(3):
+        sum(trial.run(way_of, (torch.randn(3),), {}).sum() for _ in range(2)).backward()
+    calls = 0
+    while trial.verdict() is None and calls < 500:
+        trial.run(way_of, (torch.randn(3),), {})
+        calls += 1
+    assert trial.verdict() is not None and calls < 50
+
+
+@pytest.mark.parametrize("forwards", [2, 3, 8])
+def test_a_trials_verdict_comes_between_steps(monkeypatch, forwards):
+    """The verdict is kept at once, so it must not come within a step: the step's later
+    forwards would run the winner, its first ones the trial's last way."""
+    _, way_of, trial = _training_trial(monkeypatch)
+    while trial.verdict() is None:
+        outs = []
+        for _ in range(forwards):
+            outs.append(trial.run(way_of, (torch.randn(3),), {}))
+            assert trial.verdict() is None or len(outs) == forwards or len(outs) < 0, \
+                f"decided after forward {len(outs)} of {forwards}"
+        sum(o.sum() for o in outs).backward()
+    assert trial.verdict() == "inductor"  # each counted call timed with its own step's backward
 
 
 @needs_cxx

@@ -188,8 +188,14 @@ _range = torch.autograd.profiler.record_function
 BACKWARD_WAIT_CALLS = 2
 """Calls of the function begun after a counted call whose backward has not ended, after which
 that call counts its forward alone (two: ``loss = f(a) + f(b)`` differentiates a call after
-the next one began). A backward that began and raised never ends (the engine drops its final
-callbacks): without this bound the trial would wait for it for good."""
+the next one began; as many as a step was seen to span, where more). A backward that began
+and raised never ends (the engine drops its final callbacks): without this bound the trial
+would wait for it for good."""
+
+_FIRST_STEP_CALLS = 16
+"""Calls a step may span before any backward was seen: a trial's first switch of ways waits
+for the first backward that long (an accumulation of up to that many forwards is not split;
+a forward never differentiated delays the first switch so many calls)."""
 
 _PENDING_CALLS = 64
 """Calls after which a backward not over is no longer followed (``later`` stays past
@@ -204,7 +210,7 @@ class Backward:
     gradients of the call's outputs arrive (a pre-hook on their autograd nodes, the first to
     run) to the end of that backward pass (the engine's final callback)."""
 
-    __slots__ = ("after", "gpus", "host", "later", "marks", "start")
+    __slots__ = ("after", "gpus", "host", "later", "marks", "seen", "start")
 
     def __init__(self, gpus: Sequence[int]) -> None:
         self.gpus = tuple(gpus)
@@ -213,6 +219,7 @@ class Backward:
         self.marks: list[tuple[Any, Any]] = []  #: (begin, end) CUDA events per GPU
         self.later = 0  #: calls of the function begun since, while it had not ended
         self.after = 0  #: ...of them, those begun before it began
+        self.seen = False  #: its beginning seen by the trial (a step ended)
 
     @classmethod
     def of(cls, out: Any, gpus: Sequence[int]) -> Backward | None:
@@ -243,10 +250,10 @@ class Backward:
         for (_, end), i in zip(self.marks, self.gpus):
             end.record(torch.cuda.current_stream(i))
 
-    def waited(self) -> bool:
-        """Whether it is over, or will never end: not begun, or begun and raised
-        (``BACKWARD_WAIT_CALLS`` calls later)."""
-        return self.host is not None or self.later >= BACKWARD_WAIT_CALLS
+    def waited(self, calls: int = BACKWARD_WAIT_CALLS) -> bool:
+        """Whether it is over, or will never end: not begun, or begun and raised (``calls``
+        calls later)."""
+        return self.host is not None or self.later >= calls
 
     def seconds(self) -> tuple[float, float]:
         """Its host seconds and the longest GPU seconds (0, 0 where it never began)."""
@@ -336,12 +343,14 @@ class Trial:
         self._left = 0  # ...and the counted calls left in that turn
         self._last: str | None = None  # the way called last
         self.ran: str | None = None  #: the way the latest call of ``run`` called
-        # the latest call's backward (untimed calls' too), those not over (counted calls' and
-        # untimed ones'), and the most calls a step was seen to span (forwards made before
-        # their backward: gradient accumulation)
-        self._step: Backward | None = None
+        # the backward of a step's first call (the first since a backward began; untimed
+        # calls' too), those not over (counted calls' and untimed ones'), and the most calls
+        # a step was seen to span (forwards made before their backward: accumulation)
+        self._step: Backward | None = None  # the first call's since a backward began
         self._pending: list[Backward] = []
         self._span = 1
+        self._new_step = True  # whether the next call starts a step
+        self._seen = False  # whether a backward was seen begun (until then a step may be long)
 
     def next_way(self) -> str | None:
         """The way whose turn it is (the turn begun, else the fewest counted calls of those
@@ -368,8 +377,9 @@ class Trial:
         for back in self._pending:
             if back.host is None:
                 back.later += 1
-            if back.start is not None:  # begun: how many forwards its step made
-                self._span = max(self._span, back.after + 1)
+            if back.start is not None and not back.seen:  # a backward began since the last
+                back.seen = self._new_step = self._seen = True  # call: this one starts a
+                self._span = max(self._span, back.after + 1)  # step; its made so many
             if back.host is None and back.later < _PENDING_CALLS:
                 pending.append(back)
         self._pending = pending
@@ -403,8 +413,10 @@ class Trial:
         return out
 
     def _stepped(self, back: Backward | None) -> Backward | None:
-        """``back`` as the latest call's backward, followed until it is over."""
-        self._step = back
+        """``back``, the latest call's backward, followed until it begins (the first call's
+        since a backward began: the step's)."""
+        if self._new_step:
+            self._step, self._new_step = back, False
         if back is not None:
             self._pending.append(back)
         return back
@@ -416,14 +428,15 @@ class Trial:
         self._stepped(Backward.of(out, ()))  # whether a step's backward is still to come
         return out
 
-    def _mid_step(self) -> bool:
-        """Whether the latest call may be one of a step's forwards before the last: steps
-        were seen to span several calls, and its backward has neither begun nor been waited
-        for as long as a step's calls. (Where steps were not seen yet, say a first
-        accumulation longer than a trial's turn, a switch may still fall mid-step.)"""
+    def _mid_step(self, ahead: int = 0) -> bool:
+        """Whether the call ``ahead`` of the latest one begun falls within a step: since the
+        step's first call fewer calls have begun than a step was seen to span
+        (``_FIRST_STEP_CALLS`` before any backward was seen), its backward not begun. (Calls
+        never differentiated are one long step that ends so.)"""
         step = self._step
-        return self._span > 1 and step is not None and step.start is None and \
-            step.later < self._span
+        span = self._span if self._seen else _FIRST_STEP_CALLS
+        return span > 1 and step is not None and step.start is None and \
+            step.later + ahead < span
 
     def _call(self, fn: Callable, way: str, args: Sequence[Any],
               kwargs: Mapping[str, Any]) -> Any:
@@ -442,9 +455,10 @@ class Trial:
     def verdict(self) -> str | None:
         """None while calls remain (or their GPU work is still queued); then the way with the
         fastest median of its counted calls."""
-        if self.next_way() is not None:
-            return None
-        if not all(back is None or back.waited() for *_, back in self.calls):
+        if self.next_way() is not None or self._mid_step(ahead=1):
+            return None  # (a step's calls run one way: the winner from its next one)
+        wait = min(max(BACKWARD_WAIT_CALLS, self._span), _PENDING_CALLS)  # a step's calls
+        if not all(back is None or back.waited(wait) for *_, back in self.calls):
             return None  # a backward still to come
         if not all(end.query() for _, _, marks, back in reversed(self.calls)
                    for _, end in [*marks, *(back.marks if back is not None else ())]):
