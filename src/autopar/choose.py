@@ -250,7 +250,7 @@ class Backward:
         for (_, end), i in zip(self.marks, self.gpus):
             end.record(torch.cuda.current_stream(i))
 
-    def waited(self, calls: int = BACKWARD_WAIT_CALLS) -> bool:
+    def waited(self, calls: int) -> bool:
         """Whether it is over, or will never end: not begun, or begun and raised (``calls``
         calls later)."""
         return self.host is not None or self.later >= calls
@@ -345,12 +345,12 @@ class Trial:
         self.ran: str | None = None  #: the way the latest call of ``run`` called
         # the backward of a step's first call (the first since a backward began; untimed
         # calls' too), those not over (counted calls' and untimed ones'), and the most calls
-        # a step was seen to span (forwards made before their backward: accumulation)
-        self._step: Backward | None = None  # the first call's since a backward began
+        # a step was seen to span (forwards made before their backward: accumulation; None
+        # until a backward was seen begun)
+        self._step: Backward | None = None
         self._pending: list[Backward] = []
-        self._span = 1
+        self._span: int | None = None
         self._new_step = True  # whether the next call starts a step
-        self._seen = False  # whether a backward was seen begun (until then a step may be long)
 
     def next_way(self) -> str | None:
         """The way whose turn it is (the turn begun, else the fewest counted calls of those
@@ -378,8 +378,8 @@ class Trial:
             if back.host is None:
                 back.later += 1
             if back.start is not None and not back.seen:  # a backward began since the last
-                back.seen = self._new_step = self._seen = True  # call: this one starts a
-                self._span = max(self._span, back.after + 1)  # step; its made so many
+                back.seen = self._new_step = True  # call: this one starts a step; its
+                self._span = max(self._span or 1, back.after + 1)  # made so many calls
             if back.host is None and back.later < _PENDING_CALLS:
                 pending.append(back)
         self._pending = pending
@@ -434,7 +434,7 @@ class Trial:
         (``_FIRST_STEP_CALLS`` before any backward was seen), its backward not begun. (Calls
         never differentiated are one long step that ends so.)"""
         step = self._step
-        span = self._span if self._seen else _FIRST_STEP_CALLS
+        span = self._span or _FIRST_STEP_CALLS
         return span > 1 and step is not None and step.start is None and \
             step.later + ahead < span
 
@@ -457,7 +457,7 @@ class Trial:
         fastest median of its counted calls."""
         if self.next_way() is not None or self._mid_step(ahead=1):
             return None  # (a step's calls run one way: the winner from its next one)
-        wait = min(max(BACKWARD_WAIT_CALLS, self._span), _PENDING_CALLS)  # a step's calls
+        wait = min(max(BACKWARD_WAIT_CALLS, self._span or 1), _PENDING_CALLS)  # a step's
         if not all(back is None or back.waited(wait) for *_, back in self.calls):
             return None  # a backward still to come
         if not all(end.query() for _, _, marks, back in reversed(self.calls)
