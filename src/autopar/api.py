@@ -58,7 +58,9 @@ from .capture.optim import OptimizerForms, dynamo_changes_optimizers
 from .choose import (
     OWN_SIGNATURES,
     WAYS,
+    Backward,
     Family,
+    Steps,
     Trial,
     candidates,
     family_of,
@@ -745,6 +747,12 @@ class Dispatcher:
         self.key_extra = key_extra  # what else decides a call's graphs (a module's .training)
         self.kept: dict[Any, str] = {}  #: signature -> the way that runs it
         self.trials: dict[Any, Trial] = {}  #: signature -> its open trial
+        #: the function's steps (forwards before one backward), followed while a call is not
+        #: kept: a step's calls run one way, whatever their signatures (:class:`Steps`)
+        self.steps = Steps()
+        #: the way every signature called under grad mode takes once a trial of calls whose
+        #: outputs autograd records ended where steps span several calls (None: not yet)
+        self.step_way: str | None = None
         #: family -> its signatures seen; the family's trial and verdict are keyed by the
         #: Family itself, in ``trials`` and ``kept``
         self.families: dict[Family, dict[Any, None]] = {}
@@ -897,9 +905,14 @@ class Dispatcher:
             return self.only(*args, **kwargs)
         if _transformed():
             return self._beside_autograd(args, kwargs)
+        steps = self.steps
+        steps.begin()
         trial = self.trials.get(key)
         if trial is not None:
             return self._tried(key, trial, args, kwargs)
+        if _grad_enabled() and (self.step_way is not None or
+                                (steps.way is not None and steps.within())):
+            return self._in_step(key, args, kwargs)
         family = self._varying(key)
         if family is not None:
             return self._in_family(key, family, args, kwargs)
@@ -916,6 +929,7 @@ class Dispatcher:
         places = self._places() if self.impure is None else None  # (walked once a signature)
         world = None if places is None else pystate.world(places, (args, kwargs))
         out = self.compiled(*args, **kwargs)  # a new signature: autopar captures it first
+        steps.called("autopar", Backward.of(out, ()))
         if places is not None and pystate.world(places, (args, kwargs)) != world:
             self.impure = "the call changes Python state or draws from a random generator"
             trials_log.info("autopar: %s: %s: its calls are not repeated to check them",
@@ -973,9 +987,31 @@ class Dispatcher:
             gpus = {w: ours if w == "autopar" else eager_gpus for w in ways}
             if split is not None:
                 gpus["split"] = split
-            self.trials[key] = Trial(gpus, name=self.name)
+            self.trials[key] = Trial(gpus, name=self.name, steps=self.steps)
             trials_log.info("autopar: %s: timing calls %s for %s", self.name,
                             ", ".join(ways), _describe(key))
+        return out
+
+    def _in_step(self, key: Any, args: tuple, kwargs: dict) -> Any:
+        """A new signature's call under grad mode where its way is its steps': the way every
+        such signature takes (``step_way``), kept; else, within a step another call began, that
+        call's way, nothing captured or kept (a capture runs autopar's way: compiled code
+        after an eager forward of the step). Its signature is captured at a call that begins
+        a step, or takes ``step_way`` once there is one (gradient accumulation's smaller last
+        micro-batch never begins one)."""
+        way = self.step_way
+        if way is not None:
+            self.verdicts.setdefault(key, []).append(
+                f"{way} (the way of every forward of this function's steps)")
+            self._keep(key, way)
+        else:
+            way = self.steps.way
+        out = self._plain(args, kwargs, remember=False) if way == "eager" else \
+            self.way(way)(*args, **kwargs)
+        self.steps.called(way, Backward.of(out, ()))
+        for other, trial in list(self.trials.items()):  # a verdict comes between steps: after
+            if trial.recorded and other in self.trials:  # a step's last call, maybe this one
+                self._verdict(other, trial, out, args, kwargs, check=False)
         return out
 
     def _trial_gpus(self, args: tuple, kwargs: dict) -> tuple[frozenset[int], frozenset[int]]:
@@ -1041,7 +1077,8 @@ class Dispatcher:
                 self._keep(family, way)
             else:
                 gpus = self._trial_gpus(args, kwargs)[0]
-                self.trials[family] = Trial({w: gpus for w in ways}, name=self.name)
+                self.trials[family] = Trial({w: gpus for w in ways}, name=self.name,
+                                             steps=self.steps)
         if way is None:
             return self._tried(family, self.trials[family], args, kwargs)
         self._by_family.add(key)
@@ -1218,9 +1255,13 @@ class Dispatcher:
             return None
         return self._wrong(way, got, args, kwargs, eager=False)[0]
 
-    def _verdict(self, key: Any, trial: Trial, out: Any, args: tuple, kwargs: dict) -> Any:
+    def _verdict(self, key: Any, trial: Trial, out: Any, args: tuple, kwargs: dict,
+                 check: bool = True) -> Any:
+        """The trial's verdict, where it has one, kept (or its next trial begun); ``out``
+        returned. ``check``: the winner's results checked once more on ``args``, the call of
+        ``key`` just made (:meth:`_differs_now`); not for another signature's call."""
         won = trial.verdict()
-        why = None if won is None else self._differs_now(won, args, kwargs)
+        why = None if won is None or not check else self._differs_now(won, args, kwargs)
         if why is not None:
             trial.drop(won, f"when kept, {why}")
             trials_log.warning("autopar: %s: the %s way is left out at the end of its trial: "
@@ -1238,15 +1279,37 @@ class Dispatcher:
             nxt = None if isinstance(key, Family) else self._next_way(key, trial, won)
             if nxt is not None:
                 way, gpus = nxt
-                self.trials[key] = Trial({won: trial.gpus[won], way: gpus}, name=self.name)
+                self.trials[key] = Trial({won: trial.gpus[won], way: gpus}, name=self.name,
+                                        steps=self.steps)
                 return out
             if _profiler._is_profiler_enabled:  # the verdict, as a mark in the profiler's trace
                 with _range(f"autopar:verdict {self.name} {won}"):
                     pass
             if isinstance(key, Family):
                 self._adopt(key, won)
+            span = self.steps.span
+            if trial.recorded and span is not None and span > 1:
+                self._one_way_for_steps(key, won)
             self._keep(key, won)
         return out
+
+    def _one_way_for_steps(self, key: Any, way: str) -> None:
+        """A trial whose calls autograd recorded ended, where steps were seen to span several
+        calls: ``way`` runs every signature's calls under grad mode from now on, so that no
+        step mixes ways (:class:`~autopar.choose.Steps`); the open trials of calls autograd
+        recorded end with it. (A step of several signatures, each with a verdict of its own,
+        failed in the backward on every step where eager's came first.)"""
+        self.step_way = way
+        for other, trial in list(self.trials.items()):
+            if trial.recorded:
+                del self.trials[other]
+                self._later.pop(other, None)
+                trials_log.info("autopar: %s: %s takes %s, the way of the steps it shares with "
+                                "%s", self.name, self._describe(other), way,
+                                self._describe(key))
+                self.verdicts.setdefault(other, []).append(
+                    f"{way} (the way of every forward of this function's steps)")
+                self._keep(other, way)
 
     def _adopt(self, family: Family, way: str) -> None:
         """A family's first signatures whose own trials still wait for calls take the family's

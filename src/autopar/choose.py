@@ -89,10 +89,17 @@ Policy (one place decides "is autopar's plan better than what the user would oth
   2026-12-04), so forwards rank ways by the wrong margins. A call whose backward has not
   ended by the time two more calls of the function have begun (an output never
   differentiated, or a backward that raised: a user's hook, a bad batch) counts its forward
-  alone. Where a step was seen to span several calls (gradient accumulation: forwards, then
-  one backward), a switch of ways waits for the step's backward, so a step's forwards run
-  one way (an eager forward then a compiled one of a model with batch norm failed in the
-  backward: eager's node had saved the running statistics the compiled update then wrote).
+  alone.
+- A step's forwards run one way (:class:`Steps`): a *step* is the calls made before one
+  backward pass (gradient accumulation; an RNN cell unrolled), of any signatures, and an
+  eager forward then a compiled one of a model with batch norm failed in the backward
+  (eager's node had saved the running statistics the compiled update then wrote). The
+  function's trials share its steps: within a step each call runs the way its first call
+  ran, so a switch of ways waits for the step's backward; a new signature within a step
+  runs that way, not captured (a capture runs compiled code). Where steps were seen to span
+  several calls, the first such trial's verdict is every signature's under grad mode, open
+  trials included (a step of two signatures with verdicts of their own, a smaller last
+  micro-batch, failed so on every step).
 - A way that fails where eager would not (an internal or compile error before the function
   ran) is dropped for that signature, with the reason logged once, and the call runs eagerly.
 - A way whose results are not eager's is dropped too: on a way's first call, where calling the
@@ -129,8 +136,8 @@ from .machine.host import cpu_fusion_unavailable
 from .runtime.learn import traced_calls
 
 __all__ = ["BACKWARD_WAIT_CALLS", "LAUNCH_BOUND", "OWN_SIGNATURES", "RESULT_TOL",
-           "RESULT_TOL_LOW", "TRIAL_CALLS", "TURN_CALLS", "WAYS", "Backward", "Family", "Trial",
-           "candidates", "family_of", "family_ways", "launch_bound", "results_differ"]
+           "RESULT_TOL_LOW", "TRIAL_CALLS", "TURN_CALLS", "WAYS", "Backward", "Family", "Steps",
+           "Trial", "candidates", "family_of", "family_ways", "launch_bound", "results_differ"]
 
 log = logging.getLogger("autopar.trials")
 
@@ -262,6 +269,64 @@ class Backward:
         return self.host, max((b.elapsed_time(e) / 1e3 for b, e in self.marks), default=0.0)
 
 
+class Steps:
+    """A function's steps, followed across all its signatures: a *step* is the forwards made
+    before one backward pass that reaches them (gradient accumulation: several calls, maybe of
+    several signatures, a smaller last micro-batch; an RNN cell's calls, its first taking
+    ``h0`` without grad), and it begins at a call whose outputs autograd records, the first
+    such since a backward began. A step's calls must run one way, whatever their signatures:
+    an eager forward then a compiled one failed in the backward, eager's batch-norm node
+    having saved the running statistics the compiled update then wrote (their version
+    counter moved). Shared by the function's trials and its Dispatcher, which calls
+    :meth:`begin` as each call not yet kept begins and :meth:`called` with the way it ran.
+
+    ``way`` is the way the step's first call ran; ``span`` the most calls a step was seen to
+    span (None until a backward was seen begun); :meth:`within` whether a call falls inside
+    the step."""
+
+    __slots__ = ("first", "new", "pending", "span", "way")
+
+    def __init__(self) -> None:
+        self.first: Backward | None = None  #: the backward of the step's first call
+        self.way: str | None = None  #: ...and the way that call ran
+        self.pending: list[Backward] = []  #: calls' backwards not over
+        self.span: int | None = None
+        self.new = True  #: whether the next call that autograd records starts a step
+
+    def begin(self) -> None:
+        """A call begins: each backward not over counts it; one that began since the last call
+        ends the step (it spanned the calls begun before it began, and one)."""
+        pending = []
+        for back in self.pending:
+            if back.host is None:
+                back.later += 1
+            if back.start is not None and not back.seen:
+                back.seen = self.new = True
+                self.span = max(self.span or 1, back.after + 1)
+            if back.host is None and back.later < _PENDING_CALLS:
+                pending.append(back)
+        self.pending = pending
+
+    def called(self, way: str, back: Backward | None) -> None:
+        """The call ran ``way``; ``back``: its backward, followed until it begins (None: autograd
+        records none of its outputs, it is in no step)."""
+        if back is None:
+            return
+        if self.new:
+            self.first, self.way, self.new = back, way, False
+        self.pending.append(back)
+
+    def within(self, ahead: int = 0) -> bool:
+        """Whether the call ``ahead`` of the latest one begun falls within a step: since the
+        step's first call fewer calls have begun than a step was seen to span
+        (``_FIRST_STEP_CALLS`` before any backward was seen), its backward not begun. (Calls
+        never differentiated are one long step that ends so.)"""
+        first = self.first
+        span = self.span or _FIRST_STEP_CALLS
+        return span > 1 and first is not None and first.start is None and \
+            first.later + ahead < span
+
+
 def candidates(autopar_differs: bool, inductor_can: bool) -> tuple[str, ...]:
     """The ways worth a trial, in the order a trial runs them (see the module docstring)."""
     ways = ["eager"]
@@ -329,7 +394,8 @@ class Trial:
     each call is a range ``autopar:trial <name> <way>`` (``name``: the function's, for the
     trace)."""
 
-    def __init__(self, gpus: Mapping[str, Sequence[int]], name: str = "fn") -> None:
+    def __init__(self, gpus: Mapping[str, Sequence[int]], name: str = "fn",
+                 steps: Steps | None = None) -> None:
         self.name = name
         self.ways = tuple(gpus)
         self.gpus = {w: tuple(g) for w, g in gpus.items()}
@@ -343,14 +409,11 @@ class Trial:
         self._left = 0  # ...and the counted calls left in that turn
         self._last: str | None = None  # the way called last
         self.ran: str | None = None  #: the way the latest call of ``run`` called
-        # the backward of a step's first call (the first since a backward began; untimed
-        # calls' too), those not over (counted calls' and untimed ones'), and the most calls
-        # a step was seen to span (forwards made before their backward: accumulation; None
-        # until a backward was seen begun)
-        self._step: Backward | None = None
-        self._pending: list[Backward] = []
-        self._span: int | None = None
-        self._new_step = True  # whether the next call starts a step
+        self.recorded = False  #: whether autograd recorded outputs of a call of it
+        # the function's steps: its Dispatcher's, shared with its other trials (which then
+        # begins each call), or the trial's own
+        self._own = steps is None
+        self.steps = Steps() if steps is None else steps
 
     def next_way(self) -> str | None:
         """The way whose turn it is (the turn begun, else the fewest counted calls of those
@@ -369,26 +432,21 @@ class Trial:
     def run(self, way_of: Callable[[str], Callable], args: Sequence[Any],
             kwargs: Mapping[str, Any]) -> Any:
         """Call the way whose turn it is (``way_of(name)`` gives its callable); ``ran`` says
-        which was called. A switch waits while the call before may be one of several forwards
-        of one step whose backward is to come (:meth:`_mid_step`): a step's calls run one way
-        (an eager forward then a compiled one, their backward after, fails where eager saved
-        a batch-norm buffer the compiled form's update then writes)."""
-        pending = []
-        for back in self._pending:
-            if back.host is None:
-                back.later += 1
-            if back.start is not None and not back.seen:  # a backward began since the last
-                back.seen = self._new_step = True  # call: this one starts a step; its
-                self._span = max(self._span or 1, back.after + 1)  # made so many calls
-            if back.host is None and back.later < _PENDING_CALLS:
-                pending.append(back)
-        self._pending = pending
+        which was called. Within a step (:meth:`Steps.within`), a call runs the way the step's
+        first call ran, untimed, whatever its own turn: a step's calls run one way (an eager
+        forward then a compiled one, their backward after, fails where eager saved a
+        batch-norm buffer the compiled form's update then wrote), so a switch waits for the
+        step's backward."""
+        steps = self.steps
+        if self._own:
+            steps.begin()
         way = self.next_way()
-        if way is None or (way != self._last and self._mid_step()):
-            # waiting for the timed calls' GPU work, or a step's forwards: the way called last
+        if steps.way is not None and way != steps.way and steps.within():
+            return self._untimed(way_of, steps.way, args, kwargs)  # another way's step
+        if way is None:  # waiting for the timed calls' GPU work: the way called last
             return self._untimed(way_of, self._last or self.ways[0], args, kwargs)
         if way != self._last:  # a switch: this call warms the way up, untimed
-            self._turn = self._last = way
+            self._turn = way
             self._left = TURN_CALLS
             return self._untimed(way_of, way, args, kwargs)
         marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
@@ -401,7 +459,7 @@ class Trial:
         out = self._call(way_of(way), way, args, kwargs)
         host = _clock() - start
         if traced_calls() != traced:  # a plan traced this call to learn its ops' times
-            self._stepped(Backward.of(out, ()))  # (autopar.runtime.learn): its time is
+            self._stepped(way, Backward.of(out, ()))  # (autopar.runtime.learn): its time is
             return out  # not the way's; not counted
         self._left -= 1
         if self._left <= 0:
@@ -409,34 +467,21 @@ class Trial:
         for _, end, stream in marks:
             end.record(stream)
         self.calls.append((way, host, [(b, e) for b, e, _ in marks],
-                           self._stepped(Backward.of(out, self.gpus[way]))))
+                           self._stepped(way, Backward.of(out, self.gpus[way]))))
         return out
 
-    def _stepped(self, back: Backward | None) -> Backward | None:
-        """``back``, the latest call's backward, followed until it begins (the first call's
-        since a backward began: the step's)."""
-        if self._new_step:
-            self._step, self._new_step = back, False
-        if back is not None:
-            self._pending.append(back)
+    def _stepped(self, way: str, back: Backward | None) -> Backward | None:
+        """``back``, the latest call's backward (of way ``way``), to the function's steps."""
+        self.steps.called(way, back)
+        self.recorded |= back is not None
         return back
 
     def _untimed(self, way_of: Callable[[str], Callable], way: str, args: Sequence[Any],
                  kwargs: Mapping[str, Any]) -> Any:
-        self.ran = way
+        self.ran = self._last = way
         out = self._call(way_of(way), way, args, kwargs)
-        self._stepped(Backward.of(out, ()))  # whether a step's backward is still to come
+        self._stepped(way, Backward.of(out, ()))  # whether a step's backward is still to come
         return out
-
-    def _mid_step(self, ahead: int = 0) -> bool:
-        """Whether the call ``ahead`` of the latest one begun falls within a step: since the
-        step's first call fewer calls have begun than a step was seen to span
-        (``_FIRST_STEP_CALLS`` before any backward was seen), its backward not begun. (Calls
-        never differentiated are one long step that ends so.)"""
-        step = self._step
-        span = self._span or _FIRST_STEP_CALLS
-        return span > 1 and step is not None and step.start is None and \
-            step.later + ahead < span
 
     def _call(self, fn: Callable, way: str, args: Sequence[Any],
               kwargs: Mapping[str, Any]) -> Any:
@@ -455,9 +500,9 @@ class Trial:
     def verdict(self) -> str | None:
         """None while calls remain (or their GPU work is still queued); then the way with the
         fastest median of its counted calls."""
-        if self.next_way() is not None or self._mid_step(ahead=1):
+        if self.next_way() is not None or self.steps.within(ahead=1):
             return None  # (a step's calls run one way: the winner from its next one)
-        wait = min(max(BACKWARD_WAIT_CALLS, self._span or 1), _PENDING_CALLS)  # a step's
+        wait = min(max(BACKWARD_WAIT_CALLS, self.steps.span or 1), _PENDING_CALLS)  # a step's
         if not all(back is None or back.waited(wait) for *_, back in self.calls):
             return None  # a backward still to come
         if not all(end.query() for _, _, marks, back in reversed(self.calls)
