@@ -206,6 +206,24 @@ def test_a_steps_forwards_run_one_way(monkeypatch, forwards):
     assert all(len(set(ran)) == 1 for ran in steps[1:]), steps
 
 
+def test_a_step_longer_than_any_seen_runs_one_way(monkeypatch):
+    """Steps of 2, 5, 1 and 3 forwards: a switch waits for the step's backward however many
+    forwards came before it (a step longer than any seen was split at the span seen so far),
+    and a verdict comes as a step begins, never within one."""
+    _, way_of, trial = _training_trial(monkeypatch)
+    steps = []
+    while trial.verdict() is None and len(steps) < 400:
+        outs, ran = [], []
+        for _ in range((2, 5, 1, 3)[len(steps) % 4]):
+            outs.append(trial.run(way_of, (torch.randn(3),), {}))
+            ran.append(trial.ran)
+            assert trial.verdict() is None
+        sum(o.sum() for o in outs).backward()
+        steps.append(ran)
+    assert trial.verdict() == "inductor"
+    assert all(len(set(ran)) == 1 for ran in steps), steps
+
+
 def test_calls_never_differentiated_after_accumulated_steps_end_the_trial(monkeypatch):
     """Steps of two forwards each, then calls whose outputs are never differentiated (an
     eval loop under grad): those are one long step that ends once a step's calls have
@@ -277,11 +295,12 @@ class _Cell(torch.nn.Module):
 
 
 @needs_cxx
-@pytest.mark.parametrize("case", ["smaller last micro-batch", "rnn cell"])
+@pytest.mark.parametrize("case", ["smaller last micro-batch", "steps of 2, 5 and 1", "rnn cell"])
 @pytest.mark.parametrize("winner", ["measured", "inductor"])
 def test_a_steps_forwards_of_several_signatures_run_one_way(monkeypatch, case, winner):
     """A step whose forwards have different signatures (gradient accumulation whose last
-    micro-batch is smaller; an RNN cell unrolled, its first call taking ``h0``): each
+    micro-batch is smaller, or steps of several lengths; an RNN cell unrolled, its first call
+    taking ``h0``): each
     signature had a trial and a verdict of its own, so steps mixed an eager forward and a
     compiled one, and with batch norm every such step's backward raised (eager's node saved
     the running statistics the compiled update then wrote). Now the step's calls run its first
@@ -313,8 +332,10 @@ def test_a_steps_forwards_of_several_signatures_run_one_way(monkeypatch, case, w
 
     decided = None
     for step in range(300):
+        sizes = ((4, 4), (4, 4, 4, 4, 3), (3,))[step % 3] if case.startswith("steps") else \
+            (4, 4, 3)
         xs = [torch.randn(3, 6) for _ in range(4)] if case == "rnn cell" else \
-            [torch.randn(b, 3, 8, 8) for b in (4, 4, 3)]
+            [torch.randn(b, 3, 8, 8) for b in sizes]
         for m, f in ((twin, twin), (model, g)):
             m.zero_grad(set_to_none=True)
             loss_of(f, xs).backward()

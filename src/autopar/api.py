@@ -895,18 +895,18 @@ class Dispatcher:
         return _Unsettled(key)
 
     def _unsettled(self, key: Any, args: tuple, kwargs: dict) -> Any:
-        """A call of a signature not kept yet: its trial's, its family's, or its capture."""
-        way = self.kept.get(key)  # decided while this thread waited for the lock?
-        if way == "eager":
-            return self._plain(args, kwargs, remember=False)
-        if way is not None:
-            return self.way(way)(*args, **kwargs)
-        if self.only is not None:
-            return self.only(*args, **kwargs)
+        """A call of a signature not kept yet: its trial's, its family's, or its capture. A
+        call that begins a step first takes the verdicts of the trials of calls autograd
+        records (:meth:`_step_verdicts`)."""
+        if key in self.kept or self.only is not None:  # decided while this thread waited
+            return self._kept_call(key, args, kwargs)
         if _transformed():
             return self._beside_autograd(args, kwargs)
         steps = self.steps
         steps.begin()
+        if steps.new and self._step_verdicts(args, kwargs) and \
+                (key in self.kept or self.only is not None):
+            return self._kept_call(key, args, kwargs)
         trial = self.trials.get(key)
         if trial is not None:
             return self._tried(key, trial, args, kwargs)
@@ -992,6 +992,27 @@ class Dispatcher:
                             ", ".join(ways), _describe(key))
         return out
 
+    def _kept_call(self, key: Any, args: tuple, kwargs: dict) -> Any:
+        """A call of a signature kept (or of any, where one way serves every call)."""
+        if self.only is not None:
+            return self.only(*args, **kwargs)
+        way = self.kept[key]
+        if way == "eager":
+            return self._plain(args, kwargs, remember=False)
+        return self.way(way)(*args, **kwargs)
+
+    def _step_verdicts(self, args: tuple, kwargs: dict) -> bool:
+        """As a call begins a step, the verdicts of the open trials whose calls autograd
+        recorded, kept where they have one: a verdict kept within a step would run the step's
+        later forwards the winner, its first ones another way (:class:`~autopar.choose.Steps`).
+        Whether one was kept."""
+        kept = False
+        for key, trial in list(self.trials.items()):
+            if trial.recorded and self.trials.get(key) is trial:
+                self._verdict(key, trial, None, args, kwargs, check=False)
+                kept |= key in self.kept
+        return kept
+
     def _in_step(self, key: Any, args: tuple, kwargs: dict) -> Any:
         """A new signature's call under grad mode where its way is its steps': the way every
         such signature takes (``step_way``), kept; else, within a step another call began, that
@@ -1009,9 +1030,6 @@ class Dispatcher:
         out = self._plain(args, kwargs, remember=False) if way == "eager" else \
             self.way(way)(*args, **kwargs)
         self.steps.called(way, Backward.of(out, ()))
-        for other, trial in list(self.trials.items()):  # a verdict comes between steps: after
-            if trial.recorded and other in self.trials:  # a step's last call, maybe this one
-                self._verdict(other, trial, out, args, kwargs, check=False)
         return out
 
     def _trial_gpus(self, args: tuple, kwargs: dict) -> tuple[frozenset[int], frozenset[int]]:

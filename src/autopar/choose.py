@@ -95,8 +95,10 @@ Policy (one place decides "is autopar's plan better than what the user would oth
   eager forward then a compiled one of a model with batch norm failed in the backward
   (eager's node had saved the running statistics the compiled update then wrote). The
   function's trials share its steps: within a step each call runs the way its first call
-  ran, so a switch of ways waits for the step's backward; a new signature within a step
-  runs that way, not captured (a capture runs compiled code). Where steps were seen to span
+  ran, so a switch of ways waits for the step's backward however many forwards came first
+  (at least ``_FIRST_STEP_CALLS``; a step longer than any seen was split before), and a
+  verdict is kept as a call begins a step; a new signature within a step runs that way,
+  not captured (a capture runs compiled code). Where steps were seen to span
   several calls, the first such trial's verdict is every signature's under grad mode, open
   trials included (a step of two signatures with verdicts of their own, a smaller last
   micro-batch, failed so on every step).
@@ -200,9 +202,9 @@ and raised never ends (the engine drops its final callbacks): without this bound
 would wait for it for good."""
 
 _FIRST_STEP_CALLS = 16
-"""Calls a step may span before any backward was seen: a trial's first switch of ways waits
-for the first backward that long (an accumulation of up to that many forwards is not split;
-a forward never differentiated delays the first switch so many calls)."""
+"""Calls a step may span, at least, before a switch of ways no longer waits for its backward
+(an accumulation of up to that many forwards, or as many as a step was seen to span, is not
+split; forwards never differentiated delay a switch so many calls, once)."""
 
 _PENDING_CALLS = 64
 """Calls after which a backward not over is no longer followed (``later`` stays past
@@ -316,15 +318,14 @@ class Steps:
             self.first, self.way, self.new = back, way, False
         self.pending.append(back)
 
-    def within(self, ahead: int = 0) -> bool:
-        """Whether the call ``ahead`` of the latest one begun falls within a step: since the
-        step's first call fewer calls have begun than a step was seen to span
-        (``_FIRST_STEP_CALLS`` before any backward was seen), its backward not begun. (Calls
-        never differentiated are one long step that ends so.)"""
+    def within(self) -> bool:
+        """Whether the call begun last falls within the step its first call began: that call's
+        backward has not begun (forwards accumulate), and fewer calls have begun since than
+        a step was seen to span or ``_FIRST_STEP_CALLS``, whichever is more (calls never
+        differentiated are one long step that ends so)."""
         first = self.first
-        span = self.span or _FIRST_STEP_CALLS
-        return span > 1 and first is not None and first.start is None and \
-            first.later + ahead < span
+        return first is not None and first.start is None and \
+            first.later < max(self.span or 1, _FIRST_STEP_CALLS)
 
 
 def candidates(autopar_differs: bool, inductor_can: bool) -> tuple[str, ...]:
@@ -500,8 +501,8 @@ class Trial:
     def verdict(self) -> str | None:
         """None while calls remain (or their GPU work is still queued); then the way with the
         fastest median of its counted calls."""
-        if self.next_way() is not None or self.steps.within(ahead=1):
-            return None  # (a step's calls run one way: the winner from its next one)
+        if self.next_way() is not None or self.steps.within():
+            return None  # (a step's calls run one way: the winner from the next step on)
         wait = min(max(BACKWARD_WAIT_CALLS, self.steps.span or 1), _PENDING_CALLS)  # a step's
         if not all(back is None or back.waited(wait) for *_, back in self.calls):
             return None  # a backward still to come
