@@ -330,6 +330,8 @@ def test_a_steps_forwards_of_several_signatures_run_one_way(monkeypatch, case, w
             return loss
         return sum(f(x).square().mean() for x in xs)
 
+    # (four tanh steps through batch norm over 3 samples: a fused kernel's rounding grows)
+    tol = {"rtol": 1e-3, "atol": 1e-4} if case == "rnn cell" else {"rtol": 1e-4, "atol": 1e-5}
     decided = None
     for step in range(300):
         sizes = ((4, 4), (4, 4, 4, 4, 3), (3,))[step % 3] if case.startswith("steps") else \
@@ -340,9 +342,9 @@ def test_a_steps_forwards_of_several_signatures_run_one_way(monkeypatch, case, w
             m.zero_grad(set_to_none=True)
             loss_of(f, xs).backward()
         for p, q in zip(model.parameters(), twin.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(p.grad, q.grad, **tol)
         for b, c in zip(model.buffers(), twin.buffers(), strict=True):
-            torch.testing.assert_close(b, c, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(b, c, **tol)
         if not d.trials and (len(d.kept) == 2 or d.only is not None):
             decided = step if decided is None else decided
             if step == decided + 3:  # and some steps after
@@ -353,6 +355,32 @@ def test_a_steps_forwards_of_several_signatures_run_one_way(monkeypatch, case, w
     assert winner == "measured" or set(d.kept.values()) == {winner}
     assert d.only is not None or "the way of every forward of this function's steps" in \
         d.explain()
+
+
+@needs_cxx
+def test_where_no_graph_writes_in_place_each_signature_of_a_step_keeps_its_own_way():
+    """Ways mix in a step safely where no graph writes in place (layer norm, no running
+    statistics): a smaller last micro-batch is captured and tried on its own, as a new
+    length of a text model would be, and the results equal eager's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LayerNorm(8), torch.nn.Tanh(),
+                                torch.nn.Linear(8, 1))
+    twin = copy.deepcopy(model)
+    g = autopar.compile(model, candidates="eager,inductor")
+    d = autopar.api.dispatcher_of(g)
+    for _ in range(300):
+        xs = [torch.randn(b, 6) for b in (4, 4, 3)]
+        for m, f in ((twin, twin), (model, g)):
+            m.zero_grad(set_to_none=True)
+            sum(f(x).square().mean() for x in xs).backward()
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+        if not d.trials and len(d.kept) == 2:
+            break
+    assert not d.runner.writes and d.step_way is None
+    assert not d.trials and len(d.kept) == 2 and len(d.verdicts) == 2, d.explain()
+    assert all("medians" not in v[-1] and "(eager " in v[-1] for v in d.verdicts.values()), \
+        d.verdicts
 
 
 class _FakeEvent:

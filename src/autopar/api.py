@@ -751,7 +751,8 @@ class Dispatcher:
         #: kept: a step's calls run one way, whatever their signatures (:class:`Steps`)
         self.steps = Steps()
         #: the way every signature called under grad mode takes once a trial of calls whose
-        #: outputs autograd records ended where steps span several calls (None: not yet)
+        #: outputs autograd records ended where steps span several calls and the graphs
+        #: write in place (None: not yet, or never needed)
         self.step_way: str | None = None
         #: family -> its signatures seen; the family's trial and verdict are keyed by the
         #: Family itself, in ``trials`` and ``kept``
@@ -910,8 +911,8 @@ class Dispatcher:
         trial = self.trials.get(key)
         if trial is not None:
             return self._tried(key, trial, args, kwargs)
-        if _grad_enabled() and (self.step_way is not None or
-                                (steps.way is not None and steps.within())):
+        if self.runner.writes and _grad_enabled() and (
+                self.step_way is not None or (steps.way is not None and steps.within())):
             return self._in_step(key, args, kwargs)
         family = self._varying(key)
         if family is not None:
@@ -1014,7 +1015,9 @@ class Dispatcher:
         return kept
 
     def _in_step(self, key: Any, args: tuple, kwargs: dict) -> Any:
-        """A new signature's call under grad mode where its way is its steps': the way every
+        """A new signature's call under grad mode, of a function whose graphs write in place
+        (batch norm's running statistics: where none does, ways mix in a step safely, and
+        each signature keeps a way of its own), where its way is its steps': the way every
         such signature takes (``step_way``), kept; else, within a step another call began, that
         call's way, nothing captured or kept (a capture runs autopar's way: compiled code
         after an eager forward of the step). Its signature is captured at a call that begins
@@ -1306,7 +1309,7 @@ class Dispatcher:
             if isinstance(key, Family):
                 self._adopt(key, won)
             span = self.steps.span
-            if trial.recorded and span is not None and span > 1:
+            if trial.recorded and span is not None and span > 1 and self.runner.writes:
                 self._one_way_for_steps(key, won)
             self._keep(key, won)
         return out

@@ -97,11 +97,13 @@ Policy (one place decides "is autopar's plan better than what the user would oth
   function's trials share its steps: within a step each call runs the way its first call
   ran, so a switch of ways waits for the step's backward however many forwards came first
   (at least ``_FIRST_STEP_CALLS``; a step longer than any seen was split before), and a
-  verdict is kept as a call begins a step; a new signature within a step runs that way,
-  not captured (a capture runs compiled code). Where steps were seen to span
-  several calls, the first such trial's verdict is every signature's under grad mode, open
-  trials included (a step of two signatures with verdicts of their own, a smaller last
-  micro-batch, failed so on every step).
+  verdict is kept as a call begins a step. Where the function's graphs write in place (the
+  hazard: batch norm's running statistics; elsewhere ways mix in a step safely and each
+  signature keeps its own), a new signature within a step runs that way, not captured (a
+  capture runs compiled code), and where steps were seen to span several calls, the first
+  such trial's verdict is every signature's under grad mode, open trials included (a step
+  of two signatures with verdicts of their own, a smaller last micro-batch, failed so on
+  every step).
 - A way that fails where eager would not (an internal or compile error before the function
   ran) is dropped for that signature, with the reason logged once, and the call runs eagerly.
 - A way whose results are not eager's is dropped too: on a way's first call, where calling the
