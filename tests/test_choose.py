@@ -357,6 +357,69 @@ def test_a_steps_forwards_of_several_signatures_run_one_way(monkeypatch, case, w
         d.explain()
 
 
+def _bn_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                               torch.nn.Linear(16, 1)).train()
+
+
+def _same(model, twin, **tol):
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, **tol)
+    for b, c in zip(model.buffers(), twin.buffers(), strict=True):
+        torch.testing.assert_close(b, c, **tol)
+
+
+def test_a_signature_kept_as_its_only_candidate_gives_its_way_to_the_steps():
+    """A signature kept at its capture (eager, the only candidate: autopar's plan pruned as
+    eager's, no Inductor) is not followed by the steps; a smaller last micro-batch after it
+    was captured, compiled code after an eager forward of the step, and with batch norm the
+    step's backward raised. Its way is now every grad-mode signature's."""
+    model = _bn_net()
+    twin = copy.deepcopy(model)
+    g = autopar.compile(model, candidates="eager,autopar")
+    d = autopar.api.dispatcher_of(g)
+    for _ in range(4):
+        xs = [torch.randn(b, 6) for b in (4, 3)]
+        for m, f in ((twin, twin), (model, g)):
+            m.zero_grad(set_to_none=True)
+            sum(f(x).square().mean() for x in xs).backward()
+        _same(model, twin, rtol=1e-4, atol=1e-5)
+    assert set(d.kept.values()) == {"eager"} and d.step_way == "eager"
+
+
+@needs_cxx
+@pytest.mark.parametrize("winner", ["measured", "inductor"])
+def test_calls_under_no_grad_within_a_step_do_not_end_it(monkeypatch, winner):
+    """Calls under ``no_grad`` between a step's forwards (batch norm in training: they write
+    its running statistics) counted towards the calls a step may span before a switch stops
+    waiting for its backward, so the step's next forward switched ways, and the backward
+    raised. They now run the step's way (a compiled one's writes after an eager forward fail
+    alike) without counting, and take the steps' way once it is kept: every step's gradients
+    and buffers equal eager's, and the trials end (the measured winner, or Inductor's form
+    made to win)."""
+    if winner != "measured":
+        verdict = Trial.verdict
+        monkeypatch.setattr(Trial, "verdict", lambda self: verdict(self) and winner)
+    model = _bn_net()
+    twin = copy.deepcopy(model)
+    g = autopar.compile(model, candidates="eager,inductor")
+    d = autopar.api.dispatcher_of(g)
+    for _ in range(120):
+        a, b, evals = torch.randn(4, 6), torch.randn(4, 6), torch.randn(20, 2, 6)
+        for m, f in ((twin, twin), (model, g)):
+            m.zero_grad(set_to_none=True)
+            loss = f(a).square().mean()
+            with torch.no_grad():
+                for x in evals:
+                    f(x)
+            (loss + f(b).square().mean()).backward()
+        _same(model, twin, rtol=1e-4, atol=1e-5)
+        if not d.trials and (len(d.kept) == 2 or d.only is not None):
+            break  # (one compiled way serving every call: ``only``, no keys)
+    assert not d.trials and (len(d.kept) == 2 or d.only is not None), d.explain()
+
+
 @needs_cxx
 def test_where_no_graph_writes_in_place_each_signature_of_a_step_keeps_its_own_way():
     """Ways mix in a step safely where no graph writes in place (layer norm, no running

@@ -750,9 +750,9 @@ class Dispatcher:
         #: the function's steps (forwards before one backward), followed while a call is not
         #: kept: a step's calls run one way, whatever their signatures (:class:`Steps`)
         self.steps = Steps()
-        #: the way every signature called under grad mode takes once a trial of calls whose
-        #: outputs autograd records ended where steps span several calls and the graphs
-        #: write in place (None: not yet, or never needed)
+        #: the way every signature called under grad mode takes once a signature whose
+        #: outputs autograd records was kept and the graphs write in place (None: not yet, or
+        #: never needed)
         self.step_way: str | None = None
         #: family -> its signatures seen; the family's trial and verdict are keyed by the
         #: Family itself, in ``trials`` and ``kept``
@@ -880,7 +880,8 @@ class Dispatcher:
             return self._unsettled(out.key, args, kwargs)
 
     def _settled(self, args: tuple, kwargs: dict) -> Any:
-        """A call of a signature whose way is kept, else its :class:`_Unsettled`."""
+        """A call of a signature whose way is kept, else its :class:`_Unsettled` (a kept one's
+        too while the steps follow kept calls: :meth:`_following`)."""
         refs = self._last_refs
         if refs and not kwargs and self._last_grad == _grad_enabled() and \
                 _same_signature(args, refs, self._last_metas, 0, self._last_grad) == len(refs):
@@ -889,6 +890,8 @@ class Dispatcher:
             return self.fn(*args)  # the latest plain call's tensors, or new ones like them
         key = self._key(args, kwargs)
         way = self.kept.get(key)
+        if way is not None and self.trials and self.runner.writes:
+            return _Unsettled(key)
         if way == "eager":
             return self._plain(args, kwargs, remember=key is not None)
         if way is not None:
@@ -899,21 +902,27 @@ class Dispatcher:
         """A call of a signature not kept yet: its trial's, its family's, or its capture. A
         call that begins a step first takes the verdicts of the trials of calls autograd
         records (:meth:`_step_verdicts`)."""
-        if key in self.kept or self.only is not None:  # decided while this thread waited
-            return self._kept_call(key, args, kwargs)
+        if self.only is not None or (key in self.kept and not self._following()):
+            return self._kept_call(key, args, kwargs)  # (decided while this thread waited)
         if _transformed():
             return self._beside_autograd(args, kwargs)
-        steps = self.steps
-        steps.begin()
-        if steps.new and self._step_verdicts(args, kwargs) and \
-                (key in self.kept or self.only is not None):
-            return self._kept_call(key, args, kwargs)
+        steps, grad = self.steps, _grad_enabled()
+        if grad:  # (a call under no_grad does not count towards a step's calls)
+            steps.begin()
+            if steps.new:
+                self._step_verdicts(args, kwargs)
+        if self.only is not None:
+            return self.only(*args, **kwargs)
+        if key in self.kept:  # followed: it may begin a step another signature's trial is in
+            out = self._kept_call(key, args, kwargs)
+            steps.called(self.kept[key], Backward.of(out, ()))
+            return out
         trial = self.trials.get(key)
         if trial is not None:
             return self._tried(key, trial, args, kwargs)
-        if self.runner.writes and _grad_enabled() and (
-                self.step_way is not None or (steps.way is not None and steps.within())):
-            return self._in_step(key, args, kwargs)
+        if self.runner.writes and ((grad and self.step_way is not None) or
+                                   (steps.way is not None and steps.within())):
+            return self._in_step(key, args, kwargs, adopt=self.step_way is not None)
         family = self._varying(key)
         if family is not None:
             return self._in_family(key, family, args, kwargs)
@@ -930,7 +939,8 @@ class Dispatcher:
         places = self._places() if self.impure is None else None  # (walked once a signature)
         world = None if places is None else pystate.world(places, (args, kwargs))
         out = self.compiled(*args, **kwargs)  # a new signature: autopar captures it first
-        steps.called("autopar", Backward.of(out, ()))
+        back = Backward.of(out, ())
+        steps.called("autopar", back)
         if places is not None and pystate.world(places, (args, kwargs)) != world:
             self.impure = "the call changes Python state or draws from a random generator"
             trials_log.info("autopar: %s: %s: its calls are not repeated to check them",
@@ -983,12 +993,14 @@ class Dispatcher:
         if len(ways) <= 1 and key not in self._later:
             trials_log.debug("autopar: %s: %s runs %s: nothing else to try", self.name,
                              _describe(key), ways[0] if ways else "autopar")
+            if back is not None and runner.writes:
+                self._one_way_for_steps(key, ways[0] if ways else "autopar")
             self._keep(key, ways[0] if ways else "autopar")
         else:
             gpus = {w: ours if w == "autopar" else eager_gpus for w in ways}
             if split is not None:
                 gpus["split"] = split
-            self.trials[key] = Trial(gpus, name=self.name, steps=self.steps)
+            self._open(key, Trial(gpus, name=self.name, steps=self.steps))
             trials_log.info("autopar: %s: timing calls %s for %s", self.name,
                             ", ".join(ways), _describe(key))
         return out
@@ -1002,29 +1014,41 @@ class Dispatcher:
             return self._plain(args, kwargs, remember=False)
         return self.way(way)(*args, **kwargs)
 
-    def _step_verdicts(self, args: tuple, kwargs: dict) -> bool:
+    def _step_verdicts(self, args: tuple, kwargs: dict) -> None:
         """As a call begins a step, the verdicts of the open trials whose calls autograd
         recorded, kept where they have one: a verdict kept within a step would run the step's
-        later forwards the winner, its first ones another way (:class:`~autopar.choose.Steps`).
-        Whether one was kept."""
-        kept = False
+        later forwards the winner, its first ones another way (:class:`~autopar.choose.Steps`)."""
         for key, trial in list(self.trials.items()):
             if trial.recorded and self.trials.get(key) is trial:
                 self._verdict(key, trial, None, args, kwargs, check=False)
-                kept |= key in self.kept
-        return kept
 
-    def _in_step(self, key: Any, args: tuple, kwargs: dict) -> Any:
-        """A new signature's call under grad mode, of a function whose graphs write in place
-        (batch norm's running statistics: where none does, ways mix in a step safely, and
-        each signature keeps a way of its own), where its way is its steps': the way every
-        such signature takes (``step_way``), kept; else, within a step another call began, that
-        call's way, nothing captured or kept (a capture runs autopar's way: compiled code
-        after an eager forward of the step). Its signature is captured at a call that begins
-        a step, or takes ``step_way`` once there is one (gradient accumulation's smaller last
-        micro-batch never begins one)."""
+    def _open(self, key: Any, trial: Trial) -> None:
+        """``trial`` opens for ``key``; where the steps now follow kept calls (:meth:`_following`),
+        the plain fast paths are taken off."""
+        self.trials[key] = trial
+        if self._following():
+            self._route = _Route(self._call)
+            self._last_refs = []
+
+    def _following(self) -> bool:
+        """Whether the steps follow kept signatures' calls too: while a trial is open, where
+        the graphs write in place (a kept eager forward then a trial's compiled call in one
+        step fails the backward; :class:`~autopar.choose.Steps`). Their plain fast paths
+        (the latest plain call's tensors, a plain entry) are then off (:meth:`_plain`)."""
+        return bool(self.trials) and self.runner.writes
+
+    def _in_step(self, key: Any, args: tuple, kwargs: dict, adopt: bool) -> Any:
+        """A new signature's call, of a function whose graphs write in place (batch norm's
+        running statistics: where none does, ways mix in a step safely, and each signature
+        keeps a way of its own), where its way is its steps': the way every signature under
+        grad mode, or within a step, takes (``step_way``: ``adopt``), kept; else, within a
+        step another call began, that call's way, nothing captured or kept (a capture runs
+        autopar's way: compiled code, whose writes after an eager forward of the step fail
+        its backward, under no_grad too). Its signature is captured at a call outside a step,
+        or takes ``step_way`` once there is one (gradient accumulation's smaller last
+        micro-batch is never outside one)."""
         way = self.step_way
-        if way is not None:
+        if adopt and way is not None:
             self.verdicts.setdefault(key, []).append(
                 f"{way} (the way of every forward of this function's steps)")
             self._keep(key, way)
@@ -1098,8 +1122,8 @@ class Dispatcher:
                 self._keep(family, way)
             else:
                 gpus = self._trial_gpus(args, kwargs)[0]
-                self.trials[family] = Trial({w: gpus for w in ways}, name=self.name,
-                                             steps=self.steps)
+                self._open(family, Trial({w: gpus for w in ways}, name=self.name,
+                                         steps=self.steps))
         if way is None:
             return self._tried(family, self.trials[family], args, kwargs)
         self._by_family.add(key)
@@ -1112,7 +1136,7 @@ class Dispatcher:
         """A call of a signature kept as eager: the function itself, its optimizers as built;
         its tensors remembered (``remember``, no keyword arguments) for the next call's check,
         and the route set to the signature's plain entry where it has one (:meth:`_plain_entry`)."""
-        if remember and not kwargs:
+        if remember and not kwargs and not self._following():
             self._remember(args)
             if self.only is None and self.forms is None and self._gate is None and \
                     self._switches < PLAIN_SWITCHES:
@@ -1300,26 +1324,27 @@ class Dispatcher:
             nxt = None if isinstance(key, Family) else self._next_way(key, trial, won)
             if nxt is not None:
                 way, gpus = nxt
-                self.trials[key] = Trial({won: trial.gpus[won], way: gpus}, name=self.name,
-                                        steps=self.steps)
+                self._open(key, Trial({won: trial.gpus[won], way: gpus}, name=self.name,
+                                      steps=self.steps))
                 return out
             if _profiler._is_profiler_enabled:  # the verdict, as a mark in the profiler's trace
                 with _range(f"autopar:verdict {self.name} {won}"):
                     pass
             if isinstance(key, Family):
                 self._adopt(key, won)
-            span = self.steps.span
-            if trial.recorded and span is not None and span > 1 and self.runner.writes:
+            if trial.recorded and self.runner.writes:
                 self._one_way_for_steps(key, won)
             self._keep(key, won)
         return out
 
     def _one_way_for_steps(self, key: Any, way: str) -> None:
-        """A trial whose calls autograd recorded ended, where steps were seen to span several
-        calls: ``way`` runs every signature's calls under grad mode from now on, so that no
-        step mixes ways (:class:`~autopar.choose.Steps`); the open trials of calls autograd
-        recorded end with it. (A step of several signatures, each with a verdict of its own,
-        failed in the backward on every step where eager's came first.)"""
+        """A signature whose calls autograd records is kept, by a trial or as its only
+        candidate, and the function's graphs write in place: ``way`` runs every signature's
+        calls under grad mode from now on, so that no step mixes ways
+        (:class:`~autopar.choose.Steps`; a kept signature's calls are not followed); the open
+        trials of calls autograd recorded end with it. (A step of several signatures, each
+        with a way of its own, failed in the backward on every step where eager's came
+        first.)"""
         self.step_way = way
         for other, trial in list(self.trials.items()):
             if trial.recorded:

@@ -100,10 +100,12 @@ Policy (one place decides "is autopar's plan better than what the user would oth
   verdict is kept as a call begins a step. Where the function's graphs write in place (the
   hazard: batch norm's running statistics; elsewhere ways mix in a step safely and each
   signature keeps its own), a new signature within a step runs that way, not captured (a
-  capture runs compiled code), and where steps were seen to span several calls, the first
-  such trial's verdict is every signature's under grad mode, open trials included (a step
-  of two signatures with verdicts of their own, a smaller last micro-batch, failed so on
-  every step).
+  capture runs compiled code), and the first signature of calls autograd records to be
+  kept (by its trial, or as its only candidate) gives its way to every signature under grad
+  mode, open trials included, as a kept signature's calls are not followed (a step of two
+  signatures with ways of their own, a smaller last micro-batch, failed so on every step).
+  Calls under ``no_grad`` within a step run its way too (a compiled one's writes after an
+  eager forward fail alike), but do not count towards the calls it may span.
 - A way that fails where eager would not (an internal or compile error before the function
   ran) is dropped for that signature, with the reason logged once, and the call runs eagerly.
 - A way whose results are not eager's is dropped too: on a way's first call, where calling the
@@ -298,8 +300,9 @@ class Steps:
         self.new = True  #: whether the next call that autograd records starts a step
 
     def begin(self) -> None:
-        """A call begins: each backward not over counts it; one that began since the last call
-        ends the step (it spanned the calls begun before it began, and one)."""
+        """A call under grad mode begins: each backward not over counts it; one that began
+        since the last call ends the step (it spanned the calls begun before it began, and
+        one)."""
         pending = []
         for back in self.pending:
             if back.host is None:
@@ -441,8 +444,8 @@ class Trial:
         batch-norm buffer the compiled form's update then wrote), so a switch waits for the
         step's backward."""
         steps = self.steps
-        if self._own:
-            steps.begin()
+        if self._own and torch.is_grad_enabled():  # (a call under no_grad does not count
+            steps.begin()  # towards a step's calls: it runs the step's way, though)
         way = self.next_way()
         if steps.way is not None and way != steps.way and steps.within():
             return self._untimed(way_of, steps.way, args, kwargs)  # another way's step
@@ -503,7 +506,7 @@ class Trial:
     def verdict(self) -> str | None:
         """None while calls remain (or their GPU work is still queued); then the way with the
         fastest median of its counted calls."""
-        if self.next_way() is not None or self.steps.within():
+        if self.next_way() is not None or (self.recorded and self.steps.within()):
             return None  # (a step's calls run one way: the winner from the next step on)
         wait = min(max(BACKWARD_WAIT_CALLS, self.steps.span or 1), _PENDING_CALLS)  # a step's
         if not all(back is None or back.waited(wait) for *_, back in self.calls):
