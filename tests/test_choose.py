@@ -421,6 +421,36 @@ def test_calls_under_no_grad_within_a_step_do_not_end_it(monkeypatch, winner):
 
 
 @needs_cxx
+def test_a_no_grad_signature_of_a_module_in_training_takes_the_steps_way(monkeypatch):
+    """A batch-norm module in training whose calls under ``no_grad`` kept Inductor's form
+    (tried between steps) and whose training forwards kept eager: once a no_grad call came
+    between a step's forward and its backward, its compiled update of the running statistics
+    failed that backward. A module's signatures in training mode take the steps' way, so
+    every step's gradients and buffers equal eager's."""
+    verdict = Trial.verdict  # Inductor's form wins the no_grad calls' trial, eager the others
+    monkeypatch.setattr(Trial, "verdict", lambda self: verdict(self) and (
+        "eager" if self.recorded else "inductor"))
+    model = _bn_net()
+    twin = copy.deepcopy(model)
+    g = autopar.compile(model, candidates="eager,inductor")
+    d = autopar.api.dispatcher_of(g)
+    for step in range(400):
+        x, y = torch.randn(8, 6), torch.randn(4, 6)
+        for m, f in ((twin, twin), (model, g)):
+            m.zero_grad(set_to_none=True)
+            if step < 300:  # the no_grad call between steps, then within them
+                with torch.no_grad():
+                    f(y)
+            loss = f(x).square().mean()
+            if step >= 300:
+                with torch.no_grad():
+                    f(y)
+            loss.backward()
+        _same(model, twin, rtol=1e-4, atol=1e-5)
+    assert not d.trials and set(d.kept.values()) == {"eager"} and len(d.kept) == 2, d.explain()
+
+
+@needs_cxx
 def test_where_no_graph_writes_in_place_each_signature_of_a_step_keeps_its_own_way():
     """Ways mix in a step safely where no graph writes in place (layer norm, no running
     statistics): a smaller last micro-batch is captured and tried on its own, as a new

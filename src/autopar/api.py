@@ -913,15 +913,17 @@ class Dispatcher:
                 self._step_verdicts(args, kwargs)
         if self.only is not None:
             return self.only(*args, **kwargs)
-        if key in self.kept:  # followed: it may begin a step another signature's trial is in
-            out = self._kept_call(key, args, kwargs)
-            steps.called(self.kept[key], Backward.of(out, ()))
+        within = steps.way is not None and steps.within()
+        if key in self.kept:  # followed: it may begin a step another signature's trial is in,
+            way = steps.way if within else self.kept[key]  # or fall within one (a step's
+            out = self._run(way, args, kwargs)  # calls run one way)
+            steps.called(way, Backward.of(out, ()))
             return out
         trial = self.trials.get(key)
         if trial is not None:
             return self._tried(key, trial, args, kwargs)
-        if self.runner.writes and ((grad and self.step_way is not None) or
-                                   (steps.way is not None and steps.within())):
+        if self.runner.writes and (within or (self.step_way is not None and
+                                              self._in_steps(key))):
             return self._in_step(key, args, kwargs, adopt=self.step_way is not None)
         family = self._varying(key)
         if family is not None:
@@ -1009,7 +1011,10 @@ class Dispatcher:
         """A call of a signature kept (or of any, where one way serves every call)."""
         if self.only is not None:
             return self.only(*args, **kwargs)
-        way = self.kept[key]
+        return self._run(self.kept[key], args, kwargs)
+
+    def _run(self, way: str, args: tuple, kwargs: dict) -> Any:
+        """A call run ``way``, past the Dispatcher's keyed paths (eager's: :meth:`_plain`)."""
         if way == "eager":
             return self._plain(args, kwargs, remember=False)
         return self.way(way)(*args, **kwargs)
@@ -1029,6 +1034,15 @@ class Dispatcher:
         if self._following():
             self._route = _Route(self._call)
             self._last_refs = []
+
+    def _in_steps(self, key: Any) -> bool:
+        """Whether calls of signature ``key`` may fall within steps, so take the steps' way
+        (``step_way``) where a graph writes in place: under grad mode, or of a module in
+        training mode (a no_grad forward between a step's forward and its backward writes
+        batch norm's running statistics too); a call that can't be keyed holds a tensor that
+        requires grad."""
+        return key is None or key[0] is True or (self.key_extra is not None and
+                                                  key[-1] is True)
 
     def _following(self) -> bool:
         """Whether the steps follow kept signatures' calls too: while a trial is open, where
@@ -1054,8 +1068,7 @@ class Dispatcher:
             self._keep(key, way)
         else:
             way = self.steps.way
-        out = self._plain(args, kwargs, remember=False) if way == "eager" else \
-            self.way(way)(*args, **kwargs)
+        out = self._run(way, args, kwargs)
         self.steps.called(way, Backward.of(out, ()))
         return out
 
@@ -1340,22 +1353,25 @@ class Dispatcher:
     def _one_way_for_steps(self, key: Any, way: str) -> None:
         """A signature whose calls autograd records is kept, by a trial or as its only
         candidate, and the function's graphs write in place: ``way`` runs every signature's
-        calls under grad mode from now on, so that no step mixes ways
-        (:class:`~autopar.choose.Steps`; a kept signature's calls are not followed); the open
-        trials of calls autograd recorded end with it. (A step of several signatures, each
+        calls that may fall within steps (:meth:`_in_steps`) from now on, so that no step
+        mixes ways (:class:`~autopar.choose.Steps`; a kept signature's calls are not
+        followed); the open trials of such signatures end with it, and those kept
+        otherwise take it. (A step of several signatures, each
         with a way of its own, failed in the backward on every step where eager's came
         first.)"""
         self.step_way = way
-        for other, trial in list(self.trials.items()):
-            if trial.recorded:
-                del self.trials[other]
-                self._later.pop(other, None)
-                trials_log.info("autopar: %s: %s takes %s, the way of the steps it shares with "
-                                "%s", self.name, self._describe(other), way,
-                                self._describe(key))
-                self.verdicts.setdefault(other, []).append(
-                    f"{way} (the way of every forward of this function's steps)")
-                self._keep(other, way)
+        others = [k for k, t in self.trials.items() if t.recorded or self._in_steps(k)]
+        others += [k for k, w in self.kept.items() if w != way and self._in_steps(k)]
+        for other in others:
+            if other == key:
+                continue
+            self.trials.pop(other, None)
+            self._later.pop(other, None)
+            trials_log.info("autopar: %s: %s takes %s, the way of the steps it shares with %s",
+                            self.name, self._describe(other), way, self._describe(key))
+            self.verdicts.setdefault(other, []).append(
+                f"{way} (the way of every forward of this function's steps)")
+            self._keep(other, way)
 
     def _adopt(self, family: Family, way: str) -> None:
         """A family's first signatures whose own trials still wait for calls take the family's
