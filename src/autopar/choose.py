@@ -101,11 +101,12 @@ Policy (one place decides "is autopar's plan better than what the user would oth
   hazard: batch norm's running statistics; elsewhere ways mix in a step safely and each
   signature keeps its own), a new signature within a step runs that way, not captured (a
   capture runs compiled code), and the first signature of calls autograd records to be
-  kept (by its trial, or as its only candidate) gives its way to every signature under grad
-  mode, open trials included, as a kept signature's calls are not followed (a step of two
-  signatures with ways of their own, a smaller last micro-batch, failed so on every step).
-  Calls under ``no_grad`` within a step run its way too (a compiled one's writes after an
-  eager forward fail alike), but do not count towards the calls it may span.
+  kept (by its trial, or as its only candidate) gives its way to every signature whose calls
+  may fall within steps (under grad mode, or of a module in training mode), open trials and
+  kept ones included, as a kept signature's calls are not followed once no trial is open (a
+  step of two signatures with ways of their own, a smaller last micro-batch, failed so on
+  every step). Calls under ``no_grad`` within a step run its way too (a compiled one's writes
+  after an eager forward fail alike), but do not count towards the calls it may span.
 - A way that fails where eager would not (an internal or compile error before the function
   ran) is dropped for that signature, with the reason logged once, and the call runs eagerly.
 - A way whose results are not eager's is dropped too: on a way's first call, where calling the
