@@ -890,7 +890,7 @@ class Dispatcher:
             return self.fn(*args)  # the latest plain call's tensors, or new ones like them
         key = self._key(args, kwargs)
         way = self.kept.get(key)
-        if way is not None and self.trials and self.runner.writes:
+        if way is not None and self._following():
             return _Unsettled(key)
         if way == "eager":
             return self._plain(args, kwargs, remember=key is not None)
@@ -924,7 +924,7 @@ class Dispatcher:
             return self._tried(key, trial, args, kwargs)
         if self.runner.writes and (within or (self.step_way is not None and
                                               self._in_steps(key))):
-            return self._in_step(key, args, kwargs, adopt=self.step_way is not None)
+            return self._in_step(key, args, kwargs)
         family = self._varying(key)
         if family is not None:
             return self._in_family(key, family, args, kwargs)
@@ -1051,18 +1051,18 @@ class Dispatcher:
         (the latest plain call's tensors, a plain entry) are then off (:meth:`_plain`)."""
         return bool(self.trials) and self.runner.writes
 
-    def _in_step(self, key: Any, args: tuple, kwargs: dict, adopt: bool) -> Any:
+    def _in_step(self, key: Any, args: tuple, kwargs: dict) -> Any:
         """A new signature's call, of a function whose graphs write in place (batch norm's
         running statistics: where none does, ways mix in a step safely, and each signature
         keeps a way of its own), where its way is its steps': the way every signature under
-        grad mode, or within a step, takes (``step_way``: ``adopt``), kept; else, within a
-        step another call began, that call's way, nothing captured or kept (a capture runs
-        autopar's way: compiled code, whose writes after an eager forward of the step fail
-        its backward, under no_grad too). Its signature is captured at a call outside a step,
-        or takes ``step_way`` once there is one (gradient accumulation's smaller last
-        micro-batch is never outside one)."""
+        grad mode, or within a step, takes (``step_way``, once there is one), kept; else,
+        within a step another call began, that call's way, nothing captured or kept (a
+        capture runs autopar's way: compiled code, whose writes after an eager forward of the
+        step fail its backward, under no_grad too). Its signature is captured at a call
+        outside a step, or takes ``step_way`` once there is one (gradient accumulation's
+        smaller last micro-batch is never outside one)."""
         way = self.step_way
-        if adopt and way is not None:
+        if way is not None:
             self.verdicts.setdefault(key, []).append(
                 f"{way} (the way of every forward of this function's steps)")
             self._keep(key, way)

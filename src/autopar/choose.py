@@ -233,7 +233,7 @@ class Backward:
         self.marks: list[tuple[Any, Any]] = []  #: (begin, end) CUDA events per GPU
         self.later = 0  #: calls of the function begun since, while it had not ended
         self.after = 0  #: ...of them, those begun before it began
-        self.seen = False  #: its beginning seen by the trial (a step ended)
+        self.seen = False  #: its beginning seen by the steps (a step ended: :class:`Steps`)
 
     @classmethod
     def of(cls, out: Any, gpus: Sequence[int]) -> Backward | None:
@@ -285,7 +285,8 @@ class Steps:
     an eager forward then a compiled one failed in the backward, eager's batch-norm node
     having saved the running statistics the compiled update then wrote (their version
     counter moved). Shared by the function's trials and its Dispatcher, which calls
-    :meth:`begin` as each call not yet kept begins and :meth:`called` with the way it ran.
+    :meth:`begin` as each call it follows begins (those not kept; kept ones too while a trial
+    is open where a graph writes in place) and :meth:`called` with the way it ran.
 
     ``way`` is the way the step's first call ran; ``span`` the most calls a step was seen to
     span (None until a backward was seen begun); :meth:`within` whether a call falls inside
