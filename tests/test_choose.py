@@ -253,6 +253,13 @@ def test_a_trials_verdict_comes_between_steps(monkeypatch, forwards):
     assert trial.verdict() == "inductor"  # each counted call timed with its own step's backward
 
 
+def _same(model, twin, **tol):
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, **tol)
+    for b, c in zip(model.buffers(), twin.buffers(), strict=True):
+        torch.testing.assert_close(b, c, **tol)
+
+
 @needs_cxx
 def test_accumulated_steps_of_a_batch_norm_model_equal_eager():
     """Two compiled forwards of a model with batch norm in training, one backward: a step
@@ -272,10 +279,7 @@ def test_accumulated_steps_of_a_batch_norm_model_equal_eager():
         for m, f in ((twin, twin), (model, g)):
             m.zero_grad(set_to_none=True)
             sum(f(x).square().mean() for x in xs).backward()
-        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
-        for b, c in zip(model.buffers(), twin.buffers(), strict=True):
-            torch.testing.assert_close(b, c, rtol=1e-4, atol=1e-5)
+        _same(model, twin, rtol=1e-4, atol=1e-5)
         if d.kept_way((xs[0],)) is not None:
             break
     assert d.kept_way((xs[0],)) is not None
@@ -341,10 +345,7 @@ def test_a_steps_forwards_of_several_signatures_run_one_way(monkeypatch, case, w
         for m, f in ((twin, twin), (model, g)):
             m.zero_grad(set_to_none=True)
             loss_of(f, xs).backward()
-        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, **tol)
-        for b, c in zip(model.buffers(), twin.buffers(), strict=True):
-            torch.testing.assert_close(b, c, **tol)
+        _same(model, twin, **tol)
         if not d.trials and (len(d.kept) == 2 or d.only is not None):
             decided = step if decided is None else decided
             if step == decided + 3:  # and some steps after
@@ -361,13 +362,6 @@ def _bn_net():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
                                torch.nn.Linear(16, 1)).train()
-
-
-def _same(model, twin, **tol):
-    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, **tol)
-    for b, c in zip(model.buffers(), twin.buffers(), strict=True):
-        torch.testing.assert_close(b, c, **tol)
 
 
 def test_a_signature_kept_as_its_only_candidate_gives_its_way_to_the_steps():
@@ -466,8 +460,7 @@ def test_where_no_graph_writes_in_place_each_signature_of_a_step_keeps_its_own_w
         for m, f in ((twin, twin), (model, g)):
             m.zero_grad(set_to_none=True)
             sum(f(x).square().mean() for x in xs).backward()
-        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+        _same(model, twin, rtol=1e-4, atol=1e-5)  # (layer norm: no buffers)
         if not d.trials and len(d.kept) == 2:
             break
     assert not d.runner.writes and d.step_way is None
