@@ -3,8 +3,8 @@
 Every module of ``src/autopar`` belongs to one *stage*, named by its sub-package (a module at the
 top of the package is in ``top``), and the stages are ordered as data flows through them:
 
-    ir < machine < cost < capture < schedule < passes < runtime < report < doctor < top
-       < bench < cli
+    ir < machine < cost < capture < schedule < passes < runtime < distributed < report < doctor
+       < top < bench < cli
 
 ``passes`` comes after ``schedule``: its choices are made by placing and simulating (fusion keeps
 the faster of two simulated plans, data parallelism the fastest of its shards).
@@ -32,7 +32,8 @@ from pathlib import Path
 
 PACKAGE = "autopar"
 SOURCE = Path(__file__).resolve().parents[1] / "src" / PACKAGE
-STAGES = ("ir", "machine", "cost", "capture", "schedule", "passes", "runtime", "report",
+STAGES = ("ir", "machine", "cost", "capture", "schedule", "passes", "runtime", "distributed",
+          "report",
           "doctor", "top", "bench", "cli")
 RUNTIME_DATA = frozenset({"autopar.schedule.steps", "autopar.schedule.timeline",
                           "autopar.schedule.segments"})

@@ -71,6 +71,8 @@ from .choose import (
 )
 from .cost.model import CostModel
 from .dataparallel import DataParallelStep
+from .distributed.step import DistributedStep
+from .distributed.world import World
 from .ir.graph import LOCAL_SCALAR_DENSE, Graph
 from .ir.locks import Gate
 from .ir.logs import first_line, quiet
@@ -498,18 +500,33 @@ def _of_kind(devices: Sequence[str], kind: str | None) -> int:
 
 
 def data_parallel(fn: Callable, *, batch_argnums: Sequence[int] | None = None,
-                  shards: int | None = None,
-                  **options: Unpack[CompileOptions]) -> DataParallelStep:
+                  shards: int | None = None, batch: str = "global",
+                  **options: Unpack[CompileOptions]) -> DataParallelStep | DistributedStep:
     """Run ``fn`` (a whole training or inference step) with its batch split over devices.
 
-    ``batch_argnums``: positions of the arguments to split along dim 0 (default: see
-    :mod:`autopar.dataparallel`). ``shards``: how many devices take a shard (default: the cost
-    model decides; 1 never splits). Options are :func:`compile`'s (``devices``, ``policy``,
-    ``machine``, ``trace``); a call that is not split runs through :func:`compile` of ``fn``
-    with them (its own measured choice).
+    In a process launched as one rank of several (``torchrun``, ``autopar run``), every rank
+    runs its share of the batch and the results are one process's
+    (:mod:`autopar.distributed.step`); ``batch="per_rank"`` says each rank is already passed
+    its own batch (a ``DistributedSampler``: gradients averaged over ranks, as DDP does).
+    Alone, the batch is split over this process's devices (:mod:`autopar.dataparallel`).
+
+    ``batch_argnums``: positions of the arguments to split along dim 0 (default: every tensor
+    argument that doesn't require grad whose dim 0 equals the first one's). ``shards``: how many
+    devices take a shard (default: the cost model decides; 1 never splits). Options are
+    :func:`compile`'s (``devices``, ``policy``, ``machine``, ``trace``); a call that is not
+    split runs through :func:`compile` of ``fn`` with them (its own measured choice).
     """
     if not callable(fn):
         raise TypeError(f"data_parallel expects a function, got {type(fn).__name__}")
+    world = World.from_env()
+    if world is not None:
+        if shards is not None or options:
+            raise ValueError("shards= and compile options apply to one process; launched as "
+                             f"rank {world.rank} of {world.size}, each rank runs its share")
+        return DistributedStep(fn, world, batch_argnums=batch_argnums, batch=batch)
+    if batch != "global":
+        raise ValueError(f"batch={batch!r} needs a launched world (torchrun); this process "
+                         "runs alone")
     if shards is not None and (not isinstance(shards, int) or shards < 1):
         raise ValueError(f"shards must be a positive int or None, not {shards!r}")
     opts = Options.parse(options)

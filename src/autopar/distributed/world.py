@@ -1,0 +1,106 @@
+"""The world a process runs in: its rank, the number of ranks, its device, the process group.
+
+Policy and invariants
+- The world is read from the environment torch's launchers set (``RANK``, ``WORLD_SIZE``,
+  ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``), or from a process group the script made
+  itself. No launcher, rendezvous or transport of our own: ``torch.distributed`` does it.
+- A world of one process is no world: :meth:`World.from_env` returns None and the caller runs
+  the one-process path.
+- The process group is made once, by :func:`ensure_process_group`, only where the script
+  made none: NCCL where this process has a GPU, gloo otherwise. A script's own group is used
+  as it is.
+- Each process owns the GPU of its local rank: :func:`adopt_local_device` makes it current
+  (``torch.device("cuda")`` then means that GPU), as one-device scripts expect.
+- A rank's uncaught error is written where torch's elastic agent reads it
+  (:func:`record_errors`), so the launcher's summary names that rank's error, not
+  ``error_file: <N/A>``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["World", "adopt_local_device", "ensure_process_group", "record_errors"]
+
+TIMEOUT_S = float(os.environ.get("AUTOPAR_DIST_TIMEOUT", 1800))
+"""A collective waits this long before it raises (torch's default): the first call of a step
+may compile for minutes on one rank while another waits. A rank that dies ends the run sooner:
+its peers' transport sees the closed connection and torch's agent stops the rest."""
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the ranks."""
+
+    #: this process's rank, 0..size-1
+    rank: int
+    #: how many processes take part
+    size: int
+    #: this process's rank on its machine (its GPU's index)
+    local_rank: int
+
+    @classmethod
+    def from_env(cls) -> World | None:
+        """The world of a launched process, or None where this process runs alone."""
+        if dist.is_available() and dist.is_initialized():
+            if dist.get_world_size() == 1:
+                return None
+            return cls(dist.get_rank(), dist.get_world_size(),
+                       int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+        size = int(os.environ.get("WORLD_SIZE", "1"))
+        if size <= 1:
+            return None
+        return cls(int(os.environ["RANK"]), size, int(os.environ.get("LOCAL_RANK", "0")))
+
+    @property
+    def device(self) -> torch.device:
+        """The device this rank computes on: its local GPU, else the host."""
+        if torch.cuda.is_available():
+            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+        return torch.device("cpu")
+
+
+def adopt_local_device(world: World) -> None:
+    """Make this rank's GPU the current one (a no-op without CUDA)."""
+    if world.device.type == "cuda":
+        torch.cuda.set_device(world.device)
+
+
+def ensure_process_group(world: World) -> None:
+    """Join the default process group unless the script already did."""
+    if not dist.is_available():
+        raise RuntimeError("this build of torch has no torch.distributed: it can't run as "
+                           f"rank {world.rank} of {world.size}")
+    if dist.is_initialized():
+        return
+    backend = "nccl" if world.device.type == "cuda" and dist.is_nccl_available() else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=TIMEOUT_S),
+                            device_id=world.device if backend == "nccl" else None)
+
+
+def record_errors() -> None:
+    """Record this process's uncaught exception for torch's elastic agent (as its
+    ``@record`` decorator does), once; the error is still printed as before."""
+    if getattr(sys.excepthook, "_autopar", False) or "TORCHELASTIC_ERROR_FILE" not in os.environ:
+        return
+    from torch.distributed.elastic.multiprocessing.errors import (  # lazy: only under torchrun
+        get_error_handler,
+    )
+
+    handler = get_error_handler()
+    handler.initialize()
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], error: BaseException, tb: object) -> None:
+        if isinstance(error, Exception):
+            handler.record_exception(error)
+        previous(kind, error, tb)  # type: ignore[arg-type]
+
+    hook._autopar = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
