@@ -362,10 +362,13 @@ def _plain(v: Any) -> Any:
 
 
 def find_state(fn: Callable, args: Sequence[Any],
-               varying: Collection[tuple[int, int, str, int | None]] = ()) -> State:
+               varying: Collection[tuple[int, int, str, int | None]] = (),
+               for_trace: bool = True) -> State:
     """The modules and optimizers ``fn(*args)`` reaches and their tensors, in the module
     docstring's order; of the float param group values :data:`_LIFTED` names (all in
-    :attr:`State.floats`), those in ``varying`` are lifted, the others baked in."""
+    :attr:`State.floats`), those in ``varying`` are lifted, the others baked in.
+    ``for_trace=False``: the caller only reads what was found (a GradScaler whose scale isn't
+    made yet is no error)."""
     found: list[tuple[str, Any]] = []
     seen: set[int] = set()
 
@@ -408,7 +411,7 @@ def find_state(fn: Callable, args: Sequence[Any],
     state.scalers = [(n, s) for n, s in found
                      if isinstance(s, torch.amp.GradScaler) and s.is_enabled()]
     state.python = pystate.read_key(pystate.watch(fn, ()))
-    for name, scaler in state.scalers:
+    for name, scaler in state.scalers if for_trace else ():
         _check_scaler(name, scaler)
     at: dict[int, int] = {}
 
@@ -427,7 +430,8 @@ def find_state(fn: Callable, args: Sequence[Any],
                 add(p, f"{var}.param_groups[{i}]['params'][{k}]")
     for var, scaler in state.scalers:
         for attr in _SCALER:
-            add(getattr(scaler, attr), f"{var}.{attr}")
+            if getattr(scaler, attr) is not None:  # made at the first scale() (for_trace=False)
+                add(getattr(scaler, attr), f"{var}.{attr}")
     names_of = dict(zip(map(id, state.tensors), state.names))
     for var, opt in state.optimizers:
         for i, g in enumerate(opt.param_groups):

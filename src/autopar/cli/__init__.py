@@ -16,6 +16,8 @@ from autopar.cli.commands.calibrate import calibrate
 from autopar.cli.commands.demo import demo
 from autopar.cli.commands.doctor import doctor
 from autopar.cli.commands.explain import explain
+from autopar.cli.commands.run import CONTEXT as RUN_CONTEXT
+from autopar.cli.commands.run import run
 
 EPILOG = (
     "Exit codes: 0 done, 1 failed, 2 bad usage.\n\n"
@@ -41,7 +43,7 @@ def _version(value: bool) -> None:
 
 app = typer.Typer(
     name="autopar",
-    help="Automatic parallelism for PyTorch: calibrate, explain, doctor, bench, demo.",
+    help="Automatic parallelism for PyTorch: run, calibrate, explain, doctor, bench, demo.",
     epilog=EPILOG,
     no_args_is_help=True,
     add_completion=True,
@@ -53,9 +55,10 @@ app = typer.Typer(
 def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                        help="Print autopar's and torch's versions and exit.")
           ) -> None:
-    """Automatic parallelism for PyTorch: calibrate, explain, doctor, bench, demo."""
+    """Automatic parallelism for PyTorch: run, calibrate, explain, doctor, bench, demo."""
 
 
 for name, command in (("demo", demo), ("bench", bench), ("calibrate", calibrate),
                       ("explain", explain), ("doctor", doctor)):
     app.command(name)(command)
+app.command("run", context_settings=RUN_CONTEXT)(run)

@@ -16,6 +16,8 @@ Policy and invariants
   constant such as GradScaler's or ``loss / accumulation_steps``) to the op that reduced
   (:data:`REDUCERS`). A mean reached through scaling keeps its count; a sum reached through
   scaling is unknown (``x.sum() / x.shape[0]`` is a mean over rows written by hand).
+- DDP's sink around a module's outputs (:data:`FORWARDING`) is followed through the output
+  the loss came from.
 - Unknown (a sum of two losses, an op not in the tables): None. The caller weighs ranks by
   rows, which is exact for a mean over rows, and says so once, naming the op.
 """
@@ -41,6 +43,9 @@ THROUGH = frozenset({
 ``Div`` only where that input is the numerator."""
 
 _SCALING = frozenset({"MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1"})
+
+FORWARDING = frozenset({"_DDPSinkBackward"})
+"""Nodes whose output k is their input k, unchanged (DDP's sink around a module's outputs)."""
 
 
 @dataclass(frozen=True)
@@ -90,9 +95,12 @@ REDUCERS = {
 
 def reduction_of(loss: torch.Tensor) -> Reduction | None:
     """How scalar ``loss`` reduced its batch, or None where its graph doesn't say."""
-    node, scaled = loss.grad_fn, False
+    node, nr, scaled = loss.grad_fn, loss.output_nr, False
     while node is not None:
         name = type(node).__name__
+        if name in FORWARDING:
+            node, nr = node.next_functions[nr]
+            continue
         if name in REDUCERS or hasattr(node, "_saved_reduction"):
             found = REDUCERS[name](node) if name in REDUCERS else _loss_fn(node)
             if found is None or (scaled and found.kind == "sum"):
@@ -104,7 +112,7 @@ def reduction_of(loss: torch.Tensor) -> Reduction | None:
         if len(edges) != 1 or (name.startswith("Div") and edges[0] != 0):
             return None
         scaled |= name in _SCALING
-        node = node.next_functions[edges[0]][0]
+        node, nr = node.next_functions[edges[0]]
     return None
 
 

@@ -139,7 +139,7 @@ class DistributedStep:
         record_errors()
         self.checks = dist.group.WORLD if dist.get_backend() == "gloo" else \
             dist.new_group(backend="gloo")
-        state = find_state(self.fn, args)
+        state = find_state(self.fn, args, for_trace=False)
         held = {id(p) for _, m in state.modules for p in m.parameters()}
         modules = []
         for name, module in state.modules:
@@ -248,7 +248,10 @@ class DistributedStep:
             mine, total = (rows[1] - rows[0], rows[2]) if rows else (1, self.world.size)
             factor = torch.tensor([mine / total], dtype=torch.float64, device=device)
         values = torch.stack([torch.as_tensor(leaves[i], dtype=torch.float64).to(device)
-                              .reshape(()) for i in scalars]) * factor.to(device)
+                              .reshape(()) for i in scalars])
+        factor = factor.to(device)
+        # a share with nothing to average (no token of a masked loss) has a NaN mean: weight 0
+        values = torch.where(factor == 0, torch.zeros_like(values), values * factor)
         dist.all_reduce(values)
         for k, i in enumerate(scalars):
             x = leaves[i]

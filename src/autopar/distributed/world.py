@@ -18,10 +18,15 @@ Policy and invariants
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import json
 import os
 import sys
+import time
+import traceback
 from dataclasses import dataclass
+from types import TracebackType
 
 import torch
 import torch.distributed as dist
@@ -85,22 +90,23 @@ def ensure_process_group(world: World) -> None:
 
 
 def record_errors() -> None:
-    """Record this process's uncaught exception for torch's elastic agent (as its
-    ``@record`` decorator does), once; the error is still printed as before."""
-    if getattr(sys.excepthook, "_autopar", False) or "TORCHELASTIC_ERROR_FILE" not in os.environ:
+    """Write this process's uncaught exception where torch's elastic agent reads it (the
+    format of torch's ``@record`` decorator, with the exception's own traceback and notes),
+    once; the error is still printed as before."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if getattr(sys.excepthook, "_autopar", False) or not path:
         return
-    from torch.distributed.elastic.multiprocessing.errors import (  # lazy: only under torchrun
-        get_error_handler,
-    )
-
-    handler = get_error_handler()
-    handler.initialize()
     previous = sys.excepthook
 
-    def hook(kind: type[BaseException], error: BaseException, tb: object) -> None:
+    def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
         if isinstance(error, Exception):
-            handler.record_exception(error)
-        previous(kind, error, tb)  # type: ignore[arg-type]
+            stack = "".join(traceback.format_exception(kind, error, tb))
+            data = {"message": {"message": f"{kind.__name__}: {error}",
+                                "extraInfo": {"py_callstack": stack,
+                                              "timestamp": str(int(time.time()))}}}
+            with contextlib.suppress(OSError), open(path, "w") as f:
+                json.dump(data, f)
+        previous(kind, error, tb)
 
     hook._autopar = True  # type: ignore[attr-defined]
     sys.excepthook = hook
