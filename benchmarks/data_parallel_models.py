@@ -4,7 +4,16 @@ their inference under ``no_grad`` (what ``autopar.compile(model)``'s split way r
 on a preset: eager on one GPU against the best split, and the planning time.
 
     python benchmarks/data_parallel_models.py [--machines h200x2 h200x8] [--models ...]
+                                              [--worlds h200x2 h200x8 2xh200x8]
                                               [--json out.json]
+
+Two tables. The first: one process splitting the step over its GPUs (one thread issues every
+GPU's work). The second: one process per GPU under ``torchrun`` (:func:`predict_world_step`:
+each rank's share predicted on one GPU, its gradients all-reduced in buckets over NVLink and,
+between nodes, each GPU's NIC), on each ``--worlds`` preset (``2xh200x8``: two nodes).
+Both are against the best one-GPU way (``/unspl``) and eager on one GPU (``ratio``). Strong
+scaling: the ranks share the model's batch (the issue's targets); weak: each rank takes that
+batch (samples a second, as DDP's published scaling is measured).
 
 Models: GPT-2 small (124M parameters, batch 16 x 512, AdamW; ``gpt2-fused``: with
 ``fused=True``, its update one kernel; inference 64 x 512) and a
@@ -28,7 +37,7 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from autopar.dataparallel import predict_step
+from autopar.dataparallel import predict_step, predict_world_step
 from autopar.ir.units import fmt_seconds
 
 
@@ -106,8 +115,9 @@ INFERENCE = ("gpt2-infer", "resnet50-infer")  # traced under no_grad
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--machines", nargs="+", default=["h200x2", "h200x8"])
+    ap.add_argument("--machines", nargs="*", default=["h200x2", "h200x8"])
     ap.add_argument("--models", nargs="+", default=["gpt2", "resnet50", *INFERENCE])
+    ap.add_argument("--worlds", nargs="*", default=["h200x2", "h200x8", "2xh200x8"])
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     makers = {"gpt2": gpt2_small, "gpt2-fused": lambda: gpt2_small(fused=True),
@@ -139,12 +149,43 @@ def main(argv: list[str] | None = None) -> int:
                   f"{fmt_seconds(unsplit):>10s} {fmt_seconds(got.predicted_s):>10s} "
                   f"{row['ratio']:5.2f}x {row['ratio_unsplit']:5.2f}x {k:6d} "
                   f"{planning:7.1f}", flush=True)
+    worlds = _worlds(a, makers) if a.worlds else []
     if a.json is not None:
         a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows},
-                                     indent=1, default=str))
+        a.json.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows,
+                                      "worlds": worlds}, indent=1, default=str))
         print(f"wrote {a.json}")
     return 0
+
+
+def _worlds(a: argparse.Namespace, makers: dict) -> list[dict]:
+    """One process per GPU under torchrun, on each ``--worlds`` preset (training only)."""
+    rows = []
+    print(f"\n{'model (torchrun, a process a GPU)':40s} {'world':9s} {'scaling':7s} {'ranks':>5s} "
+          f"{'1 GPU':>10s} {'rank':>10s} {'comm':>9s} {'exposed':>9s} {'ratio':>6s} "
+          f"{'/unspl':>6s} {'plan s':>7s}")
+    for key in a.models:
+        if key in INFERENCE:
+            continue
+        name, step, args, batch = makers[key]()
+        for machine, scaling in [(m, s) for m in a.worlds for s in ("strong", "weak")]:
+            start = time.perf_counter()
+            got = predict_world_step(step, args, machine, batch_argnums=batch, scaling=scaling)
+            planning = time.perf_counter() - start
+            w = got.world
+            row = {"model": name, "world": machine, "scaling": scaling,
+                   "ranks": got.fabric.ranks,
+                   "one_gpu_s": got.one_gpu_s, "eager_s": got.eager_s,
+                   "predicted_s": w.step_s, "compute_s": w.compute_s, "update_s": w.update_s,
+                   "comm_s": w.comm_s, "exposed_s": w.exposed_s, "buckets": w.buckets,
+                   "ratio": got.ratio_eager, "ratio_unsplit": got.ratio,
+                   "planning_s": planning}
+            rows.append(row)
+            print(f"{name:40s} {machine:9s} {scaling:7s} {got.fabric.ranks:5d} "
+                  f"{fmt_seconds(got.one_gpu_s):>10s} {fmt_seconds(w.step_s):>10s} "
+                  f"{fmt_seconds(w.comm_s):>9s} {fmt_seconds(w.exposed_s):>9s} "
+                  f"{got.ratio_eager:5.2f}x {got.ratio:5.2f}x {planning:7.1f}", flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -265,3 +265,19 @@ def test_autopar_run_launches_a_script(tmp_path):
                  str(SCRIPTS / "resnet_sgd.py"), "--steps", "2", "--out", str(path)])
     assert done.returncode == 0, done.stderr[-4000:]
     assert len(torch.load(path)["losses"]) == 2
+
+
+def test_a_run_restarted_after_a_failure_resumes_from_its_checkpoint(tmp_path):
+    script = SCRIPTS / "resume.py"
+    whole = _run([sys.executable, str(script), "--checkpoint", str(tmp_path / "one.pt"),
+                  "--out", str(tmp_path / "one-final.pt")])
+    assert whole.returncode == 0, whole.stderr[-4000:]
+    done = _run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                 str(script), "--checkpoint", str(tmp_path / "two.pt"), "--fail-at", "5",
+                 "--out", str(tmp_path / "two-final.pt")])
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert "fails at step 5, once, on purpose" in out and "from step 4" in out
+    one, two = torch.load(tmp_path / "one-final.pt"), torch.load(tmp_path / "two-final.pt")
+    for name, x in one["model"].items():
+        _close(two["model"][name], x, name)

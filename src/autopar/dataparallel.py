@@ -89,20 +89,24 @@ from .choose import Trial
 from .cost.model import CostModel
 from .ir.collective import COMM
 from .ir.collector import paused
-from .ir.graph import Node
+from .ir.graph import INPUT, Node
 from .ir.logs import first_line
 from .ir.routing import cuda_indices
 from .machine.detect import load_machine
+from .machine.fabric import Fabric
+from .machine.presets import preset_fabric
 from .passes.cudagraphs import capture_rule
 from .passes.dataparallel import Choice, choose, devices_for, resident, shard_devices
 from .passes.fusion import fusion_devices, regions_to_fuse
-from .passes.shard import NotShardable, Sharded, torch_device
+from .passes.shard import NotShardable, Sharded, even_sizes, torch_device
 from .runtime import Executor
 from .runtime import executor as _executor
 from .runtime.callerstate import CallerState
 from .schedule.place import place
+from .schedule.world import WorldPrediction, predict_world
 
-__all__ = ["DataParallelStep", "StepPrediction", "batch_inputs", "predict_step"]
+__all__ = ["DataParallelStep", "StepPrediction", "WorldStepPrediction", "batch_inputs",
+           "predict_step", "predict_world_step", "update_share"]
 
 log = logging.getLogger("autopar.dataparallel")
 
@@ -578,3 +582,85 @@ def predict_step(fn: Callable, args: Sequence[Any], machine: Any,
     eager = place(step.graph, cost, policy="single", devices=devices)
     return StepPrediction(choice, eager.predicted_s)
 
+
+
+@dataclass
+class WorldStepPrediction:
+    """:func:`predict_world_step`'s answer: one rank's step in a world of processes, against
+    one GPU running the whole batch."""
+
+    #: the best one-GPU way on the whole batch (autopar's unsplit prediction)
+    one_gpu_s: float
+    #: eager on one GPU, every op its own kernel, on the whole batch
+    eager_s: float
+    #: the rank's step (compute on its share, the all-reduce backward leaves, the update)
+    world: WorldPrediction
+    #: the world's GPUs and links
+    fabric: Fabric
+    #: "strong": the ranks share the batch; "weak": each rank takes a whole batch of its own
+    scaling: str = "strong"
+
+    @property
+    def _work(self) -> int:
+        return self.fabric.ranks if self.scaling == "weak" else 1
+
+    @property
+    def ratio(self) -> float:
+        """Speed-up over the best one-GPU way (in samples a second where scaling is weak)."""
+        return self._work * self.one_gpu_s / self.world.step_s
+
+    @property
+    def ratio_eager(self) -> float:
+        """Speed-up over eager on one GPU (in samples a second where scaling is weak)."""
+        return self._work * self.eager_s / self.world.step_s
+
+
+def update_share(fn: Callable, args: Sequence[Any], machine: Any,
+                 inputs_on: str = "cuda:0") -> tuple[float, int]:
+    """The share of a step's op-by-op time its update takes (every op downstream of a
+    gradient), and the bytes of the gradients a world all-reduces."""
+    state = find_state(fn, args)
+    state.foreach = True if inputs_on.startswith("cuda") else None
+    step = capture_step(fn, args, state=state)
+    relabel_step(step, state, inputs_on)
+    cost = CostModel(load_machine(machine))
+    graph = step.graph
+    grads = graph.outputs[step.n_outputs:step.n_outputs + len(step.grads)]
+    users = graph.users()
+    after: set[Node] = set()
+    todo = [u for g in grads if isinstance(g, Node) for u in users.get(g, ())]
+    while todo:
+        n = todo.pop()
+        if n not in after:
+            after.add(n)
+            todo += users.get(n, ())
+    ops = [n for n in graph.nodes if n.op != INPUT]
+    total = sum(cost.node_time(n, inputs_on) for n in ops)
+    update = sum(cost.node_time(n, inputs_on) for n in ops if n in after)
+    grad_bytes = sum(g.meta.nbytes for g in grads if isinstance(g, Node) and g.meta is not None)
+    return (update / total if total else 0.0), grad_bytes
+
+
+def predict_world_step(fn: Callable, args: Sequence[Any], machine: str,
+                       batch_argnums: Sequence[int], gpus: int | None = None,
+                       scaling: str = "strong") -> WorldStepPrediction:
+    """One rank's step of ``fn(*args)`` under ``torchrun`` over preset ``machine``'s world
+    (its nodes; ``gpus`` a node, all by default): its share predicted on one GPU, the
+    gradients' all-reduce by :func:`autopar.schedule.world.predict_world`. ``scaling``:
+    "strong", ``args`` hold the global batch the ranks share; "weak", each rank takes a batch
+    like ``args``' (DDP's benchmarks)."""
+    if scaling not in ("strong", "weak"):
+        raise ValueError(f"scaling must be 'strong' or 'weak', not {scaling!r}")
+    fabric = preset_fabric(machine, gpus=gpus)
+    whole = predict_step(fn, args, machine, batch_argnums=batch_argnums, shards=1)
+    one_gpu = whole.choice.predicted["unsplit"]
+    share, grad_bytes = update_share(fn, args, machine)
+    rank_s = one_gpu
+    if scaling == "strong":
+        rows = args[batch_argnums[0]].shape[0]
+        mine = even_sizes(rows, fabric.ranks)[0]  # the largest share: the slowest rank
+        local = [a[:mine] if i in batch_argnums else a for i, a in enumerate(args)]
+        rank = predict_step(fn, local, machine, batch_argnums=batch_argnums, shards=1)
+        rank_s = rank.choice.predicted["unsplit"]
+    world = predict_world(rank_s, share * rank_s, grad_bytes, fabric)
+    return WorldStepPrediction(one_gpu, whole.eager_s, world, fabric, scaling)

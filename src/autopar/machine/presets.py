@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from .fabric import Fabric, fabric_of
 from .model import (
     Curve,
     DeviceProfile,
@@ -23,7 +24,7 @@ from .model import (
     link_key,
 )
 
-__all__ = ["PRESETS", "preset"]
+__all__ = ["PRESETS", "preset", "preset_fabric"]
 
 # Built from MEASURED.md (2x H200 with NVLink, 32-core host, torch 2.11, tf32 off) and, where it
 # has no figure, from a full `autopar calibrate` of the same kind of machine (2026-11-30). Curves
@@ -145,6 +146,7 @@ def _all_pairs(n: int) -> frozenset[tuple[str, str]]:
 
 
 _NVLINK = LinkProfile(13e-6, 367e9)
+_NDR400 = LinkProfile(10e-6, 50e9)  # one 400 Gb/s NIC a GPU (InfiniBand NDR, RDMA)
 _STAGED = LinkProfile(25e-6, 10e9)
 
 
@@ -167,6 +169,8 @@ class _PresetSpec:
     host_sync_s: float = 2e-6  # MEASURED.md: .item() 9.1 us = launch + kernel + this
     event_wait_s: float = 10e-6  # calibrated: Python-level event record + stream wait
     view_s: float = 2.4e-6
+    nodes: int = 1  # a world of several such nodes (each Machine is one of them)
+    nic: LinkProfile | None = None  # each GPU's link to the other nodes
 
 
 _PCIE = {"pinned_h2d": 24e9, "pinned_d2h": 22e9,
@@ -184,6 +188,10 @@ PRESETS: dict[str, _PresetSpec] = {
     "h200x8": _PresetSpec(
         "8x NVIDIA H200, all pairs NVLink (NVSwitch), 128-core host",
         "x86-64, 128 cores", 128, 560 * GiB, 2.5, _h200, 8, _all_pairs(8)),
+    "2xh200x8": _PresetSpec(
+        "2 nodes of 8x NVIDIA H200 (NVSwitch), 8x 400 Gb/s between the nodes (one NIC a GPU); "
+        "a Machine of it is one node", "x86-64, 128 cores", 128, 560 * GiB, 2.5, _h200, 8,
+        _all_pairs(8), nodes=2, nic=_NDR400),
     "a100x4-pcie": _PresetSpec(
         "4x NVIDIA A100 80GB PCIe, peer access only within PCIe-switch pairs 0-1 and 2-3, "
         "64-core host", "x86-64, 64 cores", 64, 512 * GiB, 1.5, _a100_pcie, 4,
@@ -222,3 +230,12 @@ def preset(name: str, cpu_workers: int | None = None) -> Machine:
     )
     return Machine(name=name, devices=devices, profile=profile, peer_pairs=spec.peers,
                    cores=spec.cores)
+
+
+def preset_fabric(name: str, gpus: int | None = None) -> Fabric:
+    """The fabric of preset ``name``'s world: its nodes, each using ``gpus`` GPUs (all by
+    default)."""
+    spec = PRESETS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown machine preset {name!r}; valid names: {sorted(PRESETS)}")
+    return fabric_of(preset(name), nodes=spec.nodes, nic=spec.nic, gpus=gpus)
