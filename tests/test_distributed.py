@@ -92,12 +92,32 @@ def _port() -> int:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # a collective that hangs raises after 2 minutes, not torch's 30
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            "AUTOPAR_DIST_TIMEOUT": "120"}
+
+
+def _communicate(proc: subprocess.Popen, timeout: float) -> str:
+    """``proc``'s output; past ``timeout`` its whole session (the agent and its ranks) is
+    killed, so that no rank outlives the test."""
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out = proc.communicate()[0]
+        raise AssertionError(f"timed out after {timeout} s:\n{out[-4000:]}") from None
 
 
 def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(),
-                          cwd=ROOT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(), cwd=ROOT, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout} s:\n{(out + err)[-4000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _standalone(script: Path, *args: str) -> list[str]:
@@ -113,9 +133,15 @@ def _two_nodes(script: Path, *args: str, timeout: float = 300
         [*TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
          "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
          "--rdzv-id", f"test{port}", str(script), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT,
+        start_new_session=True)
         for node in (0, 1)]
-    outs = [a.communicate(timeout=timeout)[0] for a in agents]
+    try:
+        outs = [_communicate(a, timeout) for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGKILL)
     code = max(abs(a.returncode) for a in agents)
     return code, "\n".join(outs), time.monotonic() - start
 

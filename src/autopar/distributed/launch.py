@@ -9,6 +9,8 @@ Policy and invariants
   - ``--standalone`` (a rendezvous on this machine) unless a rendezvous or ``--nnodes`` is
     given.
   - ``OMP_NUM_THREADS``: the host's cores shared evenly among its processes.
+  - ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: each restart attempt's workers get a store of
+    their own, not the agent's, where the last attempt's keys remain (torch issue #135712).
 - The elastic agent, c10d rendezvous, restarts and signal handling are torch's: Ctrl-C stops
   every process, a failed rank stops the rest.
 """
@@ -67,4 +69,6 @@ def run(argv: Sequence[str]) -> None:
     args, nproc = torchrun_args(argv)
     if nproc and not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    # each restart attempt gets a store of its own (see autopar.distributed.world)
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     main(args)

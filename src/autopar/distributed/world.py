@@ -9,6 +9,14 @@ Policy and invariants
 - The process group is made once, by :func:`ensure_process_group`, only where the script
   made none: NCCL where this process has a GPU, gloo otherwise. A script's own group is used
   as it is.
+- A restarted attempt must not read what the last one left in the store torchrun's agent
+  shares with its workers: gloo then connected to a dead rank's port (two restarts of three on
+  the VM; torch issue #135712). On one node the keys are those of the attempt
+  (``TORCHELASTIC_RESTART_COUNT``, which the one agent counts); over several nodes, where
+  agents count restarts each their own way, ``autopar run`` gives each attempt a store of its
+  own (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``).
+- The group it made is destroyed at the script's end (:func:`_destroy_at_exit`): a
+  one-device script never calls ``destroy_process_group``.
 - Each process owns the GPU of its local rank: :func:`adopt_local_device` makes it current
   (``torch.device("cuda")`` then means that GPU), as one-device scripts expect.
 - A rank's uncaught error is written where torch's elastic agent reads it
@@ -18,6 +26,7 @@ Policy and invariants
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import json
@@ -85,8 +94,22 @@ def ensure_process_group(world: World) -> None:
     if dist.is_initialized():
         return
     backend = "nccl" if world.device.type == "cuda" and dist.is_nccl_available() else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=TIMEOUT_S),
+    timeout = datetime.timedelta(seconds=TIMEOUT_S)
+    store, rank, size = next(dist.rendezvous("env://", world.rank, world.size, timeout=timeout))
+    if os.environ.get("LOCAL_WORLD_SIZE") == str(size):  # one node: one agent counts attempts
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"autopar/attempt{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout,
                             device_id=world.device if backend == "nccl" else None)
+    atexit.register(_destroy_at_exit)
+
+
+def _destroy_at_exit() -> None:
+    """Destroy the group this module made, as a script's end: left to the interpreter's
+    teardown, gloo's threads ended some runs in ``terminate called without an active
+    exception``. Not after an uncaught error: the agent stops every rank then."""
+    if dist.is_initialized() and getattr(sys, "last_value", None) is None:
+        dist.destroy_process_group()
 
 
 def record_errors() -> None:
