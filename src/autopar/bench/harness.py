@@ -42,6 +42,7 @@ import torch
 import autopar
 
 from ..api import dispatcher_of, parse_devices
+from ..capture.fx import Unsupported
 from ..dataparallel import predict_step
 from ..ir.logs import quiet
 from ..ir.units import fmt_seconds
@@ -302,10 +303,15 @@ def _compact_devices(devices: str) -> str:
 
 
 
-def _short(e: BaseException, limit: int = 100) -> str:
+def _short(e: BaseException) -> str:
+    """An error in one line, whole: its type and its message's first line."""
     lines = str(e).strip().splitlines()
-    text = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+NEEDS_A_RUN = ("not simulated: it reads a tensor's value on the host (a slice bound or "
+               ".item()), which a trace on fake tensors can't know without running it")
+"""What a table says of a workload explain can't trace without running it."""
 
 
 def _goals(report: Report) -> str:
@@ -551,6 +557,9 @@ def simulate(w: Workload, machine: str) -> tuple[Simulated, Any]:
     try:
         inputs = w.make_inputs(("cpu",), "full")
         report = explain(w.eager, *inputs, machine=machine, inputs_on=w.explain_inputs_on)
+    except Unsupported as e:
+        return Simulated(label, error=NEEDS_A_RUN if str(e).startswith("can't trace") else
+                         str(e).splitlines()[0]), None
     except Exception as e:
         return Simulated(label, error=_short(e)), None
     return (Simulated(label, report.predicted_s, report.eager_predicted_s),
@@ -569,11 +578,23 @@ def _simulate_step(w: Workload, machine: str, label: str) -> tuple[Simulated, An
 
 
 def save_timeline_png(timeline: Any, path: Path, title: str) -> Path | None:
-    """A Gantt PNG of ``timeline`` through ``autopar.report.trace`` (None without a timeline)."""
+    """A Gantt PNG of ``timeline`` through ``autopar.report.trace`` (None without a timeline,
+    or without matplotlib: then said once, with how to get it)."""
     if timeline is None:
+        return None
+    try:
+        import matplotlib  # noqa: F401  (the plot extra: optional)
+    except ImportError:
+        if not _SAID["no matplotlib"]:
+            _SAID["no matplotlib"] = True
+            print("autopar: timeline pictures skipped: matplotlib is not installed "
+                  "(pip install 'autopar[plot]')", file=sys.stderr)
         return None
     path.parent.mkdir(parents=True, exist_ok=True)
     return save_gantt(timeline, path, title=title)
+
+
+_SAID = {"no matplotlib": False}  # what was said once a process
 
 
 # -- one call for the commands and scripts -----------------------------------------------------

@@ -575,7 +575,8 @@ def _registry() -> list[Workload]:
         Workload("cpu_preprocess", "uint8 images normalized on the host, MLP on the GPU",
                  "users", _preprocess_inputs, cpu_preprocess, hand=cpu_preprocess_pipelined,
                  prepare_hand=_preprocess_prepare, hand_gpus=1, explain_inputs_on=None,
-                 explain_note="inputs on two devices"),
+                 explain_note="not simulated: its inputs start on two devices, and explain "
+                              "takes one device for them all"),
         Workload("rnn_cell", "LSTM cell unrolled over time (small ops)", "users", _rnn_inputs,
                  lstm_unrolled, hand=replay, prepare_hand=_rnn_prepare, hand_gpus=1,
                  hand_cuda_only=True, rtol=1e-3, atol=1e-4),

@@ -244,7 +244,7 @@ def world(watched: Sequence[Watched], args: Any) -> tuple:
     gens = [torch.default_generator, *(g for g in leaves if isinstance(g, torch.Generator))]
     if torch.cuda.is_initialized():
         gens += [torch.cuda.default_generators[i] for i in range(torch.cuda.device_count())]
-    rngs += [g.get_state().numpy().tobytes() for g in gens]
+    rngs += [_state_of(g) for g in gens]
     objects = tuple(_deep(x, _ARG_DEPTH, set()) for x in leaves
                     if not isinstance(x, (*_PLAIN, torch.Tensor, torch.Generator)))
     return records(watched), tuple(rngs), objects
@@ -253,6 +253,13 @@ def world(watched: Sequence[Watched], args: Any) -> tuple:
 _ARG_DEPTH = 4
 """Levels :func:`world` looks into a Python object among the arguments: a Hugging Face
 ``DynamicCache`` holds its tensors three down (``cache.layers[i].keys``)."""
+
+
+def _state_of(generator: torch.Generator) -> tuple[int, ...]:
+    """A generator's state as numbers, compared exactly (no NumPy: torch's base install has
+    none), eight bytes a number where the state's size allows."""
+    state = generator.get_state()
+    return tuple((state.view(torch.int64) if state.numel() % 8 == 0 else state).tolist())
 
 
 def version_of(t: torch.Tensor) -> Any:

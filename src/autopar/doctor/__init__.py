@@ -84,10 +84,13 @@ one (running the calls, grouping events into findings, files for the CLI).
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import inspect
 import linecache
+import runpy
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -180,28 +183,35 @@ class _Session:
             if t.device.type == "cpu":
                 self.devices.believe(t, self.inputs_on)
 
-    def diagnose(self, fn: Callable[..., Any], args: tuple, repeat: int) -> DoctorReport:
+    def diagnose(self, fn: Callable[..., Any], args: tuple, repeat: int,
+                 warm: bool = True) -> DoctorReport:
+        """Time ``fn(*args)`` (after a warm-up call), then watch ``repeat`` calls; ``warm``
+        False: one call only, watched and timed at once (a whole script)."""
         if repeat < 1:
             raise DoctorError(f"repeat={repeat}: watch at least one call")
         self.believe_inputs(args)
         self.devices.gpus_seen = False
         self.est.notes = []
-        with self.setup():
-            fn(*args)  # warm-up: lazy inits, allocator, caches
-            times = []
-            for _ in range(repeat):
-                _sync_devices(self.devices)
-                start = time.perf_counter()
-                fn(*args)
-                _sync_devices(self.devices)
-                times.append(time.perf_counter() - start)
+        times = []
+        if warm:
+            with self.setup():
+                fn(*args)  # warm-up: lazy inits, allocator, caches
+                for _ in range(repeat):
+                    _sync_devices(self.devices)
+                    start = time.perf_counter()
+                    fn(*args)
+                    _sync_devices(self.devices)
+                    times.append(time.perf_counter() - start)
         watch = self.watch
         watch.events = []
         for _ in range(repeat):
             watch.begin_call()
+            start = time.perf_counter()
             with watch.active(recording=True):
                 fn(*args)
             _sync_devices(self.devices)
+            if not warm:
+                times.append(time.perf_counter() - start)
         return self._report(fn, statistics.median(times), repeat)
 
     def _report(self, fn: Callable[..., Any], per_call: float, calls: int) -> DoctorReport:
@@ -233,6 +243,8 @@ def _load(spec: str) -> Machine:
 
 
 def _source_of(fn: Callable[..., Any]) -> str:
+    if getattr(fn, "_autopar_source", None):  # a whole script: the file itself
+        return fn._autopar_source
     try:
         target = inspect.unwrap(fn)
         return f"{inspect.getsourcefile(target)}:{inspect.getsourcelines(target)[1]}"
@@ -292,6 +304,8 @@ def doctor_file(path: str | Path, func: str | None = None,
     """
     path = Path(path)
     session = _Session(machine, inputs_on, None)
+    if func is None and is_plain_script(path):
+        return [_doctor_script(session, path)]
     try:
         with _hint_without_cuda(session), session.setup():
             module = load_module(path)
@@ -310,6 +324,53 @@ def doctor_file(path: str | Path, func: str | None = None,
     except UserFileError as e:
         raise DoctorError(str(e)) from None
     return reports
+
+
+def is_plain_script(path: Path) -> bool:
+    """Does the file at ``path`` define neither ``main`` nor ``__doctor__`` (read, not run)?"""
+    try:
+        tree = ast.parse(path.read_text(), str(path))
+    except (OSError, SyntaxError, ValueError):
+        return False  # load_module says what is wrong with it
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.ImportFrom | ast.Import):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return not names & {"main", "__doctor__"}
+
+
+def _doctor_script(session: _Session, path: Path) -> DoctorReport:
+    """Run a plain script once as ``__main__`` (its ``if __name__ == "__main__":`` block too),
+    watched, as a profiler runs a script."""
+    def script() -> None:
+        argv, sys.argv = sys.argv, [str(path)]
+        folder = str(path.resolve().parent)
+        sys.path.insert(0, folder)
+        try:
+            runpy.run_path(str(path), run_name="__main__")
+        finally:
+            sys.argv = argv
+            with contextlib.suppress(ValueError):
+                sys.path.remove(folder)
+    script.__name__ = script.__qualname__ = path.name
+    script._autopar_source = str(path)  # type: ignore[attr-defined]
+    try:
+        with _hint_without_cuda(session):
+            return session.diagnose(script, (), repeat=1, warm=False)
+    except SystemExit as e:  # the script's own exit: a failure only if it says so
+        if e.code not in (None, 0):
+            raise UserCodeError(f"{path} exited with {e.code!r}") from None
+        raise DoctorError(f"{path} called sys.exit before the watch ended") from None
+    except Exception as e:  # the script raised: one line, where it did
+        said = users_error(e, path, path.name)
+        if said is None:
+            raise
+        raise UserCodeError(said) from None
 
 
 @contextlib.contextmanager

@@ -108,8 +108,8 @@ class DoctorReport:
         where = f"  ({short_path(self.source)})" if self.source else ""
         lines = [f"autopar doctor: {self.target}{where}",
                  f"machine {self.machine}" + ("  [simulated]" if self.simulated else ""),
-                 f"{self.calls} watched calls; {fmt_seconds(self.time_per_call_s)} per call "
-                 f"({self.time_note})"]
+                 f"{self.calls} watched call{'s' if self.calls != 1 else ''}; "
+                 f"{fmt_seconds(self.time_per_call_s)} per call ({self.time_note})"]
         if self.findings:
             n = len(self.findings)
             lines.append(f"{n} finding{'s' if n > 1 else ''}; fixing "
