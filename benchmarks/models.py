@@ -27,8 +27,9 @@ kernel can be right once), then times those that passed in interleaved rounds
 (``measure_side_by_side``), after autopar's trials are over (``settle``); ``first_s`` is
 each variant's first call (for autopar: until its choice is settled). The table ends with
 the pass rate and, per mode, the geomean of autopar against eager, against
-``torch.compile`` default and against the better of the two, and, for rows that kept
-autopar's own plan, the simulator's prediction against the measured time.
+``torch.compile`` default, against reduce-overhead and against the strongest of the three
+(``best``; each row names its strongest peer and says where autopar ties it), and, for rows
+that kept autopar's own plan, the simulator's prediction against the measured time.
 Models come from ``autopar.bench.models`` (Hugging Face from small configs; torchvision and
 timm where installed). fp32 with TF32 off.
 """
@@ -495,8 +496,25 @@ def _geomean(xs: list[float]) -> float | None:
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
 
 
+PEERS = ("eager", "compile", "compile-ro")
+"""The ways a user picks by hand; the strongest of them is the one autopar is held to."""
+TIE = 0.03
+"""Within this fraction of the strongest peer, a row says it ties."""
+
+
+def strongest(variants: dict[str, Any]) -> tuple[str, float] | None:
+    """The fastest peer that passed, and its median."""
+    timed = [(variants[k]["median_s"], k) for k in PEERS
+             if variants.get(k, {}).get("pass") and variants[k].get("median_s")]
+    if not timed:
+        return None
+    seconds, name = min(timed)
+    return name, seconds
+
+
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Pass rate and per-mode geomeans of autopar against eager, compile and the better."""
+    """Pass rate and per-mode geomeans of autopar against eager, compile, reduce-overhead and
+    the strongest of them (``best``)."""
     ran = [r for r in rows if "skipped" not in r and "error" not in r
            and r["variants"].get("eager", {}).get("pass")]
     passed = [r for r in ran if r["variants"].get("autopar", {}).get("pass")]
@@ -515,7 +533,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 vs["eager"].append(e / a)
             if a and c:
                 vs["compile"].append(c / a)
-                vs["best"].append(min(e, c) / a)
+            if a and (peer := strongest(v)):
+                vs["best"].append(peer[1] / a)
             if a and ro:
                 vs["compile-ro"].append(ro / a)
         out[mode] = {k: _geomean(x) for k, x in vs.items()}
@@ -529,7 +548,8 @@ def _fmt(s: float | None) -> str:
 
 
 def table(rows: list[dict[str, Any]], variants: list[str]) -> str:
-    head = "| model | mode | " + " | ".join(variants) + " | autopar / best | kept | first s |"
+    head = ("| model | mode | " + " | ".join(variants)
+            + " | autopar / strongest peer | kept | first s |")
     lines = [head, "|" + "---|" * (len(variants) + 5)]
     for r in rows:
         if "skipped" in r or "error" in r:
@@ -541,9 +561,12 @@ def table(rows: list[dict[str, Any]], variants: list[str]) -> str:
             c = v.get(name, {})
             cells.append(_fmt(c.get("median_s")) if c.get("pass") else
                          f"FAIL: {c.get('fail', '—')[:60]}")
-        e, c, a = (v.get(k, {}).get("median_s") for k in ("eager", "compile", "autopar"))
-        best = min(x for x in (e, c) if x) if (e or c) else None
-        ratio = f"{best / a:.2f}×" if a and best else "—"
+        a = v.get("autopar", {}).get("median_s")
+        peer = strongest(v)
+        ratio = "—"
+        if a and peer:
+            x = peer[1] / a
+            ratio = f"{x:.2f}× {peer[0]}" + (" (a tie)" if abs(x - 1) <= TIE else "")
         kept = ",".join(v.get("autopar", {}).get("kept", []))
         first = " / ".join(f"{v[k]['first_s']:.1f}" for k in ("compile", "autopar")
                            if "first_s" in v.get(k, {}))

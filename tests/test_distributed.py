@@ -92,9 +92,10 @@ def _port() -> int:
 
 
 def _env() -> dict[str, str]:
-    # a collective that hangs raises after 2 minutes, not torch's 30
+    # a collective that hangs raises after 2 minutes, not torch's 30; the host's path (gloo),
+    # also on a machine with a GPU (two ranks can't share one under NCCL)
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-            "AUTOPAR_DIST_TIMEOUT": "120"}
+            "AUTOPAR_DIST_TIMEOUT": "120", "CUDA_VISIBLE_DEVICES": ""}
 
 
 def _communicate(proc: subprocess.Popen, timeout: float) -> str:

@@ -74,10 +74,18 @@ class World:
 
     @property
     def device(self) -> torch.device:
-        """The device this rank computes on: its local GPU, else the host."""
-        if torch.cuda.is_available():
-            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
-        return torch.device("cpu")
+        """The device this rank computes on: its local GPU, else the host (where this process
+        sees no GPU: ``CUDA_VISIBLE_DEVICES=""`` runs every rank on the host)."""
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        count = torch.cuda.device_count()
+        if self.local_rank >= count:
+            raise RuntimeError(
+                f"rank {self.rank} (local rank {self.local_rank}) has no GPU of its own: this "
+                f"machine shows {count} GPU(s) to {self.local_rank + 1} or more processes. Start "
+                f"one process per GPU (--nproc-per-node {count}), or run every rank on the host "
+                "with CUDA_VISIBLE_DEVICES=\"\"")
+        return torch.device("cuda", self.local_rank)
 
 
 def adopt_local_device(world: World) -> None:
