@@ -74,7 +74,7 @@ def test_doctor_runs_a_plain_script(venv, tmp_path):
     out = _ok(_run(venv, "doctor", str(script), "--machine", "h200x2", cwd=tmp_path),
               "autopar doctor")
     assert "ran its main block" in out
-    assert "sync/item at plain.py:5" in out
+    assert "plain.py:5 in <module>" in out
 
 
 def test_explain_runs(venv, tmp_path):

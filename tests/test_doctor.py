@@ -407,11 +407,22 @@ def test_a_users_function_that_raises_is_a_failed_run_not_a_misuse(tmp_path):
     assert result.exit_code == 1 and "boom" in result.stderr, result.output
 
 
+def test_a_plain_script_runs_whole_as_a_profiler_runs_it(tmp_path):
+    """No ``main`` and no ``__doctor__``: the file runs once as ``__main__``, watched."""
+    plain = tmp_path / "plain.py"
+    plain.write_text("import torch\n"
+                     "x = torch.randn(8, 8, device='cuda')\n"
+                     "if __name__ == '__main__':\n"
+                     "    print('main block', x.sum().item())\n")
+    result = cli(str(plain), "--machine", "h200x2")
+    assert result.exit_code == 0, result.output
+    assert "1 watched call;" in result.stdout and "plain.py:4 in <module>" in result.stdout
+    assert "main block" in result.stderr  # the script's prints stay off the report
+
+
 def test_file_errors_say_what_to_pass(tmp_path):
     empty = tmp_path / "empty.py"
     empty.write_text("def helper(x):\n    return x\n")
-    result = cli(str(empty), "--machine", "h200x2")
-    assert result.exit_code == 2 and "--func NAME" in result.stderr
     result = cli(str(empty), "--machine", "h200x2", "--func", "nope")
     assert result.exit_code == 2 and "'helper'" in result.stderr
     result = cli(str(empty), "--machine", "h200x2", "--func", "helper")
