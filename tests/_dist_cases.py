@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import autopar
+from _steps import module_step  # this file's folder: run as a script from tests/
 from autopar.distributed.agree import RanksDisagree
 
 TOL = dict(rtol=1e-4, atol=1e-6)
@@ -172,17 +173,8 @@ def case_unknown_reduction_weighs_rows():
 def case_per_rank_batches_average():
     """batch="per_rank": each rank is passed its own batch, gradients are averaged (DDP)."""
     (model, opt, _), (twin, twin_opt, _) = twins(mlp_bn)
-
-    def step_of(m, o):
-        def step(x, y):
-            o.zero_grad()
-            loss = F.cross_entropy(m(x), y)
-            loss.backward()
-            o.step()
-            return loss.detach()
-        return step
-    ours = autopar.data_parallel(step_of(model, opt), batch="per_rank")
-    eager = step_of(twin, twin_opt)
+    ours = autopar.data_parallel(module_step(model, opt), batch="per_rank")
+    eager = module_step(twin, twin_opt)
     rank = dist.get_rank()
     for k in range(3):
         x, y = data(k, rows=8)
@@ -194,14 +186,10 @@ def case_per_rank_batches_average():
 def case_ranks_disagree_on_a_shape():
     """Rank 1 passes another batch shape: every rank raises, naming rank 1 and the argument."""
     model, opt, _ = mlp_bn()
-
-    def step(x, y):
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-
-    ours = autopar.data_parallel(step)
+    ours = autopar.data_parallel(module_step(model, opt))
     ours(*data(0))
+    said = ours.describe()
+    assert f"rank {dist.get_rank()} of 2 on cpu (gloo)" in said and "1 batch-norm" in said, said
     x, y = data(1, rows=7 if dist.get_rank() == 0 else 6)
     try:
         ours(x, y)
@@ -214,14 +202,8 @@ def case_ranks_disagree_on_a_shape():
 def case_ranks_disagree_on_the_model():
     """Rank 1 built another model: every rank raises, naming the parameter."""
     model, opt, _ = mlp_bn(16 if dist.get_rank() == 0 else 12)
-
-    def step(x, y):
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-
     try:
-        autopar.data_parallel(step)(*data(0))
+        autopar.data_parallel(module_step(model, opt))(*data(0))
     except RanksDisagree as e:
         assert "model" in str(e) and "0.weight" in str(e) and "rank 1" in str(e), str(e)
         return

@@ -95,7 +95,7 @@ def _env() -> dict[str, str]:
     # a collective that hangs raises after 2 minutes, not torch's 30; the host's path (gloo),
     # also on a machine with a GPU (two ranks can't share one under NCCL)
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-            "AUTOPAR_DIST_TIMEOUT": "120", "CUDA_VISIBLE_DEVICES": ""}
+            "AUTOPAR_DIST_TIMEOUT": "120", "CUDA_VISIBLE_DEVICES": "", "PYTHONFAULTHANDLER": "1"}
 
 
 def _communicate(proc: subprocess.Popen, timeout: float) -> str:
@@ -224,7 +224,7 @@ def one_process(tmp_path_factory) -> dict[str, Path]:
 def test_a_script_on_two_ranks_equals_one_process(one_process, name, tmp_path):
     path = tmp_path / "two.pt"
     done = _run(_standalone(SCRIPTS / f"{name}.py", "--out", str(path)))
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.returncode == 0, done.stdout[-1000:] + done.stderr[-4000:]
     _same(one_process[name], path)
 
 

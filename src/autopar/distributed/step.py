@@ -36,7 +36,9 @@ Policy and invariants
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -81,7 +83,8 @@ class DistributedStep:
         #: a host-side group for the agreement checks (gloo; the default one where it is gloo)
         self.checks: dist.ProcessGroup | None = None
         self._warned: set[str] = set()
-        self._local = threading.local()
+        #: batch-norm layers given the whole batch's statistics, by module name
+        self.synced: dict[str, int] = {}
 
     # -- the call ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -149,9 +152,7 @@ class DistributedStep:
             if _replicated(module) or not any(p.requires_grad for p in module.parameters()):
                 continue
             _broadcast_buffers(module)
-            if sync_batch_norm(module):
-                log.info("rank %d: %s's batch norm uses the whole batch's statistics",
-                         world.rank, name)
+            self.synced[name] = sync_batch_norm(module)
             _replicate(module, world)
             modules.append((name, module))
         loose = [x for x in tree_flatten(tuple(args))[0]
@@ -163,6 +164,38 @@ class DistributedStep:
             with torch.no_grad():
                 dist.broadcast(p, 0)
         self.modules = modules
+        atexit.register(self._release)  # before the group's own end (atexit: last in, first)
+        log.info("%s", self.describe())
+
+    def _release(self) -> None:
+        """Drop the DDP state the modules hold, at the script's end: its reducer keeps the
+        process group alive past ``destroy_process_group``, and a gloo group left to the
+        interpreter's teardown aborted one run of about ten on the VM (``terminate called
+        without an active exception``, after the script had finished)."""
+        for _, module in self.modules or ():
+            state = replicate.state(module)
+            if state is not None and hasattr(state, "_ddp"):
+                del state._ddp
+        self.modules = []
+        gc.collect()
+
+    def describe(self) -> str:
+        """What this rank does, in a few lines (logged once at the first call, on the
+        ``dataparallel`` topic: ``AUTOPAR_LOGS=dataparallel``)."""
+        w = self.world
+        backend = dist.get_backend() if dist.is_initialized() else "not yet joined"
+        lines = [f"rank {w.rank} of {w.size} on {w.device} ({backend}); batch: "
+                 + ("each rank's own (gradients averaged, as DDP)" if self.batch == "per_rank"
+                    else "the global batch, this rank's rows (one process's results)")]
+        for name, _ in self.modules or ():
+            norms = self.synced.get(name, 0)
+            lines.append(f"  {name}: replicated under DDP's reducer (buckets of 25 MB, "
+                         "all-reduced as backward makes them)"
+                         + (f"; {norms} batch-norm layers over the whole batch" if norms else ""))
+        if self.loose:
+            lines.append(f"  {len(self.loose)} parameter(s) no module holds: gradients "
+                         "all-reduced after each backward")
+        return "\n".join(lines)
 
     # -- backward and outputs -----------------------------------------------------------------
     @contextlib.contextmanager
