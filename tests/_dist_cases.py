@@ -210,6 +210,74 @@ def case_ranks_disagree_on_the_model():
     raise AssertionError("no error")
 
 
+def case_children_called_directly():
+    """The step runs a module's children, not its forward (DDP never arms its reducer): their
+    gradients are still all-reduced."""
+    def make():
+        model = torch.nn.ModuleDict({"enc": torch.nn.Linear(8, 16), "head": torch.nn.Linear(16, 3)})
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), None
+
+    def step_of(model, opt, _):
+        def step(x, y):
+            opt.zero_grad()
+            loss = F.cross_entropy(model.head(model.enc(x).relu()), y)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+        return step
+    train(make, data, step_of)
+
+
+def case_two_steps_share_a_model():
+    """A training step and an evaluation step over one model: the second shares the first's
+    replication."""
+    (model, opt, _), (twin, twin_opt, _) = twins(mlp_bn)
+    ours = autopar.data_parallel(module_step(model, opt))
+
+    def evaluate_of(m):
+        def evaluate(x, y):
+            m.eval()
+            with torch.no_grad():
+                loss = F.cross_entropy(m(x), y)
+            m.train()
+            return loss
+        return evaluate
+    check = autopar.data_parallel(evaluate_of(model))
+    eager, eager_check = module_step(twin, twin_opt), evaluate_of(twin)
+    for k in range(3):
+        torch.testing.assert_close(ours(*data(k)), eager(*data(k)), **TOL)
+        torch.testing.assert_close(check(*data(k + 10)), eager_check(*data(k + 10)), **TOL)
+        same(state_of(model, opt), state_of(twin, twin_opt), f"step {k}")
+
+
+def case_a_parameter_used_in_some_steps_only():
+    """A branch taken every other step: its parameters have no gradient in the others."""
+    class Branch(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 3), torch.nn.Linear(8, 3)
+
+        def forward(self, x, use_b):
+            return self.a(x) + (self.b(x) if use_b else 0)
+
+    def make():
+        model = Branch()
+        return model, torch.optim.SGD(model.parameters(), lr=0.1), None
+
+    def batches(k):
+        return (*data(k), k % 2 == 1)
+
+    def step_of(model, opt, _):
+        def step(x, y, use_b):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x, use_b), y)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+        return step
+    train(make, batches, step_of)
+
+
 CASES = {name[5:]: f for name, f in dict(globals()).items() if name.startswith("case_")}
 
 if __name__ == "__main__":

@@ -32,15 +32,16 @@ __all__ = ["sync_batch_norm"]
 
 def sync_batch_norm(module: torch.nn.Module, group: dist.ProcessGroup | None = None) -> int:
     """Give every batch-norm layer under ``module`` the whole batch's statistics; returns how
-    many layers were changed (a layer already changed, or a ``SyncBatchNorm``, is left)."""
-    changed = 0
+    many layers have them (a layer already changed is left as it is; a ``SyncBatchNorm`` is
+    torch's own, and not counted)."""
+    synced = 0
     for layer in module.modules():
-        if isinstance(layer, _BatchNorm) and not isinstance(layer, torch.nn.SyncBatchNorm) \
-                and "forward" not in vars(layer):
-            layer.forward = types.MethodType(_forward, layer)
-            layer._autopar_group = group
-            changed += 1
-    return changed
+        if isinstance(layer, _BatchNorm) and not isinstance(layer, torch.nn.SyncBatchNorm):
+            if "forward" not in vars(layer):
+                layer.forward = types.MethodType(_forward, layer)
+                layer._autopar_group = group
+            synced += 1
+    return synced
 
 
 def _forward(self: _BatchNorm, x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,12 @@ Policy and invariants
   ``DistributedSampler``); nothing is split and gradients are averaged over ranks, as DDP does.
 - The modules the step names (:func:`autopar.capture.state.find_state`) are replicated with
   torch's own reducer (``torch.distributed._composable.replicate``: DDP's buckets, each
-  all-reduced as soon as its gradients exist, overlapping backward). At the first call every
+  all-reduced as soon as its gradients exist, overlapping backward; unused parameters found
+  each step, as a parameter may serve some steps or some ranks' rows only). Another step
+  over the same module shares its replication; a module the script put under DDP or FSDP
+  itself is left to it. DDP arms its reducer in the module's own forward: where a call ran
+  only the module's children (``model.head(model.enc(x))``), their gradients are
+  all-reduced after backward instead. At the first call every
   rank's model is checked against rank 0's (names, shapes, dtypes) and rank 0's parameters
   and buffers are broadcast, so ranks never drift apart silently. Batch norm uses the whole
   batch's statistics (:mod:`autopar.distributed.norm`).
@@ -85,6 +90,8 @@ class DistributedStep:
         self._warned: set[str] = set()
         #: batch-norm layers given the whole batch's statistics, by module name
         self.synced: dict[str, int] = {}
+        #: the modules whose own forward ran in this call (DDP's reducer armed for them)
+        self._forwarded: set[int] = set()
 
     # -- the call ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -101,6 +108,7 @@ class DistributedStep:
             rows = self._rows(n)
             leaves = [x[rows[0]:rows[1]] if i in picked else x for i, x in enumerate(leaves)]
         call_args, call_kwargs = tree_unflatten(leaves, spec)
+        self._forwarded = set()
         weights: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         with self._backward_seeded(weights, rows):
             try:
@@ -149,11 +157,13 @@ class DistributedStep:
             check_same([describe(f"{name}.{q}", t) for q, t in
                         [*module.named_parameters(), *module.named_buffers()]],
                        f"model {name!r}", self.checks)
-            if _replicated(module) or not any(p.requires_grad for p in module.parameters()):
+            if _by_user(module) or not any(p.requires_grad for p in module.parameters()):
                 continue
-            _broadcast_buffers(module)
+            if replicate.state(module) is None:  # not yet, by this step or another
+                _broadcast_buffers(module)
+                _replicate(module, world)
             self.synced[name] = sync_batch_norm(module)
-            _replicate(module, world)
+            module.register_forward_pre_hook(self._forwarded_hook(module))
             modules.append((name, module))
         loose = [x for x in tree_flatten(tuple(args))[0]
                  if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf]
@@ -166,6 +176,11 @@ class DistributedStep:
         self.modules = modules
         atexit.register(self._release)  # before the group's own end (atexit: last in, first)
         log.info("%s", self.describe())
+
+    def _forwarded_hook(self, module: torch.nn.Module) -> Callable[..., None]:
+        def seen(*_: Any) -> None:
+            self._forwarded.add(id(module))
+        return seen
 
     def _release(self) -> None:
         """Drop the DDP state the modules hold, at the script's end: its reducer keeps the
@@ -221,7 +236,7 @@ class DistributedStep:
                     grad_tensors = seed.to(root.dtype).reshape(root.shape)
                     tensors = root
             result = original(tensors, grad_tensors, *rest, **kw)
-            self._reduce_loose()
+            self._reduce_by_hand()
             return result
 
         torch.autograd.backward = backward
@@ -239,8 +254,10 @@ class DistributedStep:
             if name not in self._warned:
                 self._warned.add(name)
                 log.warning("autopar: can't tell how the loss averages over its batch (made by "
-                            "%s); weighing each rank by its rows, which is exact for a mean "
-                            "over rows", name)
+                            "%s), so each rank is weighed by its rows. That is exact for a "
+                            "mean over rows, and wrong for a mean over tokens with ignored "
+                            "labels, or a sum divided by a constant: use a plain mean, or "
+                            "reduction='sum'", name)
             mine = float(rows[1] - rows[0]) if rows else 1.0
             found = loss_weights.Reduction("mean", mine, name)
         device = self._comm_device(root)
@@ -249,13 +266,20 @@ class DistributedStep:
         dist.all_reduce(total)
         return found.kind, count, total
 
-    def _reduce_loose(self) -> None:
+    def _reduce_by_hand(self) -> None:
+        """All-reduce, after a backward, the gradients DDP's reducer did not: those of
+        parameters no module holds, and those of a module whose own forward did not run in
+        this call (the step called its children, ``model.head(model.enc(x))``: DDP arms its
+        reducer in the module's forward)."""
         grads = [p.grad for p in self.loose if p.grad is not None]
         if len(grads) != len(self.loose):
             missing = [i for i, p in enumerate(self.loose) if p.grad is None]
             raise RuntimeError(f"rank {self.world.rank}: parameter(s) {missing} got no gradient "
                                "in this backward; every rank must give each loose parameter "
                                "one")
+        for _, module in self.modules or ():
+            if id(module) not in self._forwarded:
+                grads += [p.grad for p in module.parameters() if p.grad is not None]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -324,15 +348,20 @@ def _note(error: BaseException, text: str) -> None:
         error.add_note(f"autopar: {text}")
 
 
-def _replicated(module: torch.nn.Module) -> bool:
-    """Did the script (or an earlier step) already put ``module`` under DDP or FSDP?"""
-    return isinstance(module, DistributedDataParallel) or _get_module_state(module) is not None
+def _by_user(module: torch.nn.Module) -> bool:
+    """Did the script itself put ``module`` under DDP or FSDP? (Not autopar's ``replicate``:
+    another step over the same module shares it.)"""
+    if isinstance(module, DistributedDataParallel):
+        return True
+    return _get_module_state(module) is not None and replicate.state(module) is None
 
 
 def _replicate(module: torch.nn.Module, world: World) -> None:
     device = world.device
+    # find_unused_parameters: a parameter used in some steps only, or by some ranks' rows only
+    # (static_graph raised there)
     replicate(module, device_id=device if device.type == "cuda" else torch.device("cpu"),
-              static_graph=True)
+              find_unused_parameters=True)
 
 
 @torch.no_grad()
