@@ -557,22 +557,22 @@ def relabel_step(step: StepGraph, state: State, device: str) -> None:
     relabel_devices(step.graph, "cpu", device, keep=counts)
 
 
-@paused()
-def predict_step(fn: Callable, args: Sequence[Any], machine: Any,
-                 inputs_on: str | None = "cuda:0", batch_argnums: Sequence[int] | None = None,
-                 shards: int | None = None, fuse: bool | str = "auto",
-                 cuda_graphs: bool | str = "auto") -> StepPrediction:
-    """What :func:`data_parallel` would do with ``fn(*args)`` on ``machine`` (a preset name or a
-    Machine), without running it: tensors built on the CPU are taken to live on ``inputs_on``.
-    ``fuse`` and ``cuda_graphs`` as :func:`data_parallel`'s (``"auto"``: the GPUs' programs
-    fused, their segments replayed as CUDA graphs where that pays)."""
+def _captured(fn: Callable, args: Sequence[Any], machine: Any,
+              inputs_on: str | None) -> tuple[StepGraph, CostModel]:
+    """``fn(*args)`` traced as :func:`data_parallel` would, its tensors taken to live on
+    ``inputs_on``, and ``machine``'s cost model."""
     state = find_state(fn, args)
     if inputs_on is not None and inputs_on.startswith("cuda"):
         state.foreach = True  # torch.optim's default for CUDA tensors
     step = capture_step(fn, args, state=state)
     if inputs_on is not None:
         relabel_step(step, state, inputs_on)
-    cost = CostModel(load_machine(machine))
+    return step, CostModel(load_machine(machine))
+
+
+def _predicted(step: StepGraph, args: Sequence[Any], cost: CostModel,
+               batch_argnums: Sequence[int] | None, shards: int | None, fuse: bool | str,
+               cuda_graphs: bool | str) -> StepPrediction:
     devices = [d.name for d in cost.machine.devices]
     fusing = fusion_devices(devices, fuse)
     choice = choose(step, batch_inputs(step, args, batch_argnums), cost, devices,
@@ -582,6 +582,18 @@ def predict_step(fn: Callable, args: Sequence[Any], machine: Any,
     eager = place(step.graph, cost, policy="single", devices=devices)
     return StepPrediction(choice, eager.predicted_s)
 
+
+@paused()
+def predict_step(fn: Callable, args: Sequence[Any], machine: Any,
+                 inputs_on: str | None = "cuda:0", batch_argnums: Sequence[int] | None = None,
+                 shards: int | None = None, fuse: bool | str = "auto",
+                 cuda_graphs: bool | str = "auto") -> StepPrediction:
+    """What :func:`data_parallel` would do with ``fn(*args)`` on ``machine`` (a preset name or a
+    Machine), without running it: tensors built on the CPU are taken to live on ``inputs_on``.
+    ``fuse`` and ``cuda_graphs`` as :func:`data_parallel`'s (``"auto"``: the GPUs' programs
+    fused, their segments replayed as CUDA graphs where that pays)."""
+    step, cost = _captured(fn, args, machine, inputs_on)
+    return _predicted(step, args, cost, batch_argnums, shards, fuse, cuda_graphs)
 
 
 @dataclass
@@ -615,15 +627,9 @@ class WorldStepPrediction:
         return self._work * self.eager_s / self.world.step_s
 
 
-def update_share(fn: Callable, args: Sequence[Any], machine: Any,
-                 inputs_on: str = "cuda:0") -> tuple[float, int]:
-    """The share of a step's op-by-op time its update takes (every op downstream of a
-    gradient), and the bytes of the gradients a world all-reduces."""
-    state = find_state(fn, args)
-    state.foreach = True if inputs_on.startswith("cuda") else None
-    step = capture_step(fn, args, state=state)
-    relabel_step(step, state, inputs_on)
-    cost = CostModel(load_machine(machine))
+def update_share(step: StepGraph, cost: CostModel, device: str = "cuda:0") -> tuple[float, int]:
+    """The share of a traced step's op-by-op time on ``device`` its update takes (every op
+    downstream of a gradient), and the bytes of the gradients a world all-reduces."""
     graph = step.graph
     grads = graph.outputs[step.n_outputs:step.n_outputs + len(step.grads)]
     users = graph.users()
@@ -635,8 +641,8 @@ def update_share(fn: Callable, args: Sequence[Any], machine: Any,
             after.add(n)
             todo += users.get(n, ())
     ops = [n for n in graph.nodes if n.op != INPUT]
-    total = sum(cost.node_time(n, inputs_on) for n in ops)
-    update = sum(cost.node_time(n, inputs_on) for n in ops if n in after)
+    total = sum(cost.node_time(n, device) for n in ops)
+    update = sum(cost.node_time(n, device) for n in ops if n in after)
     grad_bytes = sum(g.meta.nbytes for g in grads if isinstance(g, Node) and g.meta is not None)
     return (update / total if total else 0.0), grad_bytes
 
@@ -652,9 +658,11 @@ def predict_world_step(fn: Callable, args: Sequence[Any], machine: str,
     if scaling not in ("strong", "weak"):
         raise ValueError(f"scaling must be 'strong' or 'weak', not {scaling!r}")
     fabric = preset_fabric(machine, gpus=gpus)
-    whole = predict_step(fn, args, machine, batch_argnums=batch_argnums, shards=1)
+    with paused():
+        step, cost = _captured(fn, args, machine, "cuda:0")  # one trace of the whole batch
+        share, grad_bytes = update_share(step, cost)
+        whole = _predicted(step, args, cost, batch_argnums, 1, "auto", "auto")
     one_gpu = whole.choice.predicted["unsplit"]
-    share, grad_bytes = update_share(fn, args, machine)
     rank_s = one_gpu
     if scaling == "strong":
         rows = args[batch_argnums[0]].shape[0]
