@@ -69,11 +69,15 @@ def _forward(self: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
     return y.to(x.dtype)
 
 
+_FUNCOL_AUTOGRAD = torch._C._dispatch_has_kernel_for_dispatch_key(
+    "_c10d_functional::all_reduce", "Autograd")
+"""Does c10d's functional all-reduce have autograd in this torch (newer ones)?"""
+
+
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """A differentiable sum over ranks: c10d's functional all-reduce where it has autograd
-    (newer torch), else ``torch.distributed.nn``'s."""
-    if torch._C._dispatch_has_kernel_for_dispatch_key("_c10d_functional::all_reduce",
-                                                      "Autograd"):
+    """A differentiable sum over ranks: c10d's functional all-reduce where it has autograd,
+    else ``torch.distributed.nn``'s."""
+    if _FUNCOL_AUTOGRAD:
         return funcol.all_reduce(x, "sum", group)
     from torch.distributed.nn import functional as dist_nn  # lazy: older torch only
 

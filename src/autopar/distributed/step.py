@@ -46,7 +46,7 @@ import contextlib
 import gc
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -98,10 +98,10 @@ class DistributedStep:
         if self.modules is None:
             self._setup(args)
         leaves, spec = tree_flatten((args, kwargs))
-        names = _leaf_names(len(args), spec, leaves)
+        names = _leaf_names(spec, leaves)
         check_same([describe(n, x) for n, x in zip(names, leaves)], "the step's arguments",
                    self.checks)
-        picked = self._batch_leaves(leaves, len(tree_flatten(args)[0]))
+        picked = self._batch_leaves(leaves, _children(spec)[0].num_leaves)
         rows = None
         if self.batch == "global" and picked:
             n = leaves[picked[0]].shape[0]
@@ -160,7 +160,7 @@ class DistributedStep:
             if _by_user(module) or not any(p.requires_grad for p in module.parameters()):
                 continue
             if replicate.state(module) is None:  # not yet, by this step or another
-                _broadcast_buffers(module)
+                _broadcast(module.buffers())  # DDP broadcasts the parameters
                 _replicate(module, world)
             self.synced[name] = sync_batch_norm(module)
             module.register_forward_pre_hook(self._forwarded_hook(module))
@@ -170,9 +170,7 @@ class DistributedStep:
         loose += [p for _, opt in state.optimizers for g in opt.param_groups
                   for p in g["params"] if id(p) not in held]
         self.loose = list({id(p): p for p in loose}.values())
-        for p in self.loose:
-            with torch.no_grad():
-                dist.broadcast(p, 0)
+        _broadcast(self.loose)
         self.modules = modules
         atexit.register(self._release)  # before the group's own end (atexit: last in, first)
         log.info("%s", self.describe())
@@ -185,8 +183,8 @@ class DistributedStep:
     def _release(self) -> None:
         """Drop the DDP state the modules hold, at the script's end: its reducer keeps the
         process group alive past ``destroy_process_group``, and a gloo group left to the
-        interpreter's teardown aborted one run of about ten on the VM (``terminate called
-        without an active exception``, after the script had finished)."""
+        interpreter's teardown can abort a finished run (``terminate called without an
+        active exception``; benchmarks/NOTES.md, 2026-12-07 (c))."""
         for _, module in self.modules or ():
             state = replicate.state(module)
             if state is not None and hasattr(state, "_ddp"):
@@ -324,7 +322,7 @@ class DistributedStep:
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-def _leaf_names(n_args: int, spec: Any, leaves: list[Any]) -> list[str]:
+def _leaf_names(spec: Any, leaves: list[Any]) -> list[str]:
     """A readable name for each leaf of ``(args, kwargs)``: ``argument 1`` or ``argument 1[0]``
     for nested ones, ``keyword 'mask'``."""
     args_spec, kwargs_spec = _children(spec)
@@ -358,13 +356,14 @@ def _by_user(module: torch.nn.Module) -> bool:
 
 def _replicate(module: torch.nn.Module, world: World) -> None:
     device = world.device
-    # find_unused_parameters: a parameter used in some steps only, or by some ranks' rows only
-    # (static_graph raised there)
+    # find_unused_parameters: a parameter may serve some steps, or some ranks' rows, only
+    # (static_graph raises there)
     replicate(module, device_id=device if device.type == "cuda" else torch.device("cpu"),
               find_unused_parameters=True)
 
 
 @torch.no_grad()
-def _broadcast_buffers(module: torch.nn.Module) -> None:
-    for b in module.buffers():
-        dist.broadcast(b, 0)
+def _broadcast(tensors: Iterable[torch.Tensor]) -> None:
+    """Rank 0's values of ``tensors`` on every rank."""
+    for t in tensors:
+        dist.broadcast(t, 0)

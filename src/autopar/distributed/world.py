@@ -10,8 +10,8 @@ Policy and invariants
   made none: NCCL where this process has a GPU, gloo otherwise. A script's own group is used
   as it is.
 - A restarted attempt must not read what the last one left in the store torchrun's agent
-  shares with its workers: gloo then connected to a dead rank's port (two restarts of three on
-  the VM; torch issue #135712). On one node the keys are those of the attempt
+  shares with its workers: gloo then connects to a dead rank's port (torch issue #135712;
+  benchmarks/NOTES.md, 2026-12-07 (c)). On one node the keys are those of the attempt
   (``TORCHELASTIC_RESTART_COUNT``, which the one agent counts); over several nodes, where
   agents count restarts each their own way, ``autopar run`` gives each attempt a store of its
   own (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``).
@@ -113,9 +113,9 @@ def ensure_process_group(world: World) -> None:
 
 
 def _destroy_at_exit() -> None:
-    """Destroy the group this module made, as a script's end: left to the interpreter's
-    teardown, gloo's threads ended some runs in ``terminate called without an active
-    exception``. Not after an uncaught error: the agent stops every rank then."""
+    """Destroy the group this module made, as a script's end would (one-device scripts never
+    call ``destroy_process_group``). Not after an uncaught error: the agent stops every rank
+    then."""
     if dist.is_initialized() and getattr(sys, "last_value", None) is None:
         dist.destroy_process_group()
 
