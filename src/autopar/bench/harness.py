@@ -25,6 +25,7 @@ variant's result in a row; *context* the devices and size of a run.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -585,16 +586,16 @@ def save_timeline_png(timeline: Any, path: Path, title: str) -> Path | None:
     try:
         import matplotlib  # noqa: F401  (the plot extra: optional)
     except ImportError:
-        if not _SAID["no matplotlib"]:
-            _SAID["no matplotlib"] = True
-            print("autopar: timeline pictures skipped: matplotlib is not installed "
-                  "(pip install 'autopar[plot]')", file=sys.stderr)
+        _say_no_matplotlib()
         return None
     path.parent.mkdir(parents=True, exist_ok=True)
     return save_gantt(timeline, path, title=title)
 
 
-_SAID = {"no matplotlib": False}  # what was said once a process
+@functools.cache  # said once a process
+def _say_no_matplotlib() -> None:
+    print("autopar: timeline pictures skipped: matplotlib is not installed "
+          "(pip install 'autopar[plot]')", file=sys.stderr)
 
 
 # -- one call for the commands and scripts -----------------------------------------------------
