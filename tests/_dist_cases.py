@@ -278,6 +278,59 @@ def case_a_parameter_used_in_some_steps_only():
     train(make, batches, step_of)
 
 
+def case_compiled_regions_keep_the_measured_way():
+    """Inductor among the candidates: the children run compiled under DDP's bucketing, the loss
+    (masked tokens, computed in the module's own eager forward) keeps its weight, every rank
+    keeps the same way after the trial, and each step equals the eager whole batch's."""
+    from autopar.distributed.compiled import TIMED_CALLS, WARM_CALLS
+
+    class Tagger(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False),
+                                            torch.nn.BatchNorm1d(16), torch.nn.ReLU())
+            self.head = torch.nn.Linear(16, 3)
+
+        def forward(self, x, y):
+            return F.cross_entropy(self.head(self.body(x)), y, ignore_index=-1)
+
+    def make():
+        model = Tagger()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2), None
+
+    def batches(k):
+        x, y = data(k, rows=9)
+        y[: 2 + k % 4] = -1  # rank 0's share loses more tokens than rank 1's
+        return x, y
+
+    def step_of(model, opt, _):
+        def step(x, y):
+            opt.zero_grad()
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+        return step
+
+    (model, opt, _), (twin, twin_opt, _) = twins(make)
+    ours = autopar.data_parallel(step_of(model, opt, None), candidates="eager,inductor")
+    eager = step_of(twin, twin_opt, None)
+    compiled_calls = 0
+    for k in range(2 * (WARM_CALLS + TIMED_CALLS) + 2):
+        args = batches(k)
+        got, want = ours(*args), eager(*args)
+        compiled_calls += model.body._compiled_call_impl is not None
+        torch.testing.assert_close(got, want, **TOL, msg=lambda m, k=k: f"loss at step {k}: {m}")
+        same(state_of(model, opt), state_of(twin, twin_opt), f"step {k}")
+    assert not ours.ways.failed, ours.ways.failed
+    # the region is read after each call: the inductor calls but the trial's last one
+    assert compiled_calls >= WARM_CALLS + TIMED_CALLS - 1, compiled_calls
+    assert len(ours.ways.times["inductor"]) == TIMED_CALLS, ours.ways.times
+    kept = [None] * dist.get_world_size()
+    dist.all_gather_object(kept, ours.ways.kept)
+    assert kept[0] in ("eager", "inductor") and len(set(kept)) == 1, kept
+
+
 CASES = {name[5:]: f for name, f in dict(globals()).items() if name.startswith("case_")}
 
 if __name__ == "__main__":

@@ -509,6 +509,9 @@ def data_parallel(fn: Callable, *, batch_argnums: Sequence[int] | None = None,
     (:mod:`autopar.distributed.step`); ``batch="per_rank"`` says each rank is already passed
     its own batch (a ``DistributedSampler``: gradients averaged over ranks, as DDP does).
     Alone, the batch is split over this process's devices (:mod:`autopar.dataparallel`).
+    Launched, each rank's modules run compiled as on one device, the way (of ``candidates``:
+    eager, inductor, cudagraphs) measured and agreed by every rank
+    (:mod:`autopar.distributed.compiled`).
 
     ``batch_argnums``: positions of the arguments to split along dim 0 (default: every tensor
     argument that doesn't require grad whose dim 0 equals the first one's). ``shards``: how many
@@ -520,10 +523,12 @@ def data_parallel(fn: Callable, *, batch_argnums: Sequence[int] | None = None,
         raise TypeError(f"data_parallel expects a function, got {type(fn).__name__}")
     world = World.from_env()
     if world is not None:
-        if shards is not None or options:
-            raise ValueError("shards= and compile options apply to one process; launched as "
-                             f"rank {world.rank} of {world.size}, each rank runs its share")
-        return DistributedStep(fn, world, batch_argnums=batch_argnums, batch=batch)
+        if shards is not None or set(options) - {"candidates"}:
+            raise ValueError("shards= and compile options but candidates= apply to one "
+                             f"process; launched as rank {world.rank} of {world.size}, each "
+                             "rank runs its share")
+        return DistributedStep(fn, world, batch_argnums=batch_argnums, batch=batch,
+                               candidates=Options.parse(options).candidates)
     if batch != "global":
         raise ValueError(f"batch={batch!r} needs a launched world (torchrun); this process "
                          "runs alone")

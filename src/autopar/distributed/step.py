@@ -31,6 +31,8 @@ Policy and invariants
 - What the step returns: a scalar (a 0-dim floating tensor or a float: the loss) is combined
   over ranks as the loss was (its count-weighted mean, or its sum), so every rank returns the
   one-process value. Every other output is the rank's own share.
+- Each rank's modules run compiled as on one device, the way measured and agreed by every
+  rank (:mod:`autopar.distributed.compiled`; the ``candidates`` option).
 - Every call is checked first: all ranks must pass the same signature
   (:mod:`autopar.distributed.agree`), else every rank raises naming the rank and argument.
 - A step that raises raises on its rank with a note naming the rank; torch's agent then stops
@@ -60,6 +62,7 @@ from ..capture.state import find_state
 from ..passes.shard import even_sizes
 from . import loss as loss_weights
 from .agree import check_same, describe
+from .compiled import RankWays, rank_candidates
 from .norm import sync_batch_norm
 from .world import World, adopt_local_device, ensure_process_group, record_errors
 
@@ -76,7 +79,7 @@ class DistributedStep:
     """``step`` run by every rank on its share of the batch (see the module docstring)."""
 
     def __init__(self, fn: Callable, world: World, *, batch_argnums: Sequence[int] | None = None,
-                 batch: str = "global") -> None:
+                 batch: str = "global", candidates: Sequence[str] = ("eager",)) -> None:
         if batch not in BATCH_MODES:
             raise ValueError(f"batch must be one of {BATCH_MODES}, not {batch!r}")
         self.fn, self.world, self.batch = fn, world, batch
@@ -92,6 +95,9 @@ class DistributedStep:
         self.synced: dict[str, int] = {}
         #: the modules whose own forward ran in this call (DDP's reducer armed for them)
         self._forwarded: set[int] = set()
+        self.candidates = tuple(candidates)
+        #: the rank's compiled regions and the way kept (:mod:`autopar.distributed.compiled`)
+        self.ways: RankWays | None = None
 
     # -- the call ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -110,7 +116,7 @@ class DistributedStep:
         call_args, call_kwargs = tree_unflatten(leaves, spec)
         self._forwarded = set()
         weights: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-        with self._backward_seeded(weights, rows):
+        with self._backward_seeded(weights, rows), self.ways.call():
             try:
                 out = self.fn(*call_args, **call_kwargs)
             except Exception as e:
@@ -172,6 +178,8 @@ class DistributedStep:
         self.loose = list({id(p): p for p in loose}.values())
         _broadcast(self.loose)
         self.modules = modules
+        self.ways = RankWays(modules, rank_candidates(self.candidates, world.device),
+                             world.device, self.checks)
         atexit.register(self._release)  # before the group's own end (atexit: last in, first)
         log.info("%s", self.describe())
 
@@ -208,6 +216,8 @@ class DistributedStep:
         if self.loose:
             lines.append(f"  {len(self.loose)} parameter(s) no module holds: gradients "
                          "all-reduced after each backward")
+        if self.ways is not None:
+            lines.append(self.ways.describe())
         return "\n".join(lines)
 
     # -- backward and outputs -----------------------------------------------------------------
