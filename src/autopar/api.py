@@ -217,9 +217,9 @@ class Runner:
         # On eager's placement with nothing to overlap, fusing regions would repeat what
         # Inductor's form of the same trace does (compiled twice). Under guards="arguments"
         # the inductor way is torch.compile's own (dynamo's frame every call) and autopar's
-        # is the one that skips it: there a plan of eager's placement fuses (one H200, the
-        # 100-op tiny chain: 28 us a call fused past dynamo, 270 us of GPU time unfused, the
-        # inductor way 114 us; benchmarks/NOTES.md, 2026-12-02)
+        # is the one that skips it: there a plan of eager's placement fuses (unfused, a chain
+        # of small ops lost to the inductor way; fused past dynamo, it beat it: measured, see
+        # benchmarks/NOTES.md)
         self.eager_like_unfused = self.inductor_candidate and options.guards != "arguments"
 
     def learns(self, plan: Plan) -> bool:
@@ -688,8 +688,8 @@ PLAIN_ENTRIES = 8
 """Argument layouts kept as eager that get a plain entry (:meth:`Dispatcher._plain_entry`)."""
 PLAIN_SWITCHES = 16
 """Plain entries routed in turn after which none is any more: signatures that alternate make
-each call miss the other's entry and route anew (``x @ y`` at two shapes in turn on the
-2-core VM: 11.4-13.8 us a call with entries, 7.3-8.0 without; 2026-12-05)."""
+each call miss the other's entry and route anew, slower than no entry at all (measured: see
+benchmarks/NOTES.md)."""
 
 _MISS = object()  # an argument not given (a plain entry's default)
 
@@ -881,8 +881,8 @@ class Dispatcher:
     # A call is a call of ``self._route.head``: ``__call__`` is a property whose getter is C
     # (CPython's call slot binds a class's ``__call__`` through its descriptor, then calls
     # what that returns), so a settled call enters its way with no frame of the Dispatcher's
-    # (0.4 us a call on the 2-core VM; NOTES 2026-12-04 (c)). The route is ``_call`` until
-    # one way serves every call (``_keep``): then that way, or, for a Direct, the Direct
+    # (a frame's cost saved on every call: see benchmarks/NOTES.md). The route is ``_call``
+    # until one way serves every call (``_keep``): then that way, or, for a Direct, the Direct
     # itself, whose ``head`` is always its latest entry.
     __call__ = property(operator.attrgetter("_route.head"))
 
@@ -1097,9 +1097,9 @@ class Dispatcher:
     def _trial_gpus(self, args: tuple, kwargs: dict) -> tuple[frozenset[int], frozenset[int]]:
         """The GPUs a trial times for eager's and Inductor's calls, and for autopar's: those
         the graphs touch, and those holding the call's tensors (a graph dynamo handed
-        autopar that it ran eagerly, as it can't represent it, is in no plan: HF text models
-        under bf16 autocast on an H100, whose cuDNN attention returns sequence lengths, went
-        untimed on the GPU until 2026-12-05, so their launch-bound calls never tried CUDA
+        autopar that it ran eagerly, as it can't represent it, is in no plan: timed by the
+        plans' GPUs alone, HF text models under bf16 autocast, whose cuDNN attention returns
+        sequence lengths, went untimed on the GPU, so their launch-bound calls never tried CUDA
         graphs)."""
         runner = self.runner
         touched = runner.gpus_touched()
@@ -1302,10 +1302,10 @@ class Dispatcher:
         result (``eager``: else None), or (None, None): it differs from eager's
         (:func:`results_differ`), or a second call of the way on the same arguments differs
         from the first by more than ``RESULT_TOL`` (a 16-bit output ``RESULT_TOL_LOW``): a
-        race, not rounding (one H200, torch 2.11: ``torch.compile``'s code for HF's ViT under
-        bf16 autocast gave other values on each call, 0.02-0.03 off eager's and now and then
-        0.24, where its fp32 code and eager were bitwise steady; benchmarks/NOTES.md,
-        2026-12-02). No more than two results are alive at once (a big model's logits)."""
+        race, not rounding (torch 2.11: ``torch.compile``'s code for HF's ViT under bf16
+        autocast gave other values on each call, where its fp32 code and eager were bitwise
+        steady; see benchmarks/NOTES.md). No more than two results are alive at once (a big
+        model's logits)."""
         want = self.fn(*args, **kwargs)
         why = results_differ(out, want, low_precision=any_autocast_enabled())
         if why is not None:
@@ -1325,8 +1325,8 @@ class Dispatcher:
     def _differs_now(self, way: str, args: tuple, kwargs: dict) -> str | None:
         """Why the trial's winner is not to be trusted on this call's arguments (``_wrong``),
         or None (it is, or the call can't be repeated): checked again when kept, not only on
-        the way's first call (one H200, bf16 ViTs: Inductor's form right on its first call and
-        0.24-0.48 off after a trial; benchmarks/NOTES.md, 2026-12-02)."""
+        the way's first call (Inductor's form of a bf16 ViT was right on its first call and off
+        after a trial: see benchmarks/NOTES.md)."""
         if way == "eager" or not self._repeatable():
             return None
         before = self._versions(args, kwargs)

@@ -1,129 +1,43 @@
 """The measured choice: which way runs a function's calls, decided per argument signature.
 
-Policy (one place decides "is autopar's plan better than what the user would otherwise run?")
-- The ways (candidates) of a function compiled by :func:`autopar.compile`:
+One place decides "is autopar's plan better than what the user would otherwise run?". The
+rules in full, with the measurements behind them: docs/design.md, "The measured choice: its
+rules and why".
 
-  ``eager``     the function itself, plain Python: no dynamo, eager's ops;
-  ``inductor``  ``torch.compile(fn)`` with its defaults: the graphs fused whole by Inductor on
-                eager's placement (what a user would otherwise pick);
-  ``autopar``   autopar's graphs: placed plans, folded constants, fused regions;
-  ``cudagraphs`` Inductor's graphs replayed as CUDA graphs (what ``mode="reduce-overhead"``
-                does, without compiling again: :class:`autopar.runtime.cudagraphs.GraphedCall`
-                captures Inductor's function), outputs cloned out of the graphs' memory;
-                under ``guards="arguments"``, where no trace is shared, and for a training
-                call (the replay takes inference graphs only),
-                ``torch.compile(fn, mode="reduce-overhead")`` itself (cudagraph trees:
-                forward, backward and optimizer graphs, parameters, buffers and optimizer
-                state as static inputs written in place), outputs cloned.
+Policy
+- The ways (:data:`WAYS`): ``eager`` (the function itself, no dynamo), ``inductor``
+  (``torch.compile``'s default), ``autopar`` (placed, folded, fused plans), ``cudagraphs``
+  (Inductor's graphs replayed as CUDA graphs; cudagraph trees for a training call) and
+  ``split`` (an inference batch split over devices). The compiled ways share one dynamo trace.
+- Predictions prune, measurement decides: a way is a candidate only where it can differ from
+  eager's (:func:`candidates`); a lone candidate is kept untimed. ``cudagraphs`` is tried only
+  where a GPU trial measured calls launch-bound (:func:`launch_bound`), as compiling again
+  costs first-call time that pays only there.
+- A trial (:class:`Trial`) goes round the candidates in turns: an untimed call, then
+  ``TURN_CALLS`` counted ones; each way at least ``TRIAL_CALLS`` calls and ``TRIAL_MIN_S``
+  seconds, at most ``TRIAL_MAX_CALLS``. A call's time is the longer of its host time and the
+  GPU work it queued (CUDA events, no sync). The fastest median keeps the signature.
+- What a call does is what is timed: a forward whose outputs autograd records is timed with
+  its backward (:class:`Backward`), as forwards alone rank ways by the wrong margins.
+- Shapes that vary: after ``OWN_SIGNATURES`` of a :class:`Family`, its new signatures share
+  one trial of the ways that serve any size (:func:`family_ways`), not a capture each.
 
-  ``split``     an inference call with its batch split over two or more devices of its kind,
-                replicas resident (:class:`autopar.dataparallel.DataParallelStep`).
+Invariants
+- Every way computes eager's results within the tolerance between eager and a fused kernel
+  (:func:`results_differ`): a way that fails where eager would not, or whose checked result
+  differs, is dropped for that signature and the call runs eagerly.
+- A step's forwards (the calls before one backward pass) run one way (:class:`Steps`): eager's
+  saved tensors and a compiled in-place update do not mix within a backward.
 
-  ``inductor`` and ``cudagraphs`` are forms of the trace autopar's way made (one dynamo
-  trace serves the three compiled ways: :class:`autopar.capture.dynamo.WaySwitch`).
-
-- Predictions prune, measurement decides (:func:`candidates`):
-  ``autopar`` is a candidate only where it can differ from eager's sequence: a graph runs on
-  the executor (placed off eager's devices, overlapped, fused, or replayed as a CUDA graph)
-  or capture folded constants; where Inductor is a candidate, a plan of eager's placement
-  with nothing to overlap fuses no regions of its own (the whole graph fused is the better
-  candidate: :class:`autopar.api.Runner`);
-  otherwise its calls are eager's ops plus dynamo's per-call cost. ``inductor`` is one where
-  Inductor compiles for the devices involved (any GPU; the host only with a C++ compiler) and
-  fusion is allowed (``fuse`` not False). A lone candidate is kept without timing.
-  ``cudagraphs`` is tried only after a trial on a GPU in which ``inductor``'s calls measured
-  launch-bound (:func:`launch_bound`: the host's time a
-  call at least ``LAUNCH_BOUND`` of the GPU's, so the GPU waited on launches), of inference
-  calls (grad off, or no graph reading a tensor that requires grad) whose graphs write
-  nothing in place, or of training calls, in a second trial against that trial's winner:
-  compiling it again costs first-call time only where it can pay (ResNet-18 at batch 1 on
-  one H200: eager 1.34 ms, Inductor 1.57, reduce-overhead 1.14; AdamW steps of BERT, GPT-2
-  and HF's ResNet, small configs, batch 8: reduce-overhead 2.12, 2.58 and 2.04 ms against
-  the better of eager and Inductor's 6.15, 5.64 and 5.11, 2026-12-02).
-  A training call on a GPU is staged the other way round, as its CUDA graphs are a lowering
-  of their own (cudagraph trees, ``torch.compile(mode="reduce-overhead")``) that Inductor's
-  form would only add to (GPT-2's AdamW step on one H100: autopar's first calls 1.83×
-  ``torch.compile``'s, 2026-12-05): its first trial leaves ``inductor`` out; where eager's
-  calls were launch-bound, the winner is timed against ``cudagraphs`` (Inductor's form of
-  the shared trace, compiled at its first call, is then never lowered), and where they were
-  not, or the CUDA graphs failed or lost, against ``inductor`` (then ``cudagraphs`` as above
-  where not tried yet) (:meth:`autopar.api.Dispatcher._next_way`). Eager's launch-bound
-  calls stand for Inductor's: its CUDA graphs run Inductor's kernels without their launches,
-  so where they win, Inductor's plain form would not have won either.
-  ``split`` joins the first trial of an inference call where two or more devices of
-  the batch's kind are named and the model predicts the split faster than not splitting
-  (:meth:`autopar.api.Dispatcher._split_candidate`): kept only if measured faster.
-- Shapes that vary. A *family* is the signatures that are equal but for their tensors'
-  sizes (:func:`family_of`: ranks, dtypes, devices, plain values and grad mode kept). The
-  first ``OWN_SIGNATURES`` of a family are each captured and tried as above (a training
-  batch and the smaller last one; a fixed eval batch). A later new one says the sizes vary
-  (variable-length batches, an eval loop over any length): capturing and trying each would
-  cost a capture a call (GPT-2, tiny config, 2-core VM: ~200 ms a new length in inference,
-  ~500 ms in training, against eager's 1-10 ms and ``torch.compile``'s 1-10 ms once its graph
-  is dynamic; benchmarks/NOTES.md, 2026-12-04). So the family gets one trial of the ways that
-  serve any size with no new work (:func:`family_ways`): eager, and inductor (the shared
-  trace, which dynamo made dynamic at the family's second signature, compiled once by
-  Inductor for every size), calls of any new size going round them; its verdict runs every
-  new signature of the family from then on. Not in it: autopar's way (a plan is made per
-  size) and CUDA graphs (one is recorded per size).
-- A trial (:class:`Trial`): the next calls of a new signature go round the candidates; each
-  turn is a call of a way neither timed nor counted (after a switch, caches, memory and
-  first-use kernels are the last way's; a way's first turn also compiles), then
-  ``TURN_CALLS`` counted ones in a row (a call right after the warm-up still runs partly in
-  the other way's caches), and
-  each way is counted for at least ``TRIAL_CALLS`` calls and ``TRIAL_MIN_S`` (at most
-  ``TRIAL_MAX_CALLS``). A call's time is the longer of its host time and, on each GPU the way
-  touches, the GPU work it queued (CUDA events, no sync). The fastest median keeps the
-  signature. Every way is a correct one (eager, or dynamo-guarded compiled code), so a trial
-  changes speed, never results beyond the tolerance between eager and a fused kernel.
-- What a call does is what is timed: a training step written as one function (forward,
-  backward, optimizer step) is timed whole. A call whose outputs autograd records (a
-  module's forward in a training loop: ``model = autopar.compile(model)``, the optimizer
-  outside) commits to its backward too, which runs later, in the caller's ``backward()``:
-  a counted call of it is timed from the moment the gradients of its outputs arrive to the
-  end of that backward pass (:class:`Backward`: a pre-hook on the outputs' autograd nodes,
-  a callback at the end of the pass), and its time is its forward's plus that. A forward
-  alone is a share of the step that differs from way to way (tiny configs on the 2-core VM,
-  eager against ``torch.compile``: BERT's forward 7.28 against 2.15 ms, its training step
-  16.88 against 13.68; Llama's 4.00 against 1.92, 8.94 against 5.07; benchmarks/NOTES.md,
-  2026-12-04), so forwards rank ways by the wrong margins. A call whose backward has not
-  ended by the time two more calls of the function have begun (an output never
-  differentiated, or a backward that raised: a user's hook, a bad batch) counts its forward
-  alone.
-- A step's forwards run one way (:class:`Steps`): a *step* is the calls made before one
-  backward pass (gradient accumulation; an RNN cell unrolled), of any signatures, and an
-  eager forward then a compiled one of a model with batch norm failed in the backward
-  (eager's node had saved the running statistics the compiled update then wrote). The
-  function's trials share its steps: within a step each call runs the way its first call
-  ran, so a switch of ways waits for the step's backward however many forwards came first
-  (at least ``_FIRST_STEP_CALLS``; a step longer than any seen was split before), and a
-  verdict is kept as a call begins a step. Where the function's graphs write in place (the
-  hazard: batch norm's running statistics; elsewhere ways mix in a step safely and each
-  signature keeps its own), a new signature within a step runs that way, not captured (a
-  capture runs compiled code), and the first signature of calls autograd records to be
-  kept (by its trial, or as its only candidate) gives its way to every signature whose calls
-  may fall within steps (under grad mode, or of a module in training mode), open trials and
-  kept ones included, as a kept signature's calls are not followed once no trial is open (a
-  step of two signatures with ways of their own, a smaller last micro-batch, failed so on
-  every step). Calls under ``no_grad`` within a step run its way too (a compiled one's writes
-  after an eager forward fail alike), but do not count towards the calls it may span.
-- A way that fails where eager would not (an internal or compile error before the function
-  ran) is dropped for that signature, with the reason logged once, and the call runs eagerly.
-- A way whose results are not eager's is dropped too: on a way's first call, where calling the
-  function again changes nothing (an inference call as above, no captured graph writes in
-  place, and the call changed no tensor's version counter: its arguments', a module's
-  parameters' and buffers'), eager runs on the same arguments and the outputs are compared
-  (:func:`results_differ`: relative error in norm over ``RESULT_TOL``, ``RESULT_TOL_LOW``
-  under autocast or for 16-bit outputs); the call returns eager's. The trial's winner is
-  checked so once more when kept (Inductor's form of a bf16 ViT on one H200 was right on its
-  first call and off after a trial): a winner that differs is dropped and the next fastest
-  kept. Training steps are not checked here (a second call would step again).
-  Not seen: Python side effects of the function (a counter in a global object), which that
-  one call then makes twice.
-
-Glossary: a *way* is a name above; ``Trial.calls`` the counted calls ``(way, host_s,
-[(begin, end) CUDA events], Backward or None)``; ``Trial.times`` each way's counted seconds
-once decided.
+Map of extension points
+- a new way: :data:`WAYS`, :func:`candidates` and :func:`family_ways` here; its builder in
+  :meth:`autopar.api.Dispatcher._way`; its staging in :meth:`~autopar.api.Dispatcher._next_way`.
+- when a way is worth timing: :func:`launch_bound`, :data:`LAUNCH_BOUND`,
+  :meth:`autopar.api.Dispatcher._split_candidate`.
+- how long a trial runs and what it counts: the ``TRIAL_*`` and ``TURN_CALLS`` constants,
+  :meth:`Trial.next_way`, :meth:`Trial.verdict`.
+- what counts as the same result: :func:`results_differ`, :data:`RESULT_TOL`,
+  :data:`RESULT_TOL_LOW`; where it is checked: :meth:`autopar.api.Dispatcher._wrong`.
 """
 
 from __future__ import annotations
@@ -172,24 +86,20 @@ def results_differ(got: Any, want: Any, low_precision: bool = False) -> str | No
     return outputs_differ(got, want, RESULT_TOL, RESULT_TOL_LOW)
 
 TRIAL_CALLS = 5
-"""Counted calls of each way a signature's trial makes at least. Each is the second of a pair:
-the first call after a switch from another way is neither timed nor counted (caches, memory
-and kernels loaded on first use are another way's then: on the 2-core VM a compiled BERT
-training step took 2.5 ms a call alone and 6.3 ms right after an eager one; on 2xH200, W2's
-first plain call took 42 ms, the next ones 40-100 us)."""
+"""Counted calls of each way a signature's trial makes at least. The first call after a switch
+from another way is neither timed nor counted: caches, memory and kernels loaded on first use
+are another way's then, and such a call ran several times slower than the next (measured: see
+benchmarks/NOTES.md and docs/design.md, "The measured choice")."""
 
 TURN_CALLS = 3
 """Counted calls a turn makes after its untimed first, one after another: a call timed right
 after a switch runs in caches the other way filled, and the way with more Python code loses
-more there (2-core VM, trial medians of a turn of one counted call against calls in a loop:
-W1 in the mode 13.6 against 6.7 us, eager 35.6 against 16; on one H200 the tiny chain kept a
-way at 72.9 us a call where autopar's own measured 28.8 in a loop; benchmarks/NOTES.md,
-2026-12-01 (e))."""
+more there, 2-2.5x its time in a loop (measured: see benchmarks/NOTES.md)."""
 
 TRIAL_MIN_S = 0.05
 """Host seconds of counted calls each way needs before its median is trusted: five samples
-of a 1 ms call are not enough (on one H200, EfficientNet-B0 kept Inductor's way at 5.75 ms a
-call, measured beside eager's 5.22 ms; benchmarks/NOTES.md, 2026-12-01)."""
+of a 1 ms call are not enough to tell two ways 10% apart (measured: see
+benchmarks/NOTES.md)."""
 
 TRIAL_MAX_CALLS = 50
 """...but no more calls than this of any way."""

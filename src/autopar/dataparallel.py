@@ -7,10 +7,10 @@ boundaries would need the saved activations to stay sharded between graphs. Inst
 step is traced into one graph: ``make_fx`` runs the step on fake tensors wrapped as
 functional tensors (``FunctionalTensorMode``, aot_autograd's functionalization), and the
 autograd engine's backward ops and the update are recorded as functional ATen ops like the
-forward ones, what the step wrote into its inputs as trailing ``copy_`` (one trace: until
-2026-12-03 a second one through ``torch.func.functionalize``, which refuses ``.backward()``
-inside it, turned a plain trace functional; GPT-2 small's planning on ``h200x8`` 29.1 -> 19.9
-s on the VM). Those ``copy_`` are taken out of the graph: their values become outputs,
+forward ones, what the step wrote into its inputs as trailing ``copy_`` (one trace, not a plain
+trace made functional after by ``torch.func.functionalize``, which refuses ``.backward()``
+inside it: that second trace was about a third of the planning time; measured: see
+benchmarks/NOTES.md). Those ``copy_`` are taken out of the graph: their values become outputs,
 written back into the user's tensors after the graph ran.
 
 Policy and invariants

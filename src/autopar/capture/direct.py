@@ -1,19 +1,15 @@
 """``guards="arguments"``: a learned signature's call goes straight into its graph, past dynamo.
 
 Every call of ``torch.compile``'s result enters dynamo's frame: its Python wrapper, the guards,
-the bytecode before and after the graph. On a 2-core VM (torch 2.13, ``x @ y`` at 5x10x5, the
-op alone 1.07 us) that is ~7 us a call whatever the guards: ``backend="eager"`` 8.3 us, with
-``guard_filter_fn`` dropping every guard 7.4 us, with ``skip_guard_on_all_nn_modules_unsafe``
-8.3 us, inside ``torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)`` 13.7 us (the
-context manager costs more than the guards it skips), with dynamo's C flag for it set directly
-8.4 us; with a backend that returns the op itself, 7.9 us (6.9 without guards). W2-like code
-(``a1 * A + a1 ** 2``, ``a1`` made inside, 8x8) the same: 13.8 us, 12.6 with no guards, 5.8
-eager. Guards are ~1 us of it; the rest is the frame. So PyTorch's mechanisms are not used
-here: :class:`Direct` keeps, per argument signature, the one graph dynamo called and calls it
-itself. autopar's way of ``x @ y`` then costs 4.3-4.4 us a call instead of 10.8 (W2-like: 8.3
-instead of 15.6): ~0.9 us of checks for two tensors, ~0.5 us of dispatch, and the graph's
-runner (SequentialRunner 2.7 us, the op 1.1) (``benchmarks/call_floor.py``,
-benchmarks/NOTES.md, 2026-12-01).
+the bytecode before and after the graph. That costs several times a small op's own time,
+whatever the guards: dropping every guard (``guard_filter_fn``), skipping the modules' guards
+(``skip_guard_on_all_nn_modules_unsafe``) or their evaluation (``torch.compiler.set_stance``
+with ``skip_guard_eval_unsafe=True``, whose context manager costs more than the guards it
+skips) saves ~1 us at most; the rest is the frame. So PyTorch's mechanisms are not used here:
+:class:`Direct` keeps, per argument signature, the one graph dynamo called and calls it itself,
+for less than half of dynamo's cost a call on a one-op function: ~0.9 us of checks for two
+tensors, ~0.5 us of dispatch, and the graph's runner (measured: ``benchmarks/call_floor.py``,
+benchmarks/NOTES.md).
 
 The contract (opt-in, ``autopar.compile(fn, guards="arguments")``): the function's result
 depends only on its arguments, and the modules and globals it reads do not change between calls

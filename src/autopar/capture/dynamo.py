@@ -294,9 +294,9 @@ def make_backend(build: GraphRunner, name: str = "autopar",
 class _Deferred:
     """Inductor's form of one graph (``compile_fx``, what ``torch.compile``'s default does with
     it), compiled at its first call: a form never run is never lowered (a training step whose
-    trial goes from eager's calls straight to CUDA graphs, ``autopar.choose``; GPT-2's AdamW
-    step on one H100: Inductor's lowering of the shared trace was ~26 of autopar's 89 s of
-    first calls, 2026-12-05). As aot_autograd compiles a backward at its first use, the
+    trial goes from eager's calls straight to CUDA graphs, ``autopar.choose``, where that
+    lowering was a large share of a training step's first calls: see benchmarks/NOTES.md).
+    As aot_autograd compiles a backward at its first use, the
     compile runs in the tracing and compile contexts dynamo compiled the graph in, under the
     grad mode and autocast state dynamo traced it with, holding dynamo's compile lock. It holds
     the example inputs as the fake tensors dynamo traced (its fake mode's memo), never the

@@ -6,9 +6,9 @@ state is not made yet gets ``capturable=True`` (``_set_capturable``), so its ste
 made on the parameters' device, and counts already on the host are moved there
 (``move_step_if_cpu``). The compiled code is guarded on those very objects. Eager code run
 afterwards takes the capturable path: its bias corrections become GPU kernels instead of Python
-floats. On one H200 (torch 2.11, AdamW, 2026-12-02) the trial's eager way of HF's OPT step
-measured 19.0 ms where eager with the optimizer as built measured 16.8 ms, so the trial kept
-Inductor's 18.8 ms way; HF's ResNet, kept eager, then ran at 8.29 ms against eager's 7.18.
+floats. The trial's eager way was then 13-15% slower than eager with the optimizer as built
+(AdamW steps of HF's OPT and ResNet): the trial kept a compiled way slower than eager, and a
+step kept eager ran slower than eager (measured: see benchmarks/NOTES.md).
 
 :class:`OptimizerForms` holds both forms of each optimizer a step reaches
 (:func:`autopar.capture.state.find_state`) and switches between them: the dispatcher enters

@@ -2,8 +2,8 @@
 
 Policy
 - Capturing and planning a step allocates millions of small objects (nodes, metas, spans),
-  and the collector's passes over them are pure overhead there: planning GPT-2 small's step on
-  ``h200x8`` took 10.9 s with it on and 8.6-9.1 s with it off (the 2-core VM, 2026-12-05).
+  and the collector's passes over them are pure overhead there: pausing it cut the planning of
+  GPT-2 small's step on ``h200x8`` by about a fifth (measured: see benchmarks/NOTES.md).
 - :func:`paused` turns the collector off for its block and back on after, as it was. The
   collector is process-wide: blocks in several threads nest (a count under a lock), and it
   comes back on when the last one ends, only if it was on when the first began. Nothing is

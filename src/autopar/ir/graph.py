@@ -283,7 +283,7 @@ def _op_kind(op: Any) -> str:
 UNDECLARED_WRITES = {"aten::cudnn_batch_norm": (3, 4), "aten::miopen_batch_norm": (3, 4)}
 """Ops whose kernels write inputs their schema says they only read, by argument position:
 cuDNN's and MIOpen's batch norm update the running statistics in training (argument 5 true;
-torch 2.11, an H200, 2026-12-05). A trace meets them only where torch's decompositions
+seen on torch 2.11). A trace meets them only where torch's decompositions
 above autograd were off (:mod:`autopar.capture.step` traces with them on); a graph that
 still holds one has its writes seen, so nothing replays or moves them unawares."""
 

@@ -7,8 +7,7 @@ Policy
   compiles. FX's tracer patches ``nn.Module.__call__`` and wrapped functions for the whole
   process while it traces; a compile in another thread traced through the patch and failed
   ("CURRENT_PATCHER is None in finally block", "Guard failed on the same frame it was
-  created": 3 runs in 5 of threads sharing a compiled module while each trained its own,
-  2026-12-05).
+  created", where threads sharing a compiled module each trained their own).
 - The lock is reentrant: a trace inside a backend, which dynamo calls holding it, passes.
   Calls that trace nothing never take it.
 - FX also raises a process-wide flag while it traces, and dynamo's entry refuses a compiled
@@ -21,8 +20,8 @@ Policy
 - A :class:`Gate` lets any number of calls run at once, or one section that must see no call
   in flight in another thread (a split's capture, which swaps the user's module's parameters
   for fake ones while it traces: a call of that module in another thread then read
-  FunctionalTensors, and two overlapping swaps each put back the other's fakes for good,
-  2026-12-05). A thread's own calls never wait for its own section, nor it for them.
+  FunctionalTensors, and two overlapping swaps each put back the other's fakes for good).
+  A thread's own calls never wait for its own section, nor it for them.
 - Between processes, :func:`file_lock`: a file beside what is written (the cost model's
   history; the host's profile while it is measured, so that processes started at once, as
   ``torchrun`` starts them, measure the host one at a time and the later ones load the
@@ -80,8 +79,8 @@ class Gate:
     (:meth:`exclusive`) at a time (module docstring). Reentrant per thread both ways. A call
     takes no lock while no section is open: it appends its thread to a list, then looks for
     an owner; a section sets its owner, then waits for the list to hold no other thread (under
-    the GIL one of the two sees the other). ~0.1 us a call, where a Condition's lock taken on
-    entry and exit cost ~0.6 us (x @ y at two shapes on the 2-core VM, 2026-12-05)."""
+    the GIL one of the two sees the other). A call costs ~0.1 us, where a Condition's lock
+    taken on entry and exit cost ~0.6 us (measured: see benchmarks/NOTES.md)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())

@@ -164,8 +164,8 @@ class GraphIndex:
     ``host``: :func:`host_scalars`, where ``host_allowed`` (placement may use a host device);
     without one no op is a host scalar, and a host value a GPU op reads is copied unless the
     op takes it as a scalar argument (a host scalar op placed on a GPU, given a host input
-    uncopied, made a host tensor the plan held to be the GPU's: ``lift_fresh_copy`` of
-    AdamW's host step increment under ``devices="cuda:0"``, 2026-12-05).
+    uncopied, made a host tensor the plan held to be the GPU's, as ``lift_fresh_copy`` of
+    AdamW's host step increment did under ``devices="cuda:0"``).
     ``passthrough``: :func:`passthrough_moves`.
     """
 
@@ -333,7 +333,7 @@ def reads_host_lr(user: Node, value: Node) -> bool:
     ``value`` as its ``lr`` only? A GPU kernel reads a host ``lr`` as a number (its
     ``lr.item()``, as eager's scheduled ``lr`` reaches it); an ``lr`` copied to the GPU would
     have to be float32 (CUDA's ``tensor_lr`` kernel refuses a float64 one: "expected scalar
-    type Float but found Double", 2026-12-05), and no graph may bake a host value in."""
+    type Float but found Double"), and no graph may bake a host value in."""
     return is_fused_update(user.op) and user.kwargs.get("lr") is value and \
         value not in user.args
 

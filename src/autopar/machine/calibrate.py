@@ -361,10 +361,8 @@ STREAM_BYTES = 256 << 20
 ``HELD_OUTPUTS`` of them and ``HELD_BYTES`` in all, as a program's live values are: a program
 reads what earlier ops wrote, not one array in cache, and its outputs land in memory the
 allocator must map afresh. Timed as one array over and over, a host op of 128 KB-4 MB ran 1.3-4x
-faster than in a program (the 2-core VM: ``add`` of 512 KB outputs 11.6 us against 50 streamed;
-GPT-2's 4 MB ``mul``s 580 us in eager's run against 230 in a loop; a 512 KB ``where`` on an H100
-host 53-130 us in a plan that had priced it at 10): plans put memory-bound ops on the host that
-ran slower there than on the GPU (benchmarks/NOTES.md, 2026-12-05 (g))."""
+faster than in a program, and plans put memory-bound ops on the host that ran slower there than
+on the GPU (measured: see benchmarks/NOTES.md)."""
 STREAM_PAIRS = 1024  # (the whole quick calibration peaks at ~0.8 GB resident on the VM, 12 s)
 HELD_OUTPUTS = 16
 HELD_BYTES = 128 << 20

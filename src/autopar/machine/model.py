@@ -82,16 +82,16 @@ __all__ = [
 
 SCHEMA_VERSION = 3
 """Version of the profile JSON: a file with another version is foreign and replaced (the host is
-measured again). 2 (2026-12-05): the host's ``read``, ``write`` and ``exp`` curves are measured
-as a program meets memory (:data:`autopar.machine.calibrate.STREAM_BYTES`); a profile of 1
-prices the host's memory-bound ops 1.3-4x too cheap. 3 (2026-12-05): the host's ``write`` less
-``full``'s own cost (a profile of 2 adds ~1.5 us to every op's output on an H100's host)."""
+measured again). 2: the host's ``read``, ``write`` and ``exp`` curves are measured as a
+program meets memory (:data:`autopar.machine.calibrate.STREAM_BYTES`); a profile of 1 prices
+the host's memory-bound ops 1.3-4x too cheap. 3: the host's ``write`` less ``full``'s own cost
+(a profile of 2 adds that cost, ~1.5 us, to every op's output)."""
 CROSSING_S = 25e-6
 """Executor cost of one host<->GPU copy beyond the link's time: staging in pinned memory, the
-CUDA event and the host's wait. Between two threads it was 100-160 us a crossing on the 2xH200
-host (2026-11-30, benchmarks/NOTES.md); the host and its GPU partner now share one thread
-(:mod:`autopar.runtime.interleave`), for which this is the predicted figure. Profiles without
-the key take this value."""
+CUDA event and the host's wait. The host and its GPU partner share one thread
+(:mod:`autopar.runtime.interleave`), for which this is the predicted figure; between two threads
+a crossing cost several times more (measured: see benchmarks/NOTES.md). Profiles without the
+key take this value."""
 
 _FORMAT = "autopar-profile"
 

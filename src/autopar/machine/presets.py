@@ -27,8 +27,9 @@ from .model import (
 __all__ = ["PRESETS", "preset", "preset_fabric"]
 
 # Built from MEASURED.md (2x H200 with NVLink, 32-core host, torch 2.11, tf32 off) and, where it
-# has no figure, from a full `autopar calibrate` of the same kind of machine (2026-11-30). Curves
-# are written as measured (size, seconds) pairs.
+# has no figure, from a full `autopar calibrate` of the same kind of machine (where each figure
+# comes from: docs/measurements.md, "Where the presets' figures come from"). Curves are written
+# as measured (size, seconds) pairs.
 def _rates(times: Iterable[tuple[float, float]]) -> Curve:
     return tuple((size, size / seconds) for size, seconds in times)
 
@@ -44,10 +45,10 @@ _HOST_MM = _rates([(500, 0.4e-6), (4e6, 16e-6), (_mm(256), 44.5e-6), (_mm(512), 
 _HOST_MM_1T = _rates([(1024, 0.2e-6), (6.55e4, 0.46e-6), (5.24e5, 4.35e-6), (4.19e6, 22.8e-6),
                       (3.36e7, 207e-6), (2.68e8, 1.68e-3), (2.15e9, 13.1e-3)])
 # bytes read and written, streamed (operands taken in turn from 256 MB, outputs held: as a
-# program meets memory; `autopar calibrate --full` of a 16-core host of an H100 machine,
-# torch 2.11, 2026-12-05: benchmarks/results/profile-h100-2026-12-05-h.json; less each op's
-# own cost on a few bytes, `full` 1.45 us and `sum` 0.5, as calibration now takes them). The
-# curves before were timed on one hot array, its output freed at once (4 MB written in 1.4 us)
+# program meets memory; `autopar calibrate --full` of a 16-core host of an H100 machine, whose
+# profile docs/measurements.md names, less each op's own cost on a few bytes, `full` 1.45 us and
+# `sum` 0.5, as calibration takes them). Timed on one hot array, its output freed at once, the
+# host's memory-bound ops priced 1.3-4x too cheap (calibrate.STREAM_BYTES says why)
 _HOST_READ = _rates([(512, 5.3e-08), (8.19e3, 3.4e-07), (3.28e4, 1.5e-06), (1.31e5, 1.22e-05),
                      (5.24e5, 1.95e-05), (2.1e6, 2.21e-05), (8.39e6, 5.57e-05),
                      (3.36e7, 0.000238), (1.34e8, 0.000946), (5.37e8, 0.00524)])

@@ -293,9 +293,9 @@ def prefer_fused(plan: Plan, graph: Graph, cost: Any, devices: Sequence[str],
     GPU's work (:func:`~autopar.schedule.simulate.issue_s`, which ``explain`` shows): counted,
     W1's plan (its bounds read on the host, the design's motivating case) predicts 86 µs of
     issue against eager's 58.5 on ``h200x2``, its four scalar copies priced at 17.4 µs each,
-    a price never measured; where the thread does bind (on one H100 such plans of GPT-2's
-    and BERT's training steps measured 2.4-2.8× eager's time, benchmarks/NOTES.md,
-    2026-12-05 (e)) the measured choice drops the plan."""
+    a price never measured; where the thread does bind (such plans of GPT-2's and BERT's
+    training steps measured 2.4-2.8× eager's time: see benchmarks/NOTES.md) the measured
+    choice drops the plan."""
     if not fusing:
         return plan
     placed = place(graph, cost, policy="single", devices=tuple(devices))

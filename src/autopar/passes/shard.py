@@ -36,7 +36,8 @@ Policy and invariants
   :data:`~autopar.ir.collective.COMM`): the partials in, the sum out on every device
   (``take(result, i)`` on device i), every copy the same bits. The copies-and-adds forms below
   cost the thread that issues every GPU's work ``k (k-1)`` copies and adds per sum; over two
-  GPUs they stay (measured there, 2026-11-30; the collective is not measured yet).
+  GPUs they stay (measured there: see benchmarks/NOTES.md; the collective is not measured
+  yet).
 - Big partial sums are made and reduced in row chunks: an ``mm`` partial of more than
   ``REDUCE_CHUNK_BYTES`` is computed as up to ``MAX_REDUCE_CHUNKS`` ``mm``\ s of row slices of
   its left operand, each chunk's partials reduced as above as soon as they are made, and the

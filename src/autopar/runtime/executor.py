@@ -789,7 +789,7 @@ class Executor:
                     run(device, call)  # type: ignore[misc]
             finally:
                 # dropped before the caller is told: the worker's loop keeps this job until
-                # its next one, and with it the call's values (2026-12-05) and the executor
+                # its next one, and with it the call's values and the executor
                 # (a learner's traced twin, let go after its last call)
                 call = run = None
                 finished.set()

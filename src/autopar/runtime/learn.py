@@ -3,10 +3,9 @@ the Runner's decision (:meth:`autopar.api.Runner.learns`).
 
 Why: the cost model prices a host op from curves calibrated on a few kernels (``sum``,
 ``full``, ``exp``, ``mm``: :mod:`autopar.machine.calibrate`); many of the ops real models put
-on the host run well below those rates. On an H100's host a bool ``where`` of 8x1x128x128 into
-float32 took 235 us where its bytes priced it at 45, a ``le`` of 128x128 29 us against 5, and
-GPT-2's plan that put its mask ops on the host ran 5.34 ms against 2.56 for the same graph all
-on the GPU (benchmarks/NOTES.md, 2026-12-05 (g)). The model's history
+on the host run well below those rates (a bool ``where`` or a ``le`` took about five times what
+its bytes priced it at), and a plan that put GPT-2's mask ops on the host ran twice as long as
+the same graph all on the GPU (measured: see benchmarks/NOTES.md). The model's history
 (:class:`~autopar.cost.model.History`) replaces an op's estimate by its measured median once it
 holds enough samples; a :class:`Learner` feeds it.
 
