@@ -192,7 +192,7 @@ class DistributedStep:
         """Drop the DDP state the modules hold, at the script's end: its reducer keeps the
         process group alive past ``destroy_process_group``, and a gloo group left to the
         interpreter's teardown can abort a finished run (``terminate called without an
-        active exception``; benchmarks/NOTES.md, 2026-12-07 (c))."""
+        active exception``; benchmarks/NOTES.md, "an abort at teardown")."""
         for _, module in self.modules or ():
             state = replicate.state(module)
             if state is not None and hasattr(state, "_ddp"):

@@ -11,7 +11,7 @@ Policy and invariants
   as it is.
 - A restarted attempt must not read what the last one left in the store torchrun's agent
   shares with its workers: gloo then connects to a dead rank's port (torch issue #135712;
-  benchmarks/NOTES.md, 2026-12-07 (c)). On one node the keys are those of the attempt
+  benchmarks/NOTES.md, "restarts hung"). On one node the keys are those of the attempt
   (``TORCHELASTIC_RESTART_COUNT``, which the one agent counts); over several nodes, where
   agents count restarts each their own way, ``autopar run`` gives each attempt a store of its
   own (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``).
