@@ -11,7 +11,10 @@ Two tables. The first: one process splitting the step over its GPUs (one thread 
 GPU's work). The second: one process per GPU under ``torchrun`` (:func:`predict_world_step`:
 each rank's share predicted on one GPU, its gradients all-reduced in buckets over NVLink and,
 between nodes, each GPU's NIC), on each ``--worlds`` preset (``2xh200x8``: two nodes).
-Both are against the best one-GPU way (``/unspl``) and eager on one GPU (``ratio``). Strong
+Both are against the best one-GPU way (``/unspl``) and eager on one GPU (``ratio``). The
+second also gives a replica's memory (parameters, gradients, optimizer state), the way the
+run would take (replicated under DDP, or sharded by FSDP2 where a replica takes more than half
+a GPU) and the other way's predicted step. Strong
 scaling: the ranks share the model's batch (the issue's targets); weak: each rank takes that
 batch (samples a second, as DDP's published scaling is measured).
 
@@ -163,7 +166,7 @@ def _worlds(a: argparse.Namespace, makers: dict) -> list[dict]:
     rows = []
     print(f"\n{'model (torchrun, a process a GPU)':40s} {'world':9s} {'scaling':7s} {'ranks':>5s} "
           f"{'1 GPU':>10s} {'rank':>10s} {'comm':>9s} {'exposed':>9s} {'ratio':>6s} "
-          f"{'/unspl':>6s} {'plan s':>7s}")
+          f"{'/unspl':>6s} {'replica':>8s} {'way':>9s} {'other':>10s} {'plan s':>7s}")
     for key in a.models:
         if key in INFERENCE:
             continue
@@ -179,12 +182,19 @@ def _worlds(a: argparse.Namespace, makers: dict) -> list[dict]:
                    "predicted_s": w.step_s, "compute_s": w.compute_s, "update_s": w.update_s,
                    "comm_s": w.comm_s, "exposed_s": w.exposed_s, "buckets": w.buckets,
                    "ratio": got.ratio_eager, "ratio_unsplit": got.ratio,
+                   "replica_bytes": got.replica_bytes, "sharded_bytes": got.sharded_bytes,
+                   "gpu_bytes": got.gpu_bytes, "sharded": got.sharded,
+                   "other_s": got.other.step_s if got.other else None,
                    "planning_s": planning}
             rows.append(row)
             print(f"{name:40s} {machine:9s} {scaling:7s} {got.fabric.ranks:5d} "
                   f"{fmt_seconds(got.one_gpu_s):>10s} {fmt_seconds(w.step_s):>10s} "
                   f"{fmt_seconds(w.comm_s):>9s} {fmt_seconds(w.exposed_s):>9s} "
-                  f"{got.ratio_eager:5.2f}x {got.ratio:5.2f}x {planning:7.1f}", flush=True)
+                  f"{got.ratio_eager:5.2f}x {got.ratio:5.2f}x "
+                  f"{got.replica_bytes / 2**30:6.2f}G "
+                  f"{'sharded' if got.sharded else 'replica':>9s} "
+                  f"{fmt_seconds(got.other.step_s) if got.other else '':>10s} {planning:7.1f}",
+                  flush=True)
     return rows
 
 

@@ -331,6 +331,67 @@ def case_compiled_regions_keep_the_measured_way():
     assert kept[0] in ("eager", "inductor") and len(set(kept)) == 1, kept
 
 
+def case_sharded_by_fsdp2_equals_one_process():
+    """sharding="shard": the blocks (a ModuleList) and the model under FSDP2, the optimizer
+    repointed to the shards; 7 rows (4 + 3), a masked-token mean, the global norm clipped.
+    Losses, the gathered parameters, gradients and AdamW state equal the eager whole batch's."""
+    from torch.distributed.tensor import DTensor
+
+    from autopar.distributed import full_state_dict
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Linear(8, 16)
+            self.blocks = torch.nn.ModuleList(torch.nn.Sequential(
+                torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(3))
+            self.head = torch.nn.Linear(16, 3)
+
+        def forward(self, x):
+            x = self.embed(x)
+            for block in self.blocks:
+                x = x + block(x)
+            return self.head(x)
+
+    def make():
+        model = Stack()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2), None
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    def state(model, opt):
+        out = {f"param {n}": full(p.detach()) for n, p in model.named_parameters()}
+        out |= {f"grad {n}": full(p.grad) for n, p in model.named_parameters()}
+        names = {id(p): n for n, p in model.named_parameters()}
+        for p, s in opt.state.items():
+            out |= {f"opt {names[id(p)]} {k}": full(v) for k, v in s.items() if v.dim()}
+        return out
+
+    def step_of(model, opt, _):
+        def step(x, y):
+            opt.zero_grad(set_to_none=False)
+            loss = F.cross_entropy(model(x), y, ignore_index=-1)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            return loss.detach()
+        return step
+
+    (model, opt, _), (twin, twin_opt, _) = twins(make)
+    ours = autopar.data_parallel(step_of(model, opt, None), sharding="shard")
+    eager = step_of(twin, twin_opt, None)
+    for k in range(4):
+        x, y = data(k)
+        y[:1 + k % 3] = -1
+        got, want = ours(x, y), eager(x, y)
+        torch.testing.assert_close(got, want, **TOL, msg=lambda m, k=k: f"loss at step {k}: {m}")
+        same(state(model, opt), state(twin, twin_opt), f"step {k}")
+    assert isinstance(next(model.parameters()), DTensor)
+    assert "sharded by FSDP2 (3 blocks" in ours.describe(), ours.describe()
+    same(full_state_dict(model), twin.state_dict(), "full_state_dict")
+
+
 CASES = {name[5:]: f for name, f in dict(globals()).items() if name.startswith("case_")}
 
 if __name__ == "__main__":

@@ -6,7 +6,13 @@ import pytest
 from autopar.machine.fabric import Fabric
 from autopar.machine.model import LinkProfile
 from autopar.machine.presets import preset_fabric
-from autopar.schedule.world import all_reduce_s, predict_world
+from autopar.schedule.world import (
+    all_reduce_s,
+    predict_sharded,
+    predict_world,
+    should_shard,
+    state_tensors,
+)
 
 NVLINK = LinkProfile(1e-6, 100e9)  # 1 us, 100 GB/s
 NIC = LinkProfile(10e-6, 10e9)
@@ -60,3 +66,34 @@ def test_the_two_node_preset_has_a_nic_per_gpu():
     assert preset_fabric("h200x8", gpus=4).ranks == 4
     with pytest.raises(ValueError, match="has 8 GPUs, not 9"):
         preset_fabric("h200x8", gpus=9)
+
+
+def test_sharded_gathers_twice_and_scatters_once_behind_the_compute():
+    """200 MB of parameters in 4 blocks on 2 GPUs: an all-gather (or a reduce-scatter) is one
+    phase, 1 us + 1 ms. Forward 3 ms hides the gather but its first block's 0.25 ms; backward
+    6 ms hides the second gather and the scatter but the last block's 0.25 ms; each rank
+    updates half the parameters (1 ms -> 0.5 ms).
+
+        fwd  |b1|---------3---------|
+        bwd                         |--------6--------|b4|
+    """
+    got = predict_sharded(10e-3, 1e-3, 200e6, Fabric(2, 1, NVLINK), units=4)
+    gather = 1e-6 + 1e-3
+    assert got.comm_s == pytest.approx(3 * gather)
+    assert got.exposed_s == pytest.approx(gather / 4 + gather / 4)
+    assert got.step_s == pytest.approx(9e-3 + gather / 2 + 0.5e-3)
+    assert got.update_s == pytest.approx(0.5e-3)
+
+
+def test_sharded_on_a_slow_link_exposes_what_the_compute_cannot_hide():
+    slow = LinkProfile(0.0, 10e9)  # 2 GPUs: 200 MB -> 10 ms a gather or scatter
+    got = predict_sharded(10e-3, 1e-3, 200e6, Fabric(2, 1, slow), units=2)
+    # forward: 5 ms first block, then 5 more against 3 ms of compute: 5 + 2
+    # backward: 20 ms against 6 ms: 14, then half the last scatter: 5
+    assert got.exposed_s == pytest.approx(7e-3 + 14e-3 + 5e-3)
+
+
+def test_one_rule_shards_a_replica_over_half_a_gpu():
+    assert not should_shard(40e9, 80e9) and should_shard(40.1e9, 80e9)
+    assert (state_tensors("AdamW"), state_tensors("SGD", momentum=False),
+            state_tensors("SGD"), state_tensors("Adagrad")) == (2, 0, 1, 1)

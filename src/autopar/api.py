@@ -500,7 +500,7 @@ def _of_kind(devices: Sequence[str], kind: str | None) -> int:
 
 
 def data_parallel(fn: Callable, *, batch_argnums: Sequence[int] | None = None,
-                  shards: int | None = None, batch: str = "global",
+                  shards: int | None = None, batch: str = "global", sharding: str | None = None,
                   **options: Unpack[CompileOptions]) -> DataParallelStep | DistributedStep:
     """Run ``fn`` (a whole training or inference step) with its batch split over devices.
 
@@ -511,7 +511,9 @@ def data_parallel(fn: Callable, *, batch_argnums: Sequence[int] | None = None,
     Alone, the batch is split over this process's devices (:mod:`autopar.dataparallel`).
     Launched, each rank's modules run compiled as on one device, the way (of ``candidates``:
     eager, inductor, cudagraphs) measured and agreed by every rank
-    (:mod:`autopar.distributed.compiled`).
+    (:mod:`autopar.distributed.compiled`). ``sharding`` (default ``$AUTOPAR_SHARDING``, else
+    ``"auto"``): ``"auto"`` shards a model with FSDP2 where a replica would not fit a GPU,
+    ``"shard"`` or ``"replicate"`` force one (:mod:`autopar.distributed.shard`).
 
     ``batch_argnums``: positions of the arguments to split along dim 0 (default: every tensor
     argument that doesn't require grad whose dim 0 equals the first one's). ``shards``: how many
@@ -528,10 +530,11 @@ def data_parallel(fn: Callable, *, batch_argnums: Sequence[int] | None = None,
                              f"process; launched as rank {world.rank} of {world.size}, each "
                              "rank runs its share")
         return DistributedStep(fn, world, batch_argnums=batch_argnums, batch=batch,
-                               candidates=Options.parse(options).candidates)
-    if batch != "global":
-        raise ValueError(f"batch={batch!r} needs a launched world (torchrun); this process "
-                         "runs alone")
+                               candidates=Options.parse(options).candidates,
+                               sharding=sharding or os.environ.get("AUTOPAR_SHARDING", "auto"))
+    if batch != "global" or sharding not in (None, "auto"):
+        what = f"batch={batch!r}" if batch != "global" else f"sharding={sharding!r}"
+        raise ValueError(f"{what} needs a launched world (torchrun); this process runs alone")
     if shards is not None and (not isinstance(shards, int) or shards < 1):
         raise ValueError(f"shards must be a positive int or None, not {shards!r}")
     opts = Options.parse(options)

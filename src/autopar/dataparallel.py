@@ -87,6 +87,7 @@ from .capture.state import State, StateNotReady, find_state
 from .capture.step import ChangesPython, StepGraph, capture_step
 from .choose import Trial
 from .cost.model import CostModel
+from .distributed.shard import state_tensors, units
 from .ir.collective import COMM
 from .ir.collector import paused
 from .ir.graph import INPUT, Node
@@ -103,7 +104,7 @@ from .runtime import Executor
 from .runtime import executor as _executor
 from .runtime.callerstate import CallerState
 from .schedule.place import place
-from .schedule.world import WorldPrediction, predict_world
+from .schedule.world import WorldPrediction, predict_sharded, predict_world, should_shard
 
 __all__ = ["DataParallelStep", "StepPrediction", "WorldStepPrediction", "batch_inputs",
            "predict_step", "predict_world_step", "update_share"]
@@ -611,6 +612,14 @@ class WorldStepPrediction:
     fabric: Fabric
     #: "strong": the ranks share the batch; "weak": each rank takes a whole batch of its own
     scaling: str = "strong"
+    #: a replica's bytes (parameters, gradients, optimizer state) and a rank's, sharded
+    replica_bytes: float = 0.0
+    sharded_bytes: float = 0.0
+    #: one GPU's memory, and whether the model is sharded there (FSDP2; ``world`` is then
+    #: the sharded step, ``other`` the replicated one, and the other way round)
+    gpu_bytes: float = 0.0
+    sharded: bool = False
+    other: WorldPrediction | None = None
 
     @property
     def _work(self) -> int:
@@ -670,5 +679,28 @@ def predict_world_step(fn: Callable, args: Sequence[Any], machine: str,
         local = [a[:mine] if i in batch_argnums else a for i, a in enumerate(args)]
         rank = predict_step(fn, local, machine, batch_argnums=batch_argnums, shards=1)
         rank_s = rank.choice.predicted["unsplit"]
-    world = predict_world(rank_s, share * rank_s, grad_bytes, fabric)
-    return WorldStepPrediction(one_gpu, whole.eager_s, world, fabric, scaling)
+    memory = _replica_memory(fn, args, fabric.ranks)
+    gpu_bytes = float(cost.machine.profile.device("cuda:0").memory_bytes)
+    replicated = predict_world(rank_s, share * rank_s, grad_bytes, fabric)
+    sharded = predict_sharded(rank_s, share * rank_s, grad_bytes, fabric, memory[2])
+    shard = should_shard(memory[0], gpu_bytes)
+    return WorldStepPrediction(one_gpu, whole.eager_s, sharded if shard else replicated, fabric,
+                               scaling, memory[0], memory[1], gpu_bytes, shard,
+                               replicated if shard else sharded)
+
+
+def _replica_memory(fn: Callable, args: Sequence[Any], ranks: int) -> tuple[float, float, int]:
+    """(a replica's bytes, a rank's bytes sharded over ``ranks``, FSDP2's blocks) for the
+    models and optimizers ``fn`` holds (:mod:`autopar.distributed.shard`)."""
+    state = find_state(fn, args, for_trace=False)
+    params = {id(p): p for _, m in state.modules for p in m.parameters() if p.requires_grad}
+
+    def size(ps: Any) -> int:
+        return sum(p.numel() * p.element_size() for p in ps)
+    weights = size(params.values())
+    moments = sum(state_tensors(opt) * size(p for g in opt.param_groups for p in g["params"]
+                                            if id(p) in params) for _, opt in state.optimizers)
+    replica = 2 * weights + moments
+    blocks = [u for _, m in state.modules for u in units(m)]
+    largest = max((size(u.parameters()) for u in blocks), default=weights)
+    return replica, replica / ranks + 2 * largest, max(1, len(blocks))

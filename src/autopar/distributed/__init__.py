@@ -8,12 +8,17 @@ batch and combines the ranks so that the results are the one-process results.
 Map (data flows down):
 
     world.World.from_env()         rank, size, device; the process group (torch's own)
-    step.DistributedStep.__call__  one call of the user's step
-      +-- agree.check_calls        every rank called with the same signature, or who differs
-      +-- share.rows / share.take  this rank's rows of each batch argument
-      +-- replicas.replicate       modules under DDP's reducer (torch's ``replicate``),
-      |                            batch norm synchronized (norm.sync_batch_norm)
-      +-- loss.Weighting           the loss's reduction, read from its autograd graph: each
+    step.DistributedStep           one call of the user's step
+      +-- agree.check_same         every rank called with the same signature, or who differs
+      +-- (first call) shard.decide / shard.shard or DDP's replicate: each model sharded
+      |                            (FSDP2) where a replica won't fit, else replicated;
+      |                            batch norm over the whole batch (norm.sync_batch_norm)
+      +-- compiled.RankWays        the model's children compiled; the way every rank keeps
+      +-- loss.reduction_of        the loss's reduction, read from its autograd graph: each
                                    rank's backward seeded so DDP's average is the global one
-    launch.run                     ``autopar run``: torch.distributed.run with defaults
+    launch                         ``autopar run``: torch.distributed.run with defaults
 """
+
+from .shard import full_state_dict
+
+__all__ = ["full_state_dict"]

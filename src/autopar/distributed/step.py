@@ -64,11 +64,16 @@ from . import loss as loss_weights
 from .agree import check_same, describe
 from .compiled import RankWays, rank_candidates
 from .norm import sync_batch_norm
+from .shard import SHARDING, Sharding, decide, shard
 from .world import World, adopt_local_device, ensure_process_group, record_errors
 
 __all__ = ["BATCH_MODES", "DistributedStep"]
 
 log = logging.getLogger("autopar.dataparallel")
+
+SHARDED = "_autopar_sharded"
+"""The attribute a model sharded by a step holds: (its :class:`Sharding`, its block count);
+another step over the same model shares it."""
 
 BATCH_MODES = ("global", "per_rank")
 """``global``: every rank is passed the whole batch and takes its rows (one process's
@@ -79,9 +84,15 @@ class DistributedStep:
     """``step`` run by every rank on its share of the batch (see the module docstring)."""
 
     def __init__(self, fn: Callable, world: World, *, batch_argnums: Sequence[int] | None = None,
-                 batch: str = "global", candidates: Sequence[str] = ("eager",)) -> None:
+                 batch: str = "global", candidates: Sequence[str] = ("eager",),
+                 sharding: str = "auto") -> None:
         if batch not in BATCH_MODES:
             raise ValueError(f"batch must be one of {BATCH_MODES}, not {batch!r}")
+        if sharding not in SHARDING:
+            raise ValueError(f"sharding must be one of {SHARDING}, not {sharding!r}")
+        self.sharding = sharding
+        #: the replicated models' choices (a sharded one keeps its own on the module)
+        self.replicated: dict[str, Sharding] = {}
         self.fn, self.world, self.batch = fn, world, batch
         self.batch_argnums = None if batch_argnums is None else tuple(batch_argnums)
         #: the modules replicated, by the name the step reaches them with (set at first call)
@@ -158,19 +169,34 @@ class DistributedStep:
             dist.new_group(backend="gloo")
         state = find_state(self.fn, args, for_trace=False)
         held = {id(p) for _, m in state.modules for p in m.parameters()}
+        optimizers = [opt for _, opt in state.optimizers]
         modules = []
         for name, module in state.modules:
             check_same([describe(f"{name}.{q}", t) for q, t in
                         [*module.named_parameters(), *module.named_buffers()]],
                        f"model {name!r}", self.checks)
-            if _by_user(module) or not any(p.requires_grad for p in module.parameters()):
+            ours = getattr(module, SHARDED, None) or replicate.state(module) is not None
+            if (not ours and _by_user(module)) or \
+                    not any(p.requires_grad for p in module.parameters()):
                 continue
-            if replicate.state(module) is None:  # not yet, by this step or another
-                _broadcast(module.buffers())  # DDP broadcasts the parameters
-                _replicate(module, world)
+            if not ours:  # not yet, by this step or another
+                choice = decide(module, optimizers, self.sharding, world.device)
+                if choice.shard:
+                    setattr(module, SHARDED, (choice, shard(module, optimizers, world.device)))
+                    if world.rank == 0:
+                        log.warning("autopar: %s is sharded by FSDP2 (%s). Its state_dict() "
+                                    "now holds each rank's shards: save it with "
+                                    "autopar.distributed.full_state_dict(%s) on every rank, "
+                                    "or torch.distributed.checkpoint", name, choice.reason,
+                                    name)
+                else:
+                    _broadcast(module.buffers())  # DDP broadcasts the parameters
+                    _replicate(module, world)
+                    self.replicated[name] = choice
             self.synced[name] = sync_batch_norm(module)
             module.register_forward_pre_hook(self._forwarded_hook(module))
             modules.append((name, module))
+        held |= {id(p) for _, m in state.modules for p in m.parameters()}  # sharded: new ones
         loose = [x for x in tree_flatten(tuple(args))[0]
                  if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf]
         loose += [p for _, opt in state.optimizers for g in opt.param_groups
@@ -178,8 +204,9 @@ class DistributedStep:
         self.loose = list({id(p): p for p in loose}.values())
         _broadcast(self.loose)
         self.modules = modules
-        self.ways = RankWays(modules, rank_candidates(self.candidates, world.device),
-                             world.device, self.checks)
+        self.ways = RankWays([(n, m) for n, m in modules if not getattr(m, SHARDED, None)],
+                             rank_candidates(self.candidates, world.device), world.device,
+                             self.checks)
         atexit.register(self._release)  # before the group's own end (atexit: last in, first)
         log.info("%s", self.describe())
 
@@ -208,10 +235,14 @@ class DistributedStep:
         lines = [f"rank {w.rank} of {w.size} on {w.device} ({backend}); batch: "
                  + ("each rank's own (gradients averaged, as DDP)" if self.batch == "per_rank"
                     else "the global batch, this rank's rows (one process's results)")]
-        for name, _ in self.modules or ():
+        for name, module in self.modules or ():
             norms = self.synced.get(name, 0)
-            lines.append(f"  {name}: replicated under DDP's reducer (buckets of 25 MB, "
-                         "all-reduced as backward makes them)"
+            sharded = getattr(module, SHARDED, None)
+            how = f"sharded by FSDP2 ({sharded[1]} blocks and the rest)" if sharded else \
+                "replicated under DDP's reducer (buckets of 25 MB, all-reduced as backward " \
+                "makes them)"
+            choice = sharded[0] if sharded else self.replicated.get(name)
+            lines.append(f"  {name}: {how}" + (f": {choice.reason}" if choice else "")
                          + (f"; {norms} batch-norm layers over the whole batch" if norms else ""))
         if self.loose:
             lines.append(f"  {len(self.loose)} parameter(s) no module holds: gradients "
@@ -286,7 +317,7 @@ class DistributedStep:
                                "in this backward; every rank must give each loose parameter "
                                "one")
         for _, module in self.modules or ():
-            if id(module) not in self._forwarded:
+            if id(module) not in self._forwarded and not getattr(module, SHARDED, None):
                 grads += [p.grad for p in module.parameters() if p.grad is not None]
         if not grads:
             return

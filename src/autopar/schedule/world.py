@@ -20,6 +20,13 @@ Policy and invariants
   all-reduced once it is full and the one before it is done (one communicator, one lane).
   The step ends when backward and the last bucket are done, then the update runs.
 - Backward is :data:`BACKWARD_SHARE` of forward plus backward (twice the forward's FLOPs).
+- Memory: a replica holds parameters, gradients and the optimizer's state
+  (:func:`state_tensors`); a model is sharded (FSDP2) where that is more than
+  :data:`SHARD_ABOVE` of a GPU's memory (:func:`should_shard`, the one rule the run and the
+  prediction share). Sharded, a rank holds ``1 / W`` of each and the largest block gathered
+  twice (FSDP2 prefetches the next); it all-gathers the parameters in forward and again in
+  backward, and reduce-scatters the gradients, each overlapping the compute of the blocks
+  around it, and updates ``1 / W`` of the parameters (:func:`predict_sharded`).
 - Not priced: compute slowed by NCCL's kernels sharing the SMs, stragglers, the data loader.
 """
 
@@ -31,13 +38,30 @@ from dataclasses import dataclass
 from ..machine.fabric import Fabric
 from ..machine.model import LinkProfile
 
-__all__ = ["BACKWARD_SHARE", "BUCKET_BYTES", "WorldPrediction", "all_reduce_s",
-           "predict_world"]
+__all__ = ["BACKWARD_SHARE", "BUCKET_BYTES", "SHARD_ABOVE", "WorldPrediction", "all_reduce_s",
+           "predict_sharded", "predict_world", "should_shard", "state_tensors"]
 
 BUCKET_BYTES = 25 << 20
 """Gradient bytes per bucket (DDP's ``bucket_cap_mb`` default)."""
 BACKWARD_SHARE = 2 / 3
 """Backward's share of a step's forward and backward time."""
+SHARD_ABOVE = 0.5
+"""A model is sharded where its replica would take more than this share of a GPU's memory:
+the rest is for activations, DDP's buckets and the allocator's slack."""
+
+
+def state_tensors(optimizer_name: str, momentum: bool = True) -> int:
+    """Tensors the size of a parameter an optimizer of this class keeps for each one."""
+    if "Adam" in optimizer_name:  # Adam, AdamW, NAdam, RAdam, Adamax: two moments
+        return 2
+    if optimizer_name == "SGD":
+        return int(momentum)
+    return 2 if optimizer_name == "Adadelta" else 1
+
+
+def should_shard(replica_bytes: float, gpu_bytes: float) -> bool:
+    """Does a replica of ``replica_bytes`` need sharding on a GPU of ``gpu_bytes``?"""
+    return replica_bytes > SHARD_ABOVE * gpu_bytes
 
 
 def _over(link: LinkProfile, nbytes: float, hops: int) -> float:
@@ -95,3 +119,22 @@ def predict_world(rank_step_s: float, update_s: float, grad_bytes: float, fabric
     exposed = max(0.0, done - compute)
     return WorldPrediction(compute + exposed + update_s, compute, update_s, comm, exposed,
                            count)
+
+
+def predict_sharded(rank_step_s: float, update_s: float, param_bytes: float, fabric: Fabric,
+                    units: int) -> WorldPrediction:
+    """A rank's step as :func:`predict_world`'s, the model sharded into ``units`` blocks of
+    ``param_bytes`` in all (gradients as many bytes): see the module docstring."""
+    compute = max(rank_step_s - update_s, 0.0)
+    update = update_s / fabric.ranks
+    if fabric.ranks == 1 or param_bytes == 0:
+        return WorldPrediction(compute + update_s, compute, update_s, 0.0, 0.0, units)
+    backward = BACKWARD_SHARE * compute
+    forward = compute - backward
+    gather = all_reduce_s(param_bytes, fabric) / 2  # one of the all-reduce's two halves
+    scatter = gather
+    first = gather / units  # forward waits for the first block's parameters
+    exposed = first + max(0.0, gather - first - forward) \
+        + max(0.0, gather + scatter - backward) + scatter / units
+    return WorldPrediction(compute + exposed + update, compute, update, 2 * gather + scatter,
+                           exposed, units)
