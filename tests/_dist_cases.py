@@ -392,6 +392,26 @@ def case_sharded_by_fsdp2_equals_one_process():
     same(full_state_dict(model), twin.state_dict(), "full_state_dict")
 
 
+def case_a_grad_scaler_refuses_sharding():
+    """A GradScaler's inf check would see each rank's shards only: sharding it raises, on
+    every rank, naming the model and the scaler."""
+    model, opt, _ = mlp_bn()
+    scaler = torch.amp.GradScaler("cpu")
+
+    def step(x, y):
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    try:
+        autopar.data_parallel(step, sharding="shard")(*data(0))
+    except ValueError as e:
+        assert "'model' is to be sharded" in str(e) and "'scaler'" in str(e), e
+    else:
+        raise AssertionError("sharding beside a GradScaler did not raise")
+
+
 CASES = {name[5:]: f for name, f in dict(globals()).items() if name.startswith("case_")}
 
 if __name__ == "__main__":

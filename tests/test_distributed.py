@@ -158,7 +158,7 @@ CASES = ["uneven_shards_batch_norm_clip", "masked_token_mean", "grad_scaler",
          "per_rank_batches_average", "ranks_disagree_on_a_shape",
          "ranks_disagree_on_the_model", "children_called_directly", "two_steps_share_a_model",
          "a_parameter_used_in_some_steps_only", "compiled_regions_keep_the_measured_way",
-         "sharded_by_fsdp2_equals_one_process"]
+         "sharded_by_fsdp2_equals_one_process", "a_grad_scaler_refuses_sharding"]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -181,6 +181,12 @@ class DistributedStep:
                 continue
             if not ours:  # not yet, by this step or another
                 choice = decide(module, optimizers, self.sharding, world.device)
+                if choice.shard and state.scalers:
+                    raise ValueError(
+                        f"rank {world.rank}: {name!r} is to be sharded ({choice.reason}), and "
+                        f"the step holds a GradScaler ({state.scalers[0][0]!r}), whose inf "
+                        "check would see this rank's shards only. Use bf16 autocast without "
+                        "a scaler, or sharding='replicate'")
                 if choice.shard:
                     setattr(module, SHARDED, (choice, shard(module, optimizers, world.device)))
                     if world.rank == 0:
