@@ -414,7 +414,7 @@ def test_the_very_tensors_of_the_latest_plain_call_skip_the_key(monkeypatch):
     does (and a new shape goes through dynamo)."""
     import gc
 
-    from autopar import api
+    from autopar import dispatch as api
 
     keyed = []
     signature = api._signature
@@ -522,7 +522,7 @@ def test_signatures_that_alternate_stop_routing_plain_entries():
     """Two layouts kept as eager, called in turn: each call would miss the other's entry and
     route its own anew; after ``PLAIN_SWITCHES`` switches the route is the Dispatcher's and
     stays so. One layout called again and again keeps its entry."""
-    from autopar import api
+    from autopar.dispatch import PLAIN_SWITCHES
 
     def mm(x, y):
         return x @ y
@@ -532,10 +532,10 @@ def test_signatures_that_alternate_stop_routing_plain_entries():
     for _ in range(6):
         torch.testing.assert_close(compiled(*shapes[0]), mm(*shapes[0]))
     assert compiled._route.head.__name__ == "plain"
-    for i in range(2 * api.PLAIN_SWITCHES + 4):
+    for i in range(2 * PLAIN_SWITCHES + 4):
         x, y = shapes[i % 2]
         torch.testing.assert_close(compiled(x, y), mm(x, y))
-    assert compiled._switches == api.PLAIN_SWITCHES
+    assert compiled._switches == PLAIN_SWITCHES
     assert compiled._route.head == compiled._call
     for _ in range(4):
         torch.testing.assert_close(compiled(*shapes[0]), mm(*shapes[0]))
@@ -546,7 +546,7 @@ def test_the_same_tensors_in_lists_and_tuples_skip_the_key_too(monkeypatch):
     """Weights passed as a list or tuple: the same tensors in the same order skip the key, and
     so does a list changed in place to another tensor of the same shape; one more weight is
     keyed (a new signature, through dynamo)."""
-    from autopar import api
+    from autopar import dispatch as api
 
     keyed = []
     signature = api._signature
@@ -760,7 +760,7 @@ def test_arguments_in_tuples_are_keyed_too():
 
 
 def test_the_argument_key_tells_apart_what_decides_a_plan():
-    from autopar.api import _signature
+    from autopar.dispatch import _signature
 
     x, y = torch.randn(2, 3), torch.randn(3)
     keys = [_signature(a, k) for a, k in [

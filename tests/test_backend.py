@@ -387,7 +387,7 @@ def test_the_ways_compiled_alone_leave_the_functions_own_entries_alone():
     CUDA graphs to recompiles counted against both; benchmarks/NOTES.md, 2026-12-03)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from autopar.api import _inductor_alone
+    from autopar.dispatch import _inductor_alone
 
     def f(x):
         return torch.relu(x) + 1

@@ -11,6 +11,7 @@ import torch
 
 import autopar
 import autopar.api
+import autopar.dispatch
 from _fakes import adamw_pair, adamw_step
 from autopar import choose
 from autopar.choose import OWN_SIGNATURES, TRIAL_CALLS, TURN_CALLS, Trial, candidates
@@ -982,7 +983,7 @@ def test_the_eager_way_of_a_training_step_runs_the_optimizer_as_built(monkeypatc
     The trial's eager turns, and every call once eager is kept, run the optimizer as built:
     eager AdamW refuses ``capturable=True`` on CPU parameters, so a call in dynamo's form
     raises. Every step's loss, and the parameters after, equal eager's."""
-    monkeypatch.setattr(autopar.api, "dynamo_changes_optimizers", lambda: True)
+    monkeypatch.setattr(autopar.dispatch, "dynamo_changes_optimizers", lambda: True)
     monkeypatch.setattr(choose, "_clock", _fake_clock(eager=1.0, inductor=2.0))
     torch.manual_seed(0)
     model, ref, opt, ref_opt = adamw_pair(torch.nn.Linear(8, 4))
@@ -1068,7 +1069,7 @@ def test_a_launch_bound_training_step_is_timed_against_cuda_graph_trees(monkeypa
     taking 0.5 s a call, as the host has no CUDA graphs), not the shared trace's replay
     (``_make_way``), which replays inference graphs only. Kept where faster; every step's
     loss, and the parameters after, equal eager's."""
-    monkeypatch.setattr(autopar.api, "launch_bound", lambda trial, way: way == "inductor")
+    monkeypatch.setattr(autopar.dispatch, "launch_bound", lambda trial, way: way == "inductor")
     g, pair, made = _stood_in_step(monkeypatch)
     x = _steps_equal_eager(g, pair)
     assert g.kept_way((x,)) == "cudagraphs"
@@ -1096,7 +1097,7 @@ def test_a_training_step_on_a_gpu_is_tried_without_inductor_first(monkeypatch, c
     gpus = (frozenset({0}), frozenset({0}))
     monkeypatch.setattr(autopar.api.Dispatcher, "_trial_gpus", lambda self, a, k: gpus)
     bound = {"launch-bound": ("eager",), "gpu-bound": ()}.get(case, ("eager", "inductor"))
-    monkeypatch.setattr(autopar.api, "launch_bound", lambda trial, way: way in bound)
+    monkeypatch.setattr(autopar.dispatch, "launch_bound", lambda trial, way: way in bound)
     g, pair, made = _stood_in_step(monkeypatch,
                                    failing="cudagraphs" if case == "graphs fail" else None,
                                    alone_s=3.0 if case == "graphs lose" else 0.5)
@@ -1123,7 +1124,7 @@ def test_a_trial_times_each_way_as_a_kept_call_enters_it(monkeypatch):
     path a kept call takes: under ``guards="arguments"`` autopar's way at its Direct's head
     (the Dispatcher's route, past the Direct's frame), eager's after the check a repeated
     plain call pays (its tensors against the latest plain call's)."""
-    from autopar import api
+    from autopar import dispatch as api
 
     given: list[tuple[str, object]] = []
     as_kept = api.Dispatcher._as_kept

@@ -26,7 +26,7 @@ def _mlp() -> torch.nn.Module:
 @pytest.fixture
 def any_size(monkeypatch):
     """Every inference call long enough to try a split (the tests' models are small)."""
-    monkeypatch.setattr(autopar.api, "SPLIT_MIN_S", 0.0)
+    monkeypatch.setattr(autopar.dispatch, "SPLIT_MIN_S", 0.0)
 
 
 @pytest.mark.parametrize("batch", [64, 65])
@@ -58,7 +58,7 @@ def test_explain_says_why_a_call_over_two_workers_is_not_split(monkeypatch):
     assert d.split.last is None
     assert "split not tried (the call is predicted at" in d.explain()
     assert "a split needs to pay for its copies" in d.explain()
-    monkeypatch.setattr(autopar.api, "SPLIT_MIN_S", 0.0)  # long enough, but with grad on:
+    monkeypatch.setattr(autopar.dispatch, "SPLIT_MIN_S", 0.0)  # long enough, but with grad on:
     compiled = autopar.compile(model, devices=CPUS, candidates="split")
     compiled(x).sum().backward()  # the model's parameters require grad
     assert "split not tried (not an inference call" in dispatcher_of(compiled).explain()
@@ -101,11 +101,11 @@ def test_no_split_with_grad_on_one_device_or_for_a_short_call(monkeypatch):
     model = _mlp()
     x = torch.randn(64, 64)
     with torch.no_grad():  # predicted shorter than SPLIT_MIN_S: not worth a capture
-        monkeypatch.setattr(autopar.api, "SPLIT_MIN_S", 1e3)
+        monkeypatch.setattr(autopar.dispatch, "SPLIT_MIN_S", 1e3)
         d = dispatcher_of(autopar.compile(model, devices=CPUS, candidates="eager,split"))
         d(x)
         assert d.kept_way((x,)) == "eager" and not d.split._compiled
-        monkeypatch.setattr(autopar.api, "SPLIT_MIN_S", 0.0)
+        monkeypatch.setattr(autopar.dispatch, "SPLIT_MIN_S", 0.0)
         one = dispatcher_of(autopar.compile(model, devices="cpu:0", candidates="eager,split"))
         assert one.split is None  # one device of the kind: nothing to split over
     d = dispatcher_of(autopar.compile(model, devices=CPUS, candidates="eager,split"))
