@@ -1326,3 +1326,23 @@ def test_a_call_in_which_a_plan_traced_to_learn_is_not_counted(monkeypatch):
         trial.run(way_of, (), {})
     assert [c[0] for c in trial.calls] == ["eager"] * TURN_CALLS + ["autopar"] * TURN_CALLS
     assert len(autopar_calls) == 1 + 2 + TURN_CALLS  # untimed, two traced, three counted
+
+
+def test_explain_says_how_many_calls_and_seconds_a_verdict_took():
+    """The trial's price, per signature: the calls from its first to its way kept (a kept
+    call adds none) and their wall time, compiles included."""
+    def f(x, y):
+        return (x @ y).relu() + x.sum(1, keepdim=True)
+
+    compiled = autopar.compile(f, devices="cpu:0", candidates=["eager", "inductor"])
+    d = autopar.api.dispatcher_of(compiled)
+    x, y = torch.randn(64, 64), torch.randn(64, 64)
+    calls = 0
+    while not d.kept and calls < 500:
+        compiled(x, y)
+        calls += 1
+    (key,) = d.kept
+    assert calls > 1 and d.settled[key][0] == calls and d.settled[key][1] > 0
+    assert f"(kept after {calls} calls, " in d.explain()
+    compiled(x, y)
+    assert d.settled[key][0] == calls

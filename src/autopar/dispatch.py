@@ -23,6 +23,7 @@ import logging
 import operator
 import statistics
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -280,6 +281,11 @@ class Dispatcher:
         self.name = _name(fn)  # for the log and the profiler's ranges
         self._built: dict[str, Callable] = {}  # those ways, once built
         self.verdicts: dict[Any, list[str]] = {}  #: signature -> each trial's medians, in order
+        #: signature -> [its first call's start, its calls so far], until its way is kept
+        self._settling: dict[Any, list] = {}
+        #: signature -> (calls, seconds) from its first call to its way kept (the trial's
+        #: price, in ``explain``)
+        self.settled: dict[Any, tuple[int, float]] = {}
         self.last_trial: Trial | None = None  #: the trial decided last (its calls' times)
         self.key_extra = key_extra  # what else decides a call's graphs (a module's .training)
         self.kept: dict[Any, str] = {}  #: signature -> the way that runs it
@@ -443,6 +449,9 @@ class Dispatcher:
             return self._kept_call(key, args, kwargs)  # (decided while this thread waited)
         if _transformed():
             return self._beside_autograd(args, kwargs)
+        settling = self._settling.get(key)
+        if settling is not None:
+            settling[1] += 1
         steps, grad = self.steps, _grad_enabled()
         if grad:  # (a call under no_grad does not count towards a step's calls)
             steps.begin()
@@ -477,6 +486,7 @@ class Dispatcher:
         before = self._versions(args, kwargs)
         places = self._places() if self.impure is None else None  # (walked once a signature)
         world = None if places is None else pystate.world(places, (args, kwargs))
+        self._settling.setdefault(key, [time.perf_counter(), 1])
         out = self.compiled(*args, **kwargs)  # a new signature: autopar captures it first
         back = Backward.of(out, ())
         steps.called("autopar", back)
@@ -942,7 +952,10 @@ class Dispatcher:
             if key in self._by_family:
                 continue  # said once, on its family's line
             why = "; then ".join(self.verdicts.get(key, [])) or "the only candidate"
-            lines.append(f"{self.name}, {self._describe(key)}: runs {way}: {why}")
+            settled = self.settled.get(key)
+            took = f" (kept after {settled[0]} call{'s' * (settled[0] != 1)}, " \
+                f"{settled[1]:.2f} s)" if settled else ""
+            lines.append(f"{self.name}, {self._describe(key)}: runs {way}{took}: {why}")
         for key, trial in self.trials.items():
             done = "; ".join(self.verdicts.get(key, []))
             lines.append(f"{self.name}, {self._describe(key)}: timing {', '.join(trial.ways)}"
@@ -1050,6 +1063,9 @@ class Dispatcher:
 
     def _keep(self, key: Any, way: str) -> None:
         self.kept[key] = way
+        settling = self._settling.pop(key, None)
+        if settling is not None:
+            self.settled[key] = (settling[1], time.perf_counter() - settling[0])
         if way != "eager":  # a plain entry routes eager's layouts only: _plain sets it again
             self._route = _Route(self._call)
         if not self.trials and len(set(self.kept.values())) == 1 and way != "eager":
