@@ -25,7 +25,9 @@ runs in a process of its own (a crash or a hang costs one row): it checks every 
 against eager (pass or fail, and why; in inference on its first three calls, as a racing
 kernel can be right once), then times those that passed in interleaved rounds
 (``measure_side_by_side``), after autopar's trials are over (``settle``); ``first_s`` is
-each variant's first call (for autopar: until its choice is settled). The table ends with
+each variant's first call (for autopar: until its choice is settled); "settled after" is
+autopar's calls and seconds from a signature's first call to its way kept (``verdict_calls``,
+``verdict_s``: the slowest signature's, from the Dispatcher's ``settled``). The table ends with
 the pass rate and, per mode, the geomean of autopar against eager, against
 ``torch.compile`` default, against reduce-overhead and against the strongest of the three
 (``best``; each row names its strongest peer and says where autopar ties it), and, for rows
@@ -164,6 +166,9 @@ def _settle(d: Any, call: Any, cell: dict[str, Any], out: Any = None) -> Any:
     cell["kept"] = sorted(set(d.kept.values())) if d is not None else []
     if d is not None:
         cell["explain"] = d.explain()
+        if d.settled:  # the trial's price: calls and seconds to the last signature's verdict
+            cell["verdict_calls"] = max(calls for calls, _ in d.settled.values())
+            cell["verdict_s"] = max(seconds for _, seconds in d.settled.values())
     return out
 
 
@@ -549,8 +554,8 @@ def _fmt(s: float | None) -> str:
 
 def table(rows: list[dict[str, Any]], variants: list[str]) -> str:
     head = ("| model | mode | " + " | ".join(variants)
-            + " | autopar / strongest peer | kept | first s |")
-    lines = [head, "|" + "---|" * (len(variants) + 5)]
+            + " | autopar / strongest peer | kept | settled after | first s |")
+    lines = [head, "|" + "---|" * (len(variants) + 6)]
     for r in rows:
         if "skipped" in r or "error" in r:
             lines.append(f"| {r['model']} | {r['mode']} | {r.get('skipped') or r['error']} |")
@@ -570,8 +575,11 @@ def table(rows: list[dict[str, Any]], variants: list[str]) -> str:
         kept = ",".join(v.get("autopar", {}).get("kept", []))
         first = " / ".join(f"{v[k]['first_s']:.1f}" for k in ("compile", "autopar")
                            if "first_s" in v.get(k, {}))
+        a_cell = v.get("autopar", {})
+        settled = f"{a_cell['verdict_calls']} calls, {a_cell['verdict_s']:.1f} s" \
+            if "verdict_calls" in a_cell else "—"
         lines.append(f"| {r['model']} | {r['mode']} | " + " | ".join(cells)
-                     + f" | {ratio} | {kept} | {first} |")
+                     + f" | {ratio} | {kept} | {settled} | {first} |")
     s = summarize(rows)
     lines.append("")
     lines.append(f"autopar matches eager on {s['autopar_pass']} of {s['rows']} rows eager ran.")
