@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 import shutil
 
 import pytest
@@ -45,6 +46,11 @@ def test_a_bad_candidates_environment_variable_is_named(monkeypatch):
         autopar.Options.parse({})
     assert autopar.Options.parse({"candidates": "eager"}).candidates == ("eager",)
 
+
+
+def _unsettled(text: str) -> str:
+    """``explain``'s text without the calls and seconds each verdict took (they vary)."""
+    return re.sub(r"; settled in \d+ calls?, [\d.]+ s", "", text)
 
 def _timed(trial: Trial, seconds: list[float]) -> None:
     """Fill ``trial`` with calls of the given host seconds, in the order it asks for them."""
@@ -701,8 +707,8 @@ def test_autopar_and_inductor_ways_share_one_trace(monkeypatch):
     for _ in range(2 + 6 * TRIAL_CALLS):
         torch.testing.assert_close(g(x), chain(x))
     assert g.kept_way((x,)) == "inductor" and len(built) == 1
-    assert g.explain() == ("chain, shapes (64,): runs inductor: inductor (eager 2 s, inductor "
-                           "1 s, autopar 3 s)")
+    assert _unsettled(g.explain()) == (
+        "chain, shapes (64,): runs inductor: inductor (eager 2 s, inductor 1 s, autopar 3 s)")
     before = len(ran)
     torch.testing.assert_close(g.way("autopar")(x), chain(x))
     assert len(ran) == before  # autopar's own form
@@ -1074,8 +1080,9 @@ def test_a_launch_bound_training_step_is_timed_against_cuda_graph_trees(monkeypa
     x = _steps_equal_eager(g, pair)
     assert g.kept_way((x,)) == "cudagraphs"
     assert made == [("shared trace", "inductor"), ("its own", "cudagraphs")]
-    assert g.explain() == ("step, shapes (16, 8): runs cudagraphs: inductor (eager 2 s, "
-                           "inductor 1 s); then cudagraphs (inductor 1 s, cudagraphs 500 ms)")
+    assert _unsettled(g.explain()) == (
+        "step, shapes (16, 8): runs cudagraphs: inductor (eager 2 s, inductor 1 s); then "
+        "cudagraphs (inductor 1 s, cudagraphs 500 ms)")
     with torch.no_grad():  # an inference call's CUDA graphs are the shared trace's replay
         g._way("cudagraphs")
     assert made[-1] == ("shared trace", "cudagraphs")
@@ -1105,8 +1112,9 @@ def test_a_training_step_on_a_gpu_is_tried_without_inductor_first(monkeypatch, c
     if case == "launch-bound":
         assert g.kept_way((x,)) == "cudagraphs"
         assert made == [("its own", "cudagraphs")]  # Inductor's form never built
-        assert g.explain() == ("step, shapes (16, 8): runs cudagraphs: eager (eager 2 s); "
-                               "then cudagraphs (eager 2 s, cudagraphs 500 ms)")
+        assert _unsettled(g.explain()) == (
+            "step, shapes (16, 8): runs cudagraphs: eager (eager 2 s); then cudagraphs "
+            "(eager 2 s, cudagraphs 500 ms)")
     elif case == "gpu-bound":
         assert g.kept_way((x,)) == "inductor"
         assert made == [("shared trace", "inductor")]
@@ -1343,6 +1351,29 @@ def test_explain_says_how_many_calls_and_seconds_a_verdict_took():
         calls += 1
     (key,) = d.kept
     assert calls > 1 and d.settled[key][0] == calls and d.settled[key][1] > 0
-    assert f"(kept after {calls} calls, " in d.explain()
+    assert f"; settled in {calls} calls, " in d.explain()
     compiled(x, y)
     assert d.settled[key][0] == calls
+
+
+def test_a_trial_of_quick_calls_stops_at_its_bound_unless_asked_for_a_long_one(monkeypatch):
+    """Each way gets its ``TRIAL_CALLS`` counted calls; past them, a trial stops at
+    ``TRIAL_BUDGET_CALLS`` calls (untimed ones too). ``AUTOPAR_LONG_TRIAL=1`` times quick
+    calls up to ``TRIAL_MAX_CALLS`` a way."""
+    def made(trial: Trial) -> int:
+        calls = 0
+        while trial.next_way() is not None and calls < 1000:
+            trial.run(lambda way: (lambda x: x + 1), (torch.ones(2),), {})
+            calls += 1
+        return calls
+
+    monkeypatch.delenv("AUTOPAR_LONG_TRIAL", raising=False)
+    bounded = Trial({"eager": (), "autopar": ()})
+    calls = made(bounded)
+    counted = [w for w, *_ in bounded.calls]
+    assert choose.TRIAL_BUDGET_CALLS <= calls <= choose.TRIAL_BUDGET_CALLS + TURN_CALLS + 1
+    assert min(counted.count("eager"), counted.count("autopar")) >= TRIAL_CALLS
+    monkeypatch.setenv("AUTOPAR_LONG_TRIAL", "1")
+    long = Trial({"eager": (), "autopar": ()})
+    made(long)
+    assert [w for w, *_ in long.calls].count("eager") == choose.TRIAL_MAX_CALLS

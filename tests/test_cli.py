@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from autopar.api import POLICIES
 from autopar.cli import app
 from autopar.machine.presets import PRESETS
+from autopar.schedule.place import POLICIES
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 COMMANDS = ("demo", "bench", "calibrate", "explain", "doctor")

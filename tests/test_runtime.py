@@ -192,7 +192,7 @@ def test_a_solo_host_programs_own_call_reports_falls_back_and_shows_in_the_profi
 
     from torch.profiler import ProfilerActivity, profile
 
-    from autopar.api import _FallsBack
+    from autopar.pipeline import _FallsBack
 
     g = failing_graph()
     ex = Executor(make_plan(by_hand(g, {}), cost))

@@ -15,7 +15,9 @@ Policy
   costs first-call time that pays only there.
 - A trial (:class:`Trial`) goes round the candidates in turns: an untimed call, then
   ``TURN_CALLS`` counted ones; each way at least ``TRIAL_CALLS`` calls and ``TRIAL_MIN_S``
-  seconds, at most ``TRIAL_MAX_CALLS``. A call's time is the longer of its host time and the
+  seconds, at most ``TRIAL_MAX_CALLS``; past each way's ``TRIAL_CALLS``, the trial stops at
+  ``TRIAL_BUDGET_CALLS`` calls or ``TRIAL_BUDGET_S`` seconds of them, whichever comes first
+  (``AUTOPAR_LONG_TRIAL=1`` lifts that bound). A call's time is the longer of its host time and the
   GPU work it queued (CUDA events, no sync). The fastest median keeps the signature.
 - What a call does is what is timed: a forward whose outputs autograd records is timed with
   its backward (:class:`Backward`), as forwards alone rank ways by the wrong margins.
@@ -43,6 +45,7 @@ Map of extension points
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -57,8 +60,9 @@ from .machine.host import cpu_fusion_unavailable
 from .runtime.learn import traced_calls
 
 __all__ = ["BACKWARD_WAIT_CALLS", "LAUNCH_BOUND", "OWN_SIGNATURES", "RESULT_TOL",
-           "RESULT_TOL_LOW", "TRIAL_CALLS", "TURN_CALLS", "WAYS", "Backward", "Family", "Steps",
-           "Trial", "candidates", "family_of", "family_ways", "launch_bound", "results_differ"]
+           "RESULT_TOL_LOW", "TRIAL_BUDGET_CALLS", "TRIAL_BUDGET_S", "TRIAL_CALLS", "TURN_CALLS",
+           "WAYS", "Backward", "Family", "Steps", "Trial", "candidates", "family_of",
+           "family_ways", "launch_bound", "results_differ"]
 
 log = logging.getLogger("autopar.trials")
 
@@ -103,6 +107,13 @@ benchmarks/NOTES.md)."""
 
 TRIAL_MAX_CALLS = 50
 """...but no more calls than this of any way."""
+
+TRIAL_BUDGET_CALLS = 60
+TRIAL_BUDGET_S = 2.0
+"""A trial's bound, once each way has its ``TRIAL_CALLS``: its calls (untimed ones too) and
+their host seconds. Where the bound stops a way short of ``TRIAL_MIN_S``, its median rests on
+fewer samples; ``AUTOPAR_LONG_TRIAL=1`` lifts the bound for a user who prefers a surer
+verdict to a shorter trial."""
 
 _clock = time.perf_counter  # the trial's host clock (tests replace it)
 _profiler = torch.autograd.profiler  # ``_profiler._is_profiler_enabled``: a global's read
@@ -326,6 +337,9 @@ class Trial:
         self._turn: str | None = None  # the way whose turn's first call was made
         self._left = 0  # ...and the counted calls left in that turn
         self._last: str | None = None  # the way called last
+        self._made = 0  # calls made, untimed ones too
+        self._spent = 0.0  # ...and their host seconds
+        self._bounded = os.environ.get("AUTOPAR_LONG_TRIAL", "") in ("", "0")
         self.ran: str | None = None  #: the way the latest call of ``run`` called
         self.recorded = False  #: whether autograd recorded outputs of a call of it
         # the function's steps: its Dispatcher's, shared with its other trials (which then
@@ -336,13 +350,16 @@ class Trial:
     def next_way(self) -> str | None:
         """The way whose turn it is (the turn begun, else the fewest counted calls of those
         still timed), or None once all are timed: each way has ``TRIAL_CALLS`` counted calls,
-        adding up to ``TRIAL_MIN_S`` of host time, or ``TRIAL_MAX_CALLS`` of them."""
+        adding up to ``TRIAL_MIN_S`` of host time, or ``TRIAL_MAX_CALLS`` of them, or the
+        trial's bound reached (``TRIAL_BUDGET_CALLS``, ``TRIAL_BUDGET_S``)."""
         host: dict[str, list[float]] = {w: [] for w in self.ways if w not in self.dropped}
         for way, seconds, *_ in self.calls:
             if way in host:
                 host[way].append(seconds)
+        within = not self._bounded or (self._made < TRIAL_BUDGET_CALLS
+                                       and self._spent < TRIAL_BUDGET_S)
         live = [w for w, t in host.items() if len(t) < TRIAL_CALLS or (
-            len(t) < TRIAL_MAX_CALLS and sum(t) < TRIAL_MIN_S)]
+            within and len(t) < TRIAL_MAX_CALLS and sum(t) < TRIAL_MIN_S)]
         if self._turn in live:
             return self._turn
         return min(live, key=lambda w: len(host[w])) if live else None
@@ -403,10 +420,15 @@ class Trial:
 
     def _call(self, fn: Callable, way: str, args: Sequence[Any],
               kwargs: Mapping[str, Any]) -> Any:
-        if _profiler._is_profiler_enabled:
-            with _range(f"autopar:trial {self.name} {way}"):
-                return fn(*args, **kwargs)
-        return fn(*args, **kwargs)
+        start = time.perf_counter()  # the trial's bound (not _clock: a test's clock is the ways')
+        try:
+            if _profiler._is_profiler_enabled:
+                with _range(f"autopar:trial {self.name} {way}"):
+                    return fn(*args, **kwargs)
+            return fn(*args, **kwargs)
+        finally:
+            self._made += 1
+            self._spent += time.perf_counter() - start
 
     def drop(self, way: str, why: str) -> None:
         """Take ``way`` out of the trial (it failed where eager would not)."""

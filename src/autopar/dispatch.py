@@ -953,9 +953,9 @@ class Dispatcher:
                 continue  # said once, on its family's line
             why = "; then ".join(self.verdicts.get(key, [])) or "the only candidate"
             settled = self.settled.get(key)
-            took = f" (kept after {settled[0]} call{'s' * (settled[0] != 1)}, " \
-                f"{settled[1]:.2f} s)" if settled else ""
-            lines.append(f"{self.name}, {self._describe(key)}: runs {way}{took}: {why}")
+            took = f"; settled in {settled[0]} call{'s' * (settled[0] != 1)}, " \
+                f"{settled[1]:.2f} s" if settled else ""
+            lines.append(f"{self.name}, {self._describe(key)}: runs {way}: {why}{took}")
         for key, trial in self.trials.items():
             done = "; ".join(self.verdicts.get(key, []))
             lines.append(f"{self.name}, {self._describe(key)}: timing {', '.join(trial.ways)}"
