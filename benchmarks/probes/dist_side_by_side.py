@@ -5,8 +5,8 @@
 Two twins of a GPT-2 (2 layers, 4 x 32), trained alternately step by step: one under
 ``torch.compile(DistributedDataParallel(model))`` on each rank's rows, one under
 ``autopar.data_parallel(step, candidates="inductor")`` passed the global batch. Prints each
-way's median step (a barrier before each) and, per way, the ops that take the most time
-(``torch.profiler``, 5 steps, rank 0).
+way's median step (a barrier before each) and, per way, the ops that take the most time and
+the collectives a step makes (``torch.profiler``, 5 steps, rank 0).
 """
 
 import statistics
@@ -70,6 +70,8 @@ def main() -> None:
             top = sorted(p.key_averages(), key=lambda e: -e.cpu_time_total)[:10]
             print(name + ": " + " | ".join(f"{e.key[:40]} {e.cpu_time_total / 5e3:.2f} ms"
                                            for e in top))
+            comms = {e.key: e.count / 5 for e in p.key_averages() if e.key.startswith("gloo:")}
+            print(f"  collectives a step: {comms}")
     dist.destroy_process_group()
 
 

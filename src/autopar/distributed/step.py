@@ -273,8 +273,9 @@ class DistributedStep:
                 root = tensors[0] if isinstance(tensors, list | tuple) and len(tensors) == 1 \
                     else tensors
                 if isinstance(root, torch.Tensor) and root.dim() == 0:
-                    kind, count, total = self._weight(root, rows)
-                    weights.append((kind, count, total))
+                    kind, count, total, combined = self._weight(root, rows)
+                    # (the loss held: its memory can't be another scalar's by _combined)
+                    weights.append((kind, count, total, (root.detach(), combined)))
                     size = self.world.size
                     seed = count * size / total if kind == "mean" else \
                         torch.full_like(count, float(size))
@@ -291,8 +292,10 @@ class DistributedStep:
             torch.autograd.backward = original
 
     def _weight(self, root: torch.Tensor, rows: tuple[int, int, int] | None
-                ) -> tuple[str, torch.Tensor, torch.Tensor]:
-        """(kind, this rank's count, the global count) of ``root``'s reduction."""
+                ) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(kind, this rank's count, the global count, the one-process value of ``root``) of
+        ``root``'s reduction: one all-reduce of the count and the weighted value, so that
+        the step's returned loss needs no collective of its own (:meth:`_combined`)."""
         found = loss_weights.reduction_of(root)
         if found is None:
             name = loss_weights.name_of(root)
@@ -307,9 +310,14 @@ class DistributedStep:
             found = loss_weights.Reduction("mean", mine, name)
         device = self._comm_device(root)
         count = torch.as_tensor(found.count, dtype=torch.float64).to(device).reshape(1)
-        total = count.clone()
-        dist.all_reduce(total)
-        return found.kind, count, total
+        value = root.detach().to(device=device, dtype=torch.float64).reshape(1)
+        if found.kind == "mean":  # a share with nothing to average has a NaN mean: weight 0
+            value = torch.where(count == 0, torch.zeros_like(value), value * count)
+        both = torch.cat([count, value])
+        dist.all_reduce(both)
+        total = both[:1]
+        combined = both[1:] / total if found.kind == "mean" else both[1:]
+        return found.kind, count, total, combined
 
     def _reduce_by_hand(self) -> None:
         """All-reduce, after a backward, the gradients DDP's reducer did not: those of
@@ -344,8 +352,17 @@ class DistributedStep:
         device = self._comm_device(next((leaves[i] for i in scalars
                                          if isinstance(leaves[i], torch.Tensor)), None))
         if weights:
-            kind, count, total = weights[-1]
+            kind, count, total, (loss, combined) = weights[-1]
+            loss_at = _storage(loss)
             factor = count / total if kind == "mean" else torch.ones_like(count)
+            # the loss itself (``loss.detach()``) was combined with its weight already
+            done = [i for i in scalars if isinstance(leaves[i], torch.Tensor)
+                    and _storage(leaves[i]) == loss_at]
+            for i in done:
+                leaves[i] = combined.reshape(()).to(dtype=leaves[i].dtype, device=leaves[i].device)
+            scalars = [i for i in scalars if i not in done]
+            if not scalars:
+                return tree_unflatten(leaves, spec)
         else:
             mine, total = (rows[1] - rows[0], rows[2]) if rows else (1, self.world.size)
             factor = torch.tensor([mine / total], dtype=torch.float64, device=device)
@@ -386,6 +403,11 @@ def _leaf_names(spec: Any, leaves: list[Any]) -> list[str]:
 def _children(spec: Any) -> list[Any]:
     children = getattr(spec, "children", None)
     return list(children()) if callable(children) else list(spec.children_specs)
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    """Where ``t``'s value lives: ``loss`` and ``loss.detach()`` share it."""
+    return t.untyped_storage().data_ptr(), t.storage_offset()
 
 
 def _note(error: BaseException, text: str) -> None:
