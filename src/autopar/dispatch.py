@@ -483,10 +483,18 @@ class Dispatcher:
                 self._route = _Route(self._call)
         if self.forms is not None:
             self.forms.compiled()
-        before = self._versions(args, kwargs)
-        places = self._places() if self.impure is None else None  # (walked once a signature)
-        world = None if places is None else pystate.world(places, (args, kwargs))
         self._settling.setdefault(key, [time.perf_counter(), 1])
+        failed = None
+        try:  # what the capture needs of the arguments (a sparse tensor has no strides)
+            before = self._versions(args, kwargs)
+            places = self._places() if self.impure is None else None  # (once a signature)
+            world = None if places is None else pystate.world(places, (args, kwargs))
+        except Exception as e:  # (eager's call runs outside this handler: its own traceback)
+            failed = e
+        if failed is not None:  # nothing of the call ran yet: eager may run it
+            return self._eager_instead(key, failed, args, kwargs)
+        # an error of the capturing call itself is raised as it is: part of the call may
+        # have run (before a graph break), so it is not run again
         out = self.compiled(*args, **kwargs)  # a new signature: autopar captures it first
         back = Backward.of(out, ())
         steps.called("autopar", back)
@@ -552,6 +560,20 @@ class Dispatcher:
             self._open(key, Trial(gpus, name=self.name, steps=self.steps))
             trials_log.info("autopar: %s: timing calls %s for %s", self.name,
                             ", ".join(ways), _describe(key))
+        return out
+
+    def _eager_instead(self, key: Any, error: Exception, args: tuple, kwargs: dict) -> Any:
+        """A new signature whose capture could not begin (its arguments' metadata raised):
+        eager's call, and eager kept for it, where eager succeeds, said once; where eager
+        raises too, eager's own error."""
+        out = self.fn(*args, **kwargs)
+        reason = f"{type(error).__name__}: {first_line(error)}"
+        trials_log.warning("autopar: %s: capturing %s failed where eager runs (%s); it runs "
+                           "eagerly", self.name, _describe(key), reason)
+        self.verdicts.setdefault(key, []).append(
+            f"eager (autopar's capture failed where eager runs: {reason})")
+        self._keep(key, "eager")
+        self.steps.called("eager", Backward.of(out, ()))
         return out
 
     def _kept_call(self, key: Any, args: tuple, kwargs: dict) -> Any:
@@ -1078,8 +1100,10 @@ class Dispatcher:
         ``requires_grad``), under the same grad mode (and module ``training``), else goes
         the Dispatcher's way: a kept-eager call's check in C, one frame (0.3-0.4 us less than
         :func:`_same_signature`'s loop for two tensors on the 2-core VM). One per signature
-        (at most ``PLAIN_ENTRIES``); None for arguments other than tensors."""
-        if not args or len(args) > 32 or not all(type(a) is torch.Tensor for a in args):
+        (at most ``PLAIN_ENTRIES``); None for arguments other than strided tensors (a sparse
+        one has no strides to check)."""
+        if not args or len(args) > 32 or not all(
+                type(a) is torch.Tensor and a.layout is torch.strided for a in args):
             return None
         key = tuple((a.shape, a.stride(), a.dtype, a.device, a.requires_grad) for a in args)
         extra = self.key_extra() if self.key_extra is not None else None
