@@ -11,17 +11,18 @@ Policy and invariants
   larger: :func:`autopar.passes.shard.even_sizes`).
 - ``batch="per_rank"``: the script already hands each rank its own batch (a
   ``DistributedSampler``); nothing is split and gradients are averaged over ranks, as DDP does.
-- The modules the step names (:func:`autopar.capture.state.find_state`) are replicated with
-  torch's own reducer (``torch.distributed._composable.replicate``: DDP's buckets, each
-  all-reduced as soon as its gradients exist, overlapping backward; unused parameters found
-  each step, as a parameter may serve some steps or some ranks' rows only). Another step
-  over the same module shares its replication; a module the script put under DDP or FSDP
-  itself is left to it. DDP arms its reducer in the module's own forward: where a call ran
-  only the module's children (``model.head(model.enc(x))``), their gradients are
-  all-reduced after backward instead. At the first call every
-  rank's model is checked against rank 0's (names, shapes, dtypes) and rank 0's parameters
-  and buffers are broadcast, so ranks never drift apart silently. Batch norm uses the whole
-  batch's statistics (:mod:`autopar.distributed.norm`).
+- The modules the step names (:func:`autopar.capture.state.find_state`) are sharded by FSDP2
+  where a replica would not fit a GPU (:mod:`autopar.distributed.shard`, ``sharding=``), else
+  replicated with torch's own reducer (``torch.distributed._composable.replicate``: DDP's
+  buckets, each all-reduced as soon as its gradients exist, overlapping backward; unused
+  parameters found each step, as a parameter may serve some steps or some ranks' rows
+  only). Another step over the same module shares its replication or sharding; a module the
+  script put under DDP or FSDP itself is left to it. DDP arms its reducer in the module's own
+  forward: where a call ran only the module's children (``model.head(model.enc(x))``), their
+  gradients are all-reduced after backward instead. At the first call every rank's model is
+  checked against rank 0's (names, shapes, dtypes) and rank 0's parameters and buffers are
+  broadcast, so ranks never drift apart silently. Batch norm uses the whole batch's
+  statistics (:mod:`autopar.distributed.norm`).
 - Parameters no module holds (step arguments that require grad, an optimizer's own tensors)
   have their gradients all-reduced after each backward, averaged as DDP's are.
 - The global batch's semantics: each backward of a scalar loss is seeded so that DDP's average
