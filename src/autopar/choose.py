@@ -33,13 +33,14 @@ Invariants
 
 Map of extension points
 - a new way: :data:`WAYS`, :func:`candidates` and :func:`family_ways` here; its builder in
-  :meth:`autopar.api.Dispatcher._way`; its staging in :meth:`~autopar.api.Dispatcher._next_way`.
+  :meth:`autopar.dispatch.Dispatcher._way`; its staging in
+  :meth:`~autopar.dispatch.Dispatcher._next_way`.
 - when a way is worth timing: :func:`launch_bound`, :data:`LAUNCH_BOUND`,
-  :meth:`autopar.api.Dispatcher._split_candidate`.
+  :meth:`autopar.dispatch.Dispatcher._split_candidate`.
 - how long a trial runs and what it counts: the ``TRIAL_*`` and ``TURN_CALLS`` constants,
   :meth:`Trial.next_way`, :meth:`Trial.verdict`.
 - what counts as the same result: :func:`results_differ`, :data:`RESULT_TOL`,
-  :data:`RESULT_TOL_LOW`; where it is checked: :meth:`autopar.api.Dispatcher._wrong`.
+  :data:`RESULT_TOL_LOW`; where it is checked: :meth:`autopar.dispatch.Dispatcher._wrong`.
 """
 
 from __future__ import annotations
@@ -353,12 +354,13 @@ class Trial:
         adding up to ``TRIAL_MIN_S`` of host time, or ``TRIAL_MAX_CALLS`` of them, or the
         trial's bound reached (``TRIAL_BUDGET_CALLS``, ``TRIAL_BUDGET_S``)."""
         host: dict[str, list[float]] = {w: [] for w in self.ways if w not in self.dropped}
+        spent = 0.0
         for way, seconds, *_ in self.calls:
+            spent += seconds
             if way in host:
                 host[way].append(seconds)
-        within = not self._bounded or (
-            self._made < TRIAL_BUDGET_CALLS
-            and sum(seconds for _, seconds, *_ in self.calls) < TRIAL_BUDGET_S)
+        within = not self._bounded or (self._made < TRIAL_BUDGET_CALLS
+                                       and spent < TRIAL_BUDGET_S)
         live = [w for w, t in host.items() if len(t) < TRIAL_CALLS or (
             within and len(t) < TRIAL_MAX_CALLS and sum(t) < TRIAL_MIN_S)]
         if self._turn in live:

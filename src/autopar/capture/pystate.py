@@ -234,7 +234,7 @@ def world(watched: Sequence[Watched], args: Any) -> tuple:
     levels in (:func:`_deep`: a KV cache the call appends to, as HF's ``DynamicCache`` is
     when a model is called with ``past_key_values``). Two equal results: the call changed
     none of it, so calling it again on the same arguments gives the same results (the
-    measured choice checks a way against eager that way, :class:`autopar.api.Dispatcher`)."""
+    measured choice checks a way against eager that way, :class:`autopar.dispatch.Dispatcher`)."""
     rngs: list[Any] = [random.getstate()]
     numpy = sys.modules.get("numpy")
     if numpy is not None:

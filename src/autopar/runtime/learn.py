@@ -1,5 +1,5 @@
 """Learning the host's op times from a plan's first calls: the mechanism. Which plans learn is
-the Runner's decision (:meth:`autopar.api.Runner.learns`).
+the Runner's decision (:meth:`autopar.pipeline.Runner.learns`).
 
 Why: the cost model prices a host op from curves calibrated on a few kernels (``sum``,
 ``full``, ``exp``, ``mm``: :mod:`autopar.machine.calibrate`); many of the ops real models put
