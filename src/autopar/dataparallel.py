@@ -87,7 +87,7 @@ from .capture.state import State, StateNotReady, find_state
 from .capture.step import ChangesPython, StepGraph, capture_step
 from .choose import Trial
 from .cost.model import CostModel
-from .distributed.shard import state_tensors, units
+from .distributed.shard import replica_bytes, tensor_bytes, units
 from .ir.collective import COMM
 from .ir.collector import paused
 from .ir.graph import INPUT, Node
@@ -693,14 +693,9 @@ def _replica_memory(fn: Callable, args: Sequence[Any], ranks: int) -> tuple[floa
     """(a replica's bytes, a rank's bytes sharded over ``ranks``, FSDP2's blocks) for the
     models and optimizers ``fn`` holds (:mod:`autopar.distributed.shard`)."""
     state = find_state(fn, args, for_trace=False)
-    params = {id(p): p for _, m in state.modules for p in m.parameters() if p.requires_grad}
-
-    def size(ps: Any) -> int:
-        return sum(p.numel() * p.element_size() for p in ps)
-    weights = size(params.values())
-    moments = sum(state_tensors(opt) * size(p for g in opt.param_groups for p in g["params"]
-                                            if id(p) in params) for _, opt in state.optimizers)
-    replica = 2 * weights + moments
+    trained = list({id(p): p for _, m in state.modules for p in m.parameters()
+                    if p.requires_grad}.values())
+    replica = replica_bytes(trained, [opt for _, opt in state.optimizers])
     blocks = [u for _, m in state.modules for u in units(m)]
-    largest = max((size(u.parameters()) for u in blocks), default=weights)
+    largest = max((tensor_bytes(u.parameters()) for u in blocks), default=tensor_bytes(trained))
     return replica, replica / ranks + 2 * largest, max(1, len(blocks))

@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed._composable.replicate import replicate
 
+from ..ir.logs import first_line
+
 __all__ = ["RANK_WAYS", "TIMED_CALLS", "WARM_CALLS", "RankWays", "rank_candidates"]
 
 log = logging.getLogger("autopar.dataparallel")
@@ -76,6 +78,7 @@ class RankWays:
         self.kept: str | None = self.ways[0] if len(self.ways) == 1 else None
         self._calls = 0
         self._entries: dict[tuple[str, int], Callable] = {}
+        self._in_use: str | None = None  # the way the regions are set to
         self._use(self.kept or self.ways[0])
 
     @property
@@ -114,7 +117,10 @@ class RankWays:
         self.kept = min(self.ways, key=lambda w: self.medians[w])
         self._use(self.kept)
         log.info("autopar: every rank keeps %s (the slowest rank's median step: %s)",
-                 self.kept, ", ".join(f"{w} {s * 1e3:.2f} ms" for w, s in self.medians.items()))
+                 self.kept, self._medians())
+
+    def _medians(self) -> str:
+        return ", ".join(f"{w} {s * 1e3:.2f} ms" for w, s in self.medians.items())
 
     def describe(self) -> str:
         names = ", ".join(n for n, *_ in self.regions) or "none"
@@ -123,21 +129,25 @@ class RankWays:
         if len(self.ways) == 1:
             return f"  compiled regions: {names}; way: {self.kept}"
         return (f"  compiled regions: {names}; kept {self.kept} (the slowest rank's median "
-                "step: " + ", ".join(f"{w} {s * 1e3:.2f} ms" for w, s in self.medians.items())
-                + ")")
+                f"step: {self._medians()})")
 
     # -- the regions ------------------------------------------------------------------------
     def _use(self, way: str) -> None:
-        for _, child, module in self.regions:
+        """Set every region to ``way`` (once per change of way: a kept way costs no call)."""
+        if way == self._in_use:
+            return
+        self._in_use = way
+        for name, child, module in self.regions:
             key = (way, id(child))
             if way == "eager" or way in self.failed:
                 child._compiled_call_impl = None
             else:
                 if key not in self._entries:
-                    self._entries[key] = self._entry(way, child, module)
+                    self._entries[key] = self._entry(way, name, child, module)
                 child._compiled_call_impl = self._entries[key]
 
-    def _entry(self, way: str, child: torch.nn.Module, module: torch.nn.Module) -> Callable:
+    def _entry(self, way: str, name: str, child: torch.nn.Module,
+               module: torch.nn.Module) -> Callable:
         compiled = _compiler(way)(child._call_impl)
         tried = False
 
@@ -150,12 +160,12 @@ class RankWays:
                 try:
                     out = compiled(*args, **kwargs)
                 except Exception as e:  # compiling failed: this region runs eagerly
-                    name = next(n for n, c, _ in self.regions if c is child)
-                    reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                    reason = f"{type(e).__name__}: {first_line(e)}"
                     self.failed.setdefault(way, f"{name}: {reason}")
                     log.warning("autopar: %s could not run as %s (%s); it runs eagerly",
                                 name, way, reason)
                     child._compiled_call_impl = None
+                    self._in_use = None  # the next call sets every region of the way eager
                     return child._call_impl(*args, **kwargs)
                 tried = True
                 return out

@@ -34,9 +34,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..schedule import world as world_price
 from ..schedule.world import SHARD_ABOVE
+from .world import broadcast_from_rank0
 
-__all__ = ["SHARDING", "Sharding", "decide", "full_state_dict", "shard",
-           "state_tensors", "units"]
+__all__ = ["SHARDING", "Sharding", "decide", "full_state_dict", "replica_bytes", "shard",
+           "state_tensors", "tensor_bytes", "units"]
 
 SHARDING = ("auto", "replicate", "shard")
 
@@ -55,16 +56,24 @@ class Sharding:
     reason: str
 
 
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def replica_bytes(params: Iterable[torch.Tensor],
+                  optimizers: Sequence[torch.optim.Optimizer]) -> int:
+    """What a replica of ``params`` (those that require grad, each once) holds: the
+    parameters, their gradients and the ``optimizers``' state of them."""
+    held = {id(p): p for p in params if p.requires_grad}
+    state = sum(state_tensors(o) * tensor_bytes(p for g in o.param_groups for p in g["params"]
+                                                if id(p) in held) for o in optimizers)
+    return 2 * tensor_bytes(held.values()) + state
+
+
 def decide(module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], mode: str,
            device: torch.device) -> Sharding:
     """Replicate or shard ``module`` (every rank must call it: the memory is agreed)."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    held = {id(p) for p in params}
-    per_param = sum(p.numel() * p.element_size() for p in params)
-    state = sum(state_tensors(o) * sum(p.numel() * p.element_size() for g in o.param_groups
-                                       for p in g["params"] if id(p) in held)
-                for o in optimizers)
-    need = 2 * per_param + state
+    need = replica_bytes(module.parameters(), optimizers)
     what = f"a replica needs {_gib(need)} (parameters, gradients, optimizer state)"
     if mode != "auto":
         return Sharding(mode == "shard", f"sharding={mode!r}; {what}")
@@ -103,9 +112,7 @@ def shard(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer],
 
     names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
     before = dict(module.named_parameters(remove_duplicate=False))
-    with torch.no_grad():
-        for t in [*before.values(), *module.buffers()]:
-            dist.broadcast(t.data, 0)
+    broadcast_from_rank0([*module.parameters(), *module.buffers()])  # (tied ones once)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     blocks = units(module)
     for block in blocks:

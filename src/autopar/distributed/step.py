@@ -49,8 +49,8 @@ import contextlib
 import gc
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -66,7 +66,13 @@ from .agree import check_same, describe
 from .compiled import RankWays, rank_candidates
 from .norm import sync_batch_norm
 from .shard import SHARDING, Sharding, decide, shard
-from .world import World, adopt_local_device, ensure_process_group, record_errors
+from .world import (
+    World,
+    adopt_local_device,
+    broadcast_from_rank0,
+    ensure_process_group,
+    record_errors,
+)
 
 __all__ = ["BATCH_MODES", "DistributedStep"]
 
@@ -79,6 +85,16 @@ another step over the same model shares it."""
 BATCH_MODES = ("global", "per_rank")
 """``global``: every rank is passed the whole batch and takes its rows (one process's
 results); ``per_rank``: each rank is passed its own batch (DDP's semantics)."""
+
+
+class _Weight(NamedTuple):
+    """How one backward's scalar loss weighs this rank (:meth:`DistributedStep._weight`)."""
+
+    kind: str  #: its reduction: "mean" or "sum"
+    count: torch.Tensor  #: this rank's count (rows, tokens, class weights)
+    total: torch.Tensor  #: the world's
+    loss: torch.Tensor  #: the loss, held: its memory can't be another scalar's by _combined
+    combined: torch.Tensor  #: its one-process value
 
 
 class DistributedStep:
@@ -127,7 +143,7 @@ class DistributedStep:
             leaves = [x[rows[0]:rows[1]] if i in picked else x for i, x in enumerate(leaves)]
         call_args, call_kwargs = tree_unflatten(leaves, spec)
         self._forwarded = set()
-        weights: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        weights: list[_Weight] = []
         with self._backward_seeded(weights, rows), self.ways.call():
             try:
                 out = self.fn(*call_args, **call_kwargs)
@@ -197,7 +213,7 @@ class DistributedStep:
                                     "or torch.distributed.checkpoint", name, choice.reason,
                                     name)
                 else:
-                    _broadcast(module.buffers())  # DDP broadcasts the parameters
+                    broadcast_from_rank0(module.buffers())  # DDP broadcasts the parameters
                     _replicate(module, world)
                     self.replicated[name] = choice
             self.synced[name] = sync_batch_norm(module)
@@ -209,7 +225,7 @@ class DistributedStep:
         loose += [p for _, opt in state.optimizers for g in opt.param_groups
                   for p in g["params"] if id(p) not in held]
         self.loose = list({id(p): p for p in loose}.values())
-        _broadcast(self.loose)
+        broadcast_from_rank0(self.loose)
         self.modules = modules
         self.ways = RankWays([(n, m) for n, m in modules if not getattr(m, SHARDED, None)],
                              rank_candidates(self.candidates, world.device), world.device,
@@ -260,7 +276,8 @@ class DistributedStep:
 
     # -- backward and outputs -----------------------------------------------------------------
     @contextlib.contextmanager
-    def _backward_seeded(self, weights: list, rows: tuple[int, int, int] | None) -> Iterator[None]:
+    def _backward_seeded(self, weights: list[_Weight], rows: tuple[int, int, int] | None
+                         ) -> Iterator[None]:
         """While the step runs on this thread, ``torch.autograd.backward`` (so
         ``loss.backward()``) seeds a scalar loss with its weight (see the module docstring)
         and reduces the loose parameters' gradients after."""
@@ -274,12 +291,11 @@ class DistributedStep:
                 root = tensors[0] if isinstance(tensors, list | tuple) and len(tensors) == 1 \
                     else tensors
                 if isinstance(root, torch.Tensor) and root.dim() == 0:
-                    kind, count, total, combined = self._weight(root, rows)
-                    # (the loss held: its memory can't be another scalar's by _combined)
-                    weights.append((kind, count, total, (root.detach(), combined)))
+                    w = self._weight(root, rows)
+                    weights.append(w)
                     size = self.world.size
-                    seed = count * size / total if kind == "mean" else \
-                        torch.full_like(count, float(size))
+                    seed = w.count * size / w.total if w.kind == "mean" else \
+                        torch.full_like(w.count, float(size))
                     grad_tensors = seed.to(root.dtype).reshape(root.shape)
                     tensors = root
             result = original(tensors, grad_tensors, *rest, **kw)
@@ -292,11 +308,10 @@ class DistributedStep:
         finally:
             torch.autograd.backward = original
 
-    def _weight(self, root: torch.Tensor, rows: tuple[int, int, int] | None
-                ) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(kind, this rank's count, the global count, the one-process value of ``root``) of
-        ``root``'s reduction: one all-reduce of the count and the weighted value, so that
-        the step's returned loss needs no collective of its own (:meth:`_combined`)."""
+    def _weight(self, root: torch.Tensor, rows: tuple[int, int, int] | None) -> _Weight:
+        """How ``root``'s reduction weighs this rank: one all-reduce of the count and the
+        weighted value, so that the step's returned loss needs no collective of its own
+        (:meth:`_combined`)."""
         found = loss_weights.reduction_of(root)
         if found is None:
             name = loss_weights.name_of(root)
@@ -318,7 +333,7 @@ class DistributedStep:
         dist.all_reduce(both)
         total = both[:1]
         combined = both[1:] / total if found.kind == "mean" else both[1:]
-        return found.kind, count, total, combined
+        return _Weight(found.kind, count, total, root.detach(), combined)
 
     def _reduce_by_hand(self) -> None:
         """All-reduce, after a backward, the gradients DDP's reducer did not: those of
@@ -344,7 +359,7 @@ class DistributedStep:
             g.copy_(flat[at:at + g.numel()].view_as(g))
             at += g.numel()
 
-    def _combined(self, out: Any, weights: list, rows: tuple[int, int, int] | None) -> Any:
+    def _combined(self, out: Any, weights: list[_Weight], rows: tuple[int, int, int] | None) -> Any:
         leaves, spec = tree_flatten(out)
         scalars = [i for i, x in enumerate(leaves) if type(x) is float or (
             isinstance(x, torch.Tensor) and x.dim() == 0 and x.is_floating_point())]
@@ -353,14 +368,15 @@ class DistributedStep:
         device = self._comm_device(next((leaves[i] for i in scalars
                                          if isinstance(leaves[i], torch.Tensor)), None))
         if weights:
-            kind, count, total, (loss, combined) = weights[-1]
-            loss_at = _storage(loss)
-            factor = count / total if kind == "mean" else torch.ones_like(count)
+            w = weights[-1]
+            loss_at = _storage(w.loss)
+            factor = w.count / w.total if w.kind == "mean" else torch.ones_like(w.count)
             # the loss itself (``loss.detach()``) was combined with its weight already
             done = [i for i in scalars if isinstance(leaves[i], torch.Tensor)
                     and _storage(leaves[i]) == loss_at]
             for i in done:
-                leaves[i] = combined.reshape(()).to(dtype=leaves[i].dtype, device=leaves[i].device)
+                leaves[i] = w.combined.reshape(()).to(dtype=leaves[i].dtype,
+                                                      device=leaves[i].device)
             scalars = [i for i in scalars if i not in done]
             if not scalars:
                 return tree_unflatten(leaves, spec)
@@ -431,9 +447,3 @@ def _replicate(module: torch.nn.Module, world: World) -> None:
     replicate(module, device_id=device if device.type == "cuda" else torch.device("cpu"),
               find_unused_parameters=True)
 
-
-@torch.no_grad()
-def _broadcast(tensors: Iterable[torch.Tensor]) -> None:
-    """Rank 0's values of ``tensors`` on every rank."""
-    for t in tensors:
-        dist.broadcast(t, 0)

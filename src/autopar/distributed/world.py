@@ -34,13 +34,15 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass
 from types import TracebackType
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["World", "adopt_local_device", "ensure_process_group", "record_errors"]
+__all__ = ["World", "adopt_local_device", "broadcast_from_rank0", "ensure_process_group",
+           "record_errors"]
 
 TIMEOUT_S = float(os.environ.get("AUTOPAR_DIST_TIMEOUT", 1800))
 """A collective waits this long before it raises (torch's default): the first call of a step
@@ -110,6 +112,13 @@ def ensure_process_group(world: World) -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout,
                             device_id=world.device if backend == "nccl" else None)
     atexit.register(_destroy_at_exit)
+
+
+@torch.no_grad()
+def broadcast_from_rank0(tensors: Iterable[torch.Tensor]) -> None:
+    """Rank 0's values of ``tensors`` on every rank, in place."""
+    for t in tensors:
+        dist.broadcast(t, 0)
 
 
 def _destroy_at_exit() -> None:
