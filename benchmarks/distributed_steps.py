@@ -95,9 +95,12 @@ def _model(name: str, size: str) -> tuple[torch.nn.Module, Any, Any]:
 
 # -- one way, in this process (one rank of a world where launched) ------------------------------
 def _rows(n: int, rank: int, size: int) -> slice:
-    base, extra = divmod(n, size)
-    start = rank * base + min(rank, extra)
-    return slice(start, start + base + (rank < extra))
+    """Rank ``rank``'s rows of ``n``, as autopar splits them (the first ranks larger)."""
+    from autopar.passes.shard import even_sizes  # (the worker runs with src/ on its path)
+
+    sizes = even_sizes(n, size)
+    start = sum(sizes[:rank])
+    return slice(start, start + sizes[rank])
 
 
 def worker(a: argparse.Namespace) -> None:
