@@ -113,8 +113,8 @@ def _signature(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple | None:
     dtype and device (in lists and tuples too), each plain argument's value, and the grad
     mode. None (no key) for any other argument, or a tensor that autograd would record.
     (A plain call is eager's, so a key that misses something, such as strides, can only miss
-    a speed-up, never change a result. It is kept cheap, one flat tuple: ~0.55 us a tensor on
-    a 2-core VM; a list or tuple adds its type and length before its items.)"""
+    a speed-up, never change a result. It is kept cheap, one flat tuple (its cost a tensor:
+    benchmarks/NOTES.md); a list or tuple adds its type and length before its items.)"""
     grad = torch.is_grad_enabled()
     key: list[Any] = [grad]
     if not _key_into(key, args, grad):
@@ -257,9 +257,9 @@ class Dispatcher:
     references (in lists and tuples too: no other arguments, the same grad mode), is plain
     without building its key; a tensor that is not the same object is compared by what the
     key holds of it (shape, dtype, device; not one autograd records), so a new batch each
-    call with the same weights checks one tensor's metadata. That check allocates nothing: on
-    2xH200 an allocating one (``tuple(map(id, args))``) measured 2.5-4 us a call between a GPU
-    workload's launches, the identity loop ~0.3 us (benchmarks/NOTES.md, cf4708b). A tensor
+    call with the same weights checks one tensor's metadata. That check allocates nothing: an
+    allocating one (``tuple(map(id, args))``) measured about ten times the identity loop's
+    cost between a GPU workload's launches (benchmarks/NOTES.md, cf4708b). A tensor
     whose shape was changed in place (``resize_``) since keeps its signature: at most a
     missed choice, never a wrong result, since every way computes eager's function.
     """
@@ -364,10 +364,10 @@ class Dispatcher:
     def _as_kept(self, name: str) -> Callable:
         """Way ``name``'s callable as a call kept on it enters it (what a trial times): a
         Direct (``guards="arguments"``) at its head, as the Dispatcher's route does, past the
-        Direct's own frame (0.33 us of a 2.4 us call of one op on the 2-core VM); eager after
-        the check a plain call pays (:meth:`_plain_checked`). Tiny calls are decided by less
-        than a microsecond: a one-op call kept eager ran 2.44 us, its Direct's head 2.05,
-        while its trial timed them the other way round (2.62 against 3.20)."""
+        Direct's own frame (about a seventh of a one-op call); eager after the check a plain
+        call pays (:meth:`_plain_checked`). Tiny calls are decided by less than a
+        microsecond, so a trial that timed another path than the kept one ranked them the
+        wrong way round (measured: see benchmarks/NOTES.md)."""
         if name == "eager":
             return self._plain_checked
         way = self.way(name)
@@ -1098,8 +1098,8 @@ class Dispatcher:
         """A generated function that calls the function itself where its arguments have
         ``args``' layout (dynamo's ``TensorGuards``: shape, strides, dtype, device,
         ``requires_grad``), under the same grad mode (and module ``training``), else goes
-        the Dispatcher's way: a kept-eager call's check in C, one frame (0.3-0.4 us less than
-        :func:`_same_signature`'s loop for two tensors on the 2-core VM). One per signature
+        the Dispatcher's way: a kept-eager call's check in C, one frame (cheaper than
+        :func:`_same_signature`'s loop; measured: see benchmarks/NOTES.md). One per signature
         (at most ``PLAIN_ENTRIES``); None for arguments other than strided tensors (a sparse
         one has no strides to check)."""
         if not args or len(args) > 32 or not all(
